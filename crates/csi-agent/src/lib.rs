@@ -1,0 +1,16 @@
+//! csi-agent engine: the node side of the Container Storage Interface.
+//!
+//! This crate owns all behaviour: plugin configuration, supervision of plugin components
+//! (service manager and runtimes), the version-neutral CSI client, the durable volume state
+//! machine and its store, recovery, mounts and metrics. It must not parse command lines nor
+//! format API responses: that is the daemon's job (`csi-agentd`).
+
+pub mod client;
+pub mod config;
+pub mod failpoint;
+pub mod layout;
+pub mod metrics;
+pub mod mounts;
+pub mod runtime;
+pub mod service_manager;
+pub mod store;

@@ -1,0 +1,230 @@
+//! Prometheus metrics owned by the engine (DESIGN.md §8).
+//!
+//! One [`Metrics`] value per engine holds the registry and every metric family; components
+//! receive an `Arc<Metrics>` and record into it. This module only defines and encodes metrics;
+//! it must not decide anything. Labels never carry secrets or mount flags.
+
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::{Family, MetricConstructor};
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+/// Labels of one CSI RPC: which plugin, which method, which outcome (gRPC code name, `OK`, or
+/// `TRANSPORT` when no status came back).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RpcLabels {
+    pub plugin: String,
+    pub method: String,
+    pub code: String,
+}
+
+/// Labels of an RPC in flight (no outcome yet).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct MethodLabels {
+    pub plugin: String,
+    pub method: String,
+}
+
+/// Labels naming a plugin.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PluginLabels {
+    pub plugin: String,
+}
+
+/// Labels naming a plugin component (container id).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ComponentLabels {
+    pub plugin: String,
+    pub component: String,
+}
+
+/// Labels of volumes counted by state.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct VolumeStateLabels {
+    pub plugin: String,
+    pub state: String,
+}
+
+/// Labels of a publish/unpublish request by outcome (`ok` or `error`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OperationLabels {
+    pub operation: String,
+    pub outcome: String,
+}
+
+/// Labels of a configuration file that failed to load.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ConfigFileLabels {
+    pub file: String,
+}
+
+/// Builds latency histograms with buckets from 50 µs to ~52 s (seconds).
+#[derive(Clone, Copy, Debug)]
+pub struct LatencyBuckets;
+
+impl MetricConstructor<Histogram> for LatencyBuckets {
+    fn new_metric(&self) -> Histogram {
+        Histogram::new(latency_buckets())
+    }
+}
+
+fn latency_buckets() -> impl Iterator<Item = f64> {
+    prometheus_client::metrics::histogram::exponential_buckets(0.000_05, 4.0, 11)
+}
+
+/// Every metric family of the engine, registered in one registry.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    pub rpc_duration: Family<RpcLabels, Histogram, LatencyBuckets>,
+    pub rpcs_in_flight: Family<MethodLabels, Gauge>,
+    pub probes: Family<RpcLabels, Counter>,
+    pub component_terminations: Family<ComponentLabels, Counter>,
+    pub component_restarts: Family<ComponentLabels, Counter>,
+    pub plugin_ready: Family<PluginLabels, Gauge>,
+    pub volumes: Family<VolumeStateLabels, Gauge>,
+    pub operation_duration: Family<OperationLabels, Histogram, LatencyBuckets>,
+    pub checkpoint_writes: Counter,
+    pub checkpoint_fsync_seconds: Histogram,
+    pub recovery_seconds: Gauge<f64, AtomicU64>,
+    pub config_errors: Family<ConfigFileLabels, Gauge>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Creates the registry with every family registered under the `csi_agent` prefix.
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("csi_agent");
+        let rpc_duration = Family::new_with_constructor(LatencyBuckets);
+        registry.register(
+            "rpc_duration_seconds",
+            "CSI RPC latency by plugin, method and gRPC code",
+            rpc_duration.clone(),
+        );
+        let rpcs_in_flight = Family::default();
+        registry.register(
+            "rpcs_in_flight",
+            "CSI RPCs currently in flight",
+            rpcs_in_flight.clone(),
+        );
+        let probes = Family::default();
+        registry.register(
+            "probes",
+            "CSI Probe calls by plugin and outcome",
+            probes.clone(),
+        );
+        let component_terminations = Family::default();
+        registry.register(
+            "component_terminations",
+            "Plugin component processes that exited or were killed",
+            component_terminations.clone(),
+        );
+        let component_restarts = Family::default();
+        registry.register(
+            "component_restarts",
+            "Plugin component relaunches after a termination",
+            component_restarts.clone(),
+        );
+        let plugin_ready = Family::default();
+        registry.register(
+            "plugin_ready",
+            "1 when every component of the plugin answered Probe as ready",
+            plugin_ready.clone(),
+        );
+        let volumes = Family::default();
+        registry.register(
+            "volumes",
+            "Known volumes by plugin and state",
+            volumes.clone(),
+        );
+        let operation_duration = Family::new_with_constructor(LatencyBuckets);
+        registry.register(
+            "operation_duration_seconds",
+            "End-to-end publish/unpublish latency by outcome",
+            operation_duration.clone(),
+        );
+        let checkpoint_writes = Counter::default();
+        registry.register(
+            "checkpoint_writes",
+            "Durable record writes (each one fsyncs file and directory)",
+            checkpoint_writes.clone(),
+        );
+        let checkpoint_fsync_seconds = Histogram::new(latency_buckets());
+        registry.register(
+            "checkpoint_fsync_seconds",
+            "Time spent in fsync per durable record write",
+            checkpoint_fsync_seconds.clone(),
+        );
+        let recovery_seconds = Gauge::<f64, AtomicU64>::default();
+        registry.register(
+            "recovery_seconds",
+            "Duration of the last recovery from disk",
+            recovery_seconds.clone(),
+        );
+        let config_errors = Family::default();
+        registry.register(
+            "config_errors",
+            "1 for each plugin configuration file that failed to load",
+            config_errors.clone(),
+        );
+        Self {
+            registry,
+            rpc_duration,
+            rpcs_in_flight,
+            probes,
+            component_terminations,
+            component_restarts,
+            plugin_ready,
+            volumes,
+            operation_duration,
+            checkpoint_writes,
+            checkpoint_fsync_seconds,
+            recovery_seconds,
+            config_errors,
+        }
+    }
+
+    /// Records one finished RPC.
+    pub fn observe_rpc(&self, plugin: &str, method: &str, code: &str, elapsed: Duration) {
+        self.rpc_duration
+            .get_or_create(&RpcLabels {
+                plugin: plugin.to_owned(),
+                method: method.to_owned(),
+                code: code.to_owned(),
+            })
+            .observe(elapsed.as_secs_f64());
+    }
+
+    /// Renders the registry in the Prometheus text format.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail; an error here would be a bug in the encoder.
+        if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
+            out.clear();
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn encodes_rpc_latency_with_labels() {
+        let metrics = Metrics::new();
+        metrics.observe_rpc("org.example.test", "NodePublishVolume", "OK", Duration::from_millis(2));
+        let text = metrics.encode();
+        assert!(text.contains("csi_agent_rpc_duration_seconds_count{plugin=\"org.example.test\",method=\"NodePublishVolume\",code=\"OK\"} 1"), "{text}");
+    }
+}

@@ -1,0 +1,45 @@
+//! `csi-agentd`: the csi-agent daemon binary. It parses the command line, calls the engine
+//! (`csi_agent`) and formats what comes back; behaviour lives in the engine.
+
+mod probe;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(name = "csi-agentd", version, about = "The csi-agent daemon: the node side of CSI")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Connect to a CSI plugin endpoint and print, as JSON, its CSI version, name, vendor
+    /// version and capabilities.
+    Probe(probe::ProbeArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(runtime) => runtime,
+        Err(err) => {
+            eprintln!("csi-agentd: cannot start the async runtime: {err}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            Command::Probe(args) => probe::run(args).await,
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("csi-agentd: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
