@@ -1,1 +1,1194 @@
-//! (being written)
+//! Plugin configuration: loading, validating and diffing the per-plugin JSON files of
+//! `--plugin-config-dir` (DESIGN.md §3).
+//!
+//! This module owns the file format and its validation. It only reads files: it must not
+//! launch, stop or talk to plugins (that is the service manager's job), and a bad file must
+//! never be fatal — it becomes one [`ConfigError`] naming the file, the field and what to fix,
+//! and the other files still load.
+//!
+//! # Format
+//!
+//! A file is Mesos's `CSIPluginInfo` as JSON, unchanged, so an existing Mesos
+//! `--csi_plugin_config_dir` works as is:
+//!
+//! | field | meaning |
+//! |---|---|
+//! | `type` | required; the plugin type, which requests use to name the plugin |
+//! | `name` | optional, default `"default"` |
+//! | `containers` | managed plugin: `[{services, command, resources, container}]` |
+//! | `endpoints` | unmanaged plugin: `[{csi_service, endpoint}]`, `endpoint` is `unix:///abs` or `/abs` |
+//! | `target_path_root` | optional absolute path, kept for the volume manager |
+//! | `target_path_exists` | optional bool, default `false` |
+//!
+//! `type` and `name` become path components, so they are limited to letters, digits, `.`,
+//! `-` and `_`, must not start with a dot and are at most [`MAX_NAME_LEN`] bytes.
+//!
+//! `command` is Mesos's `CommandInfo`: `value`, `arguments`, `shell` (default **true**, as in
+//! Mesos's protobuf), `environment.variables[{name, value}]`. With `shell: true`, `value` runs
+//! through `/bin/sh -c` and `arguments` are ignored. With `shell: false`, `value` is the
+//! executable and `arguments` the whole argv, `argv[0]` included (an empty `arguments` means
+//! `argv[0] = value`); since no shell expands them, the references `$CSI_ENDPOINT`,
+//! `${CSI_ENDPOINT}`, `$CSI_NODE_ID` and `${CSI_NODE_ID}` inside `arguments` are replaced by
+//! csi-agent. `uris` and `user` are recognised but rejected (the process runtime cannot honour
+//! them).
+//!
+//! csi-agent's own optional top-level fields:
+//!
+//! | field | default | meaning |
+//! |---|---|---|
+//! | `runtime` | `{"kind": "process"}` | how managed components run; other kinds put their settings in the same object; an unknown kind is an error |
+//! | `startup_timeout_ms` | 30000 | socket appears, connects and answers `Probe` ready within this time, or the launch failed |
+//! | `rpc_deadline_ms` | 10000 | deadline of each CSI call |
+//! | `stop_grace_ms` | 10000 | SIGTERM → SIGKILL grace period when a component is stopped |
+//! | `restart_backoff` | `{"initial_ms": 1000, "max_ms": 60000, "reset_after_ms": 60000}` | restart delays of a crashing component |
+//! | `node_id` | the daemon's | node id given to the plugin (`CSI_NODE_ID`) |
+//!
+//! Unknown fields are errors (they are usually typos of the fields above).
+//!
+//! # Rules
+//!
+//! - `containers` xor `endpoints`: neither or both is an error.
+//! - A service listed by several components (or endpoints) is served by the first one; a
+//!   component left serving nothing is dropped with a warning. A service served by no
+//!   component is fine (a node-only plugin).
+//! - Only `*.json` files are read, in file-name order, skipping hidden files. Two files with
+//!   the same `type`: the second one is an error naming both.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use crate::metrics::{ConfigFileLabels, Metrics};
+
+/// Longest accepted `type` or `name`, in bytes. They become path components and parts of
+/// component ids and socket paths, so they are kept well below `NAME_MAX` (255).
+pub const MAX_NAME_LEN: usize = 128;
+/// The plugin name when the file gives none (Mesos's default).
+pub const DEFAULT_NAME: &str = "default";
+/// Longest accepted `node_id`, in bytes.
+pub const MAX_NODE_ID_LEN: usize = 256;
+/// Unix socket paths are limited to 108 bytes including the terminating NUL (`sun_path`).
+pub const MAX_SOCKET_PATH_LEN: usize = 107;
+
+pub const DEFAULT_STARTUP_TIMEOUT: Duration = Duration::from_secs(30);
+pub const DEFAULT_RPC_DEADLINE: Duration = Duration::from_secs(10);
+/// Real plugins may take seconds to exit after SIGTERM (LESSONS.md).
+pub const DEFAULT_STOP_GRACE: Duration = Duration::from_secs(10);
+pub const DEFAULT_BACKOFF: RestartBackoff = RestartBackoff {
+    initial: Duration::from_secs(1),
+    max: Duration::from_secs(60),
+    reset_after: Duration::from_secs(60),
+};
+
+/// A CSI service a component can serve (Identity is served by every component).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Service {
+    #[serde(rename = "CONTROLLER_SERVICE")]
+    Controller,
+    #[serde(rename = "NODE_SERVICE")]
+    Node,
+}
+
+impl Service {
+    pub const ALL: [Service; 2] = [Service::Controller, Service::Node];
+
+    /// The Mesos enum name, used in configs and component ids.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Service::Controller => "CONTROLLER_SERVICE",
+            Service::Node => "NODE_SERVICE",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<Self> {
+        Service::ALL.into_iter().find(|s| s.as_str() == text)
+    }
+}
+
+impl fmt::Display for Service {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One environment variable of a command.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct EnvVar {
+    pub name: String,
+    pub value: String,
+}
+
+/// Mesos `CommandInfo`, reduced to what a runtime needs.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct CommandConfig {
+    pub value: String,
+    pub arguments: Vec<String>,
+    pub shell: bool,
+    pub environment: Vec<EnvVar>,
+}
+
+impl CommandConfig {
+    /// The program to execute and the full argv (`argv[0]` included), following Mesos:
+    /// `shell` → `/bin/sh -c value`; otherwise `value` with `arguments` as argv, or
+    /// `argv = [value]` when `arguments` is empty. `vars` are substituted in the arguments of
+    /// a non-shell command (a shell expands them itself from the environment).
+    pub fn argv(&self, vars: &[(&str, &str)]) -> (String, Vec<String>) {
+        if self.shell {
+            return (
+                "/bin/sh".to_owned(),
+                vec!["sh".to_owned(), "-c".to_owned(), self.value.clone()],
+            );
+        }
+        if self.arguments.is_empty() {
+            return (self.value.clone(), vec![self.value.clone()]);
+        }
+        let argv = self
+            .arguments
+            .iter()
+            .map(|arg| substitute_vars(arg, vars))
+            .collect();
+        (self.value.clone(), argv)
+    }
+}
+
+/// Replaces `$NAME` and `${NAME}` for each `(NAME, value)`; `$NAME` only matches when the
+/// next character cannot continue a variable name, as in a shell.
+pub fn substitute_vars(text: &str, vars: &[(&str, &str)]) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    'outer: while let Some(pos) = rest.find('$') {
+        out.push_str(&rest[..pos]);
+        let after = &rest[pos + 1..];
+        for (name, value) in vars {
+            if let Some(tail) = after
+                .strip_prefix('{')
+                .and_then(|t| t.strip_prefix(name))
+                .and_then(|t| t.strip_prefix('}'))
+            {
+                out.push_str(value);
+                rest = tail;
+                continue 'outer;
+            }
+            if let Some(tail) = after.strip_prefix(name) {
+                let continues = tail
+                    .chars()
+                    .next()
+                    .is_some_and(|c| c.is_ascii_alphanumeric() || c == '_');
+                if !continues {
+                    out.push_str(value);
+                    rest = tail;
+                    continue 'outer;
+                }
+            }
+        }
+        out.push('$');
+        rest = after;
+    }
+    out.push_str(rest);
+    out
+}
+
+/// One managed component (`containers[i]`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ComponentConfig {
+    /// The services listed in the file, deduplicated, in file order. The component id is
+    /// built from these (Mesos compatibility), even if an earlier component took one of them.
+    pub services: Vec<Service>,
+    /// The services this component actually serves: `services` minus those an earlier
+    /// component already serves. Never empty.
+    pub serves: Vec<Service>,
+    pub command: CommandConfig,
+    /// Mesos `resources`, kept verbatim (the process runtime does not enforce them).
+    pub resources: Vec<Value>,
+    /// Mesos `ContainerInfo`, kept verbatim.
+    pub container: Option<Value>,
+}
+
+/// One unmanaged endpoint (`endpoints[i]`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EndpointConfig {
+    pub service: Service,
+    /// The socket path (the `unix://` scheme removed).
+    pub socket: PathBuf,
+}
+
+/// Managed (launched by csi-agent) or unmanaged (running elsewhere).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Deployment {
+    Managed(Vec<ComponentConfig>),
+    /// Only the first endpoint of each service is kept.
+    Unmanaged(Vec<EndpointConfig>),
+}
+
+/// How managed components are run. Serialized as `{"kind": "process", ...settings}`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum RuntimeConfig {
+    /// A supervised host process (see `crate::runtime`).
+    #[default]
+    Process,
+}
+
+impl RuntimeConfig {
+    pub const fn kind(&self) -> &'static str {
+        match self {
+            RuntimeConfig::Process => "process",
+        }
+    }
+}
+
+/// Restart delays of a crashing component: the first restart after a healthy run is
+/// immediate, then `initial`, doubling up to `max`; the count resets once the component has
+/// been ready for `reset_after`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RestartBackoff {
+    pub initial: Duration,
+    pub max: Duration,
+    pub reset_after: Duration,
+}
+
+impl RestartBackoff {
+    /// The delay before relaunching after the `failures`-th consecutive failure (1-based).
+    pub fn delay(&self, failures: u32) -> Duration {
+        if failures <= 1 {
+            return Duration::ZERO;
+        }
+        let exponent = (failures - 2).min(31);
+        self.initial
+            .checked_mul(1u32 << exponent)
+            .unwrap_or(self.max)
+            .min(self.max)
+    }
+}
+
+/// One plugin's effective configuration.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PluginConfig {
+    pub plugin_type: String,
+    pub name: String,
+    pub deployment: Deployment,
+    pub target_path_root: Option<PathBuf>,
+    pub target_path_exists: bool,
+    pub runtime: RuntimeConfig,
+    pub startup_timeout: Duration,
+    pub rpc_deadline: Duration,
+    pub stop_grace: Duration,
+    pub restart_backoff: RestartBackoff,
+    pub node_id: Option<String>,
+}
+
+impl PluginConfig {
+    pub fn is_managed(&self) -> bool {
+        matches!(self.deployment, Deployment::Managed(_))
+    }
+}
+
+/// Why a file (or the directory) could not be loaded. `Display` says which file, which field
+/// and what to fix.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot list the plugin config dir {}: {source}", dir.display())]
+    ReadDir {
+        dir: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{}: cannot read the file: {source}", file.display())]
+    Read {
+        file: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{}: malformed JSON at line {line}, column {column}: {message}; fix the syntax", file.display())]
+    Malformed {
+        file: PathBuf,
+        line: usize,
+        column: usize,
+        message: String,
+    },
+    #[error("{}: field `{field}`: {message}", file.display())]
+    Invalid {
+        file: PathBuf,
+        field: String,
+        message: String,
+    },
+    #[error(
+        "{}: plugin type \"{plugin_type}\" is already configured by {}; each plugin needs its own type: remove or rename one of the two files",
+        file.display(),
+        first_file.display()
+    )]
+    DuplicateType {
+        file: PathBuf,
+        first_file: PathBuf,
+        plugin_type: String,
+    },
+}
+
+impl ConfigError {
+    /// The file (or directory) the error is about.
+    pub fn file(&self) -> &Path {
+        match self {
+            ConfigError::ReadDir { dir, .. } => dir,
+            ConfigError::Read { file, .. }
+            | ConfigError::Malformed { file, .. }
+            | ConfigError::Invalid { file, .. }
+            | ConfigError::DuplicateType { file, .. } => file,
+        }
+    }
+}
+
+/// A successfully loaded plugin and the file it came from.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LoadedConfig {
+    pub file: PathBuf,
+    pub config: PluginConfig,
+}
+
+/// The plugins of one load, keyed by type.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ConfigSet {
+    pub plugins: BTreeMap<String, LoadedConfig>,
+}
+
+impl ConfigSet {
+    pub fn get(&self, plugin_type: &str) -> Option<&PluginConfig> {
+        self.plugins.get(plugin_type).map(|loaded| &loaded.config)
+    }
+}
+
+/// The result of loading a directory: the good plugins and one error per bad file.
+#[derive(Debug, Default)]
+pub struct LoadReport {
+    pub set: ConfigSet,
+    pub errors: Vec<ConfigError>,
+}
+
+/// What a reload changes, by plugin type (each list sorted).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ConfigDiff {
+    pub added: Vec<String>,
+    /// Same type, different effective configuration.
+    pub changed: Vec<String>,
+    pub removed: Vec<String>,
+    /// Plugins whose file failed to load this time: the caller should keep running the old
+    /// configuration rather than stop a plugin because of a typo.
+    pub kept_on_error: Vec<String>,
+}
+
+impl ConfigDiff {
+    /// Compares the running set with a fresh load.
+    pub fn between(old: &ConfigSet, new: &LoadReport) -> ConfigDiff {
+        let failed: BTreeSet<&Path> = new.errors.iter().map(ConfigError::file).collect();
+        let mut diff = ConfigDiff::default();
+        for (plugin_type, loaded) in &new.set.plugins {
+            match old.plugins.get(plugin_type) {
+                None => diff.added.push(plugin_type.clone()),
+                Some(previous) if previous.config != loaded.config => {
+                    diff.changed.push(plugin_type.clone());
+                }
+                Some(_) => {}
+            }
+        }
+        for (plugin_type, loaded) in &old.plugins {
+            if new.set.plugins.contains_key(plugin_type) {
+                continue;
+            }
+            if failed.contains(loaded.file.as_path()) {
+                diff.kept_on_error.push(plugin_type.clone());
+            } else {
+                diff.removed.push(plugin_type.clone());
+            }
+        }
+        diff
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.added.is_empty() && self.changed.is_empty() && self.removed.is_empty()
+    }
+}
+
+/// Loads every `*.json` file of `dir` (sorted by file name, hidden files skipped). Never
+/// fails as a whole: unreadable or invalid files become errors in the report. When `metrics`
+/// is given, `config_errors` is reset to exactly the failing files of this load.
+pub fn load_dir(dir: &Path, metrics: Option<&Metrics>) -> LoadReport {
+    let mut report = LoadReport::default();
+    match list_json_files(dir) {
+        Err(source) => report.errors.push(ConfigError::ReadDir {
+            dir: dir.to_path_buf(),
+            source,
+        }),
+        Ok(files) => {
+            for file in files {
+                match load_file(&file) {
+                    Err(err) => report.errors.push(err),
+                    Ok(config) => {
+                        if let Some(first) = report.set.plugins.get(&config.plugin_type) {
+                            report.errors.push(ConfigError::DuplicateType {
+                                file: file.clone(),
+                                first_file: first.file.clone(),
+                                plugin_type: config.plugin_type.clone(),
+                            });
+                            continue;
+                        }
+                        report
+                            .set
+                            .plugins
+                            .insert(config.plugin_type.clone(), LoadedConfig { file, config });
+                    }
+                }
+            }
+        }
+    }
+    for err in &report.errors {
+        tracing::error!(file = %err.file().display(), "skipping plugin config: {err}");
+    }
+    if let Some(metrics) = metrics {
+        metrics.config_errors.clear();
+        for err in &report.errors {
+            let file = err
+                .file()
+                .file_name()
+                .map(|name| name.to_string_lossy().into_owned())
+                .unwrap_or_else(|| err.file().display().to_string());
+            metrics
+                .config_errors
+                .get_or_create(&ConfigFileLabels { file })
+                .set(1);
+        }
+    }
+    report
+}
+
+fn list_json_files(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        // Editors and config management leave hidden temp files (`.x.json.swp`, `.#x.json`).
+        if name.starts_with('.') || !name.ends_with(".json") {
+            continue;
+        }
+        // Follow symlinks (config management often links files in); skip directories.
+        if std::fs::metadata(entry.path())?.is_dir() {
+            continue;
+        }
+        files.push(entry.path());
+    }
+    files.sort();
+    Ok(files)
+}
+
+/// Reads and validates one file.
+pub fn load_file(file: &Path) -> Result<PluginConfig, ConfigError> {
+    let text = std::fs::read_to_string(file).map_err(|source| ConfigError::Read {
+        file: file.to_path_buf(),
+        source,
+    })?;
+    parse_config(file, &text)
+}
+
+/// Validates one file's text; `file` is only used in error messages.
+pub fn parse_config(file: &Path, text: &str) -> Result<PluginConfig, ConfigError> {
+    let value: Value = serde_json::from_str(text).map_err(|err| {
+        // serde_json appends the position to its message; it is reported separately.
+        let full = err.to_string();
+        let suffix = format!(" at line {} column {}", err.line(), err.column());
+        let message = if text.trim().is_empty() {
+            "the file is empty".to_owned()
+        } else {
+            full.strip_suffix(&suffix).unwrap_or(&full).to_owned()
+        };
+        ConfigError::Malformed {
+            file: file.to_path_buf(),
+            line: err.line(),
+            column: err.column(),
+            message,
+        }
+    })?;
+    Parser { file }.plugin(&value)
+}
+
+/// Validates a `type` or `name`: letters, digits, `.`, `-`, `_`; no leading dot; at most
+/// [`MAX_NAME_LEN`] bytes. Returns what to fix.
+pub fn validate_name(text: &str) -> Result<(), String> {
+    if text.is_empty() {
+        return Err("must not be empty".to_owned());
+    }
+    if text.len() > MAX_NAME_LEN {
+        return Err(format!(
+            "is {} bytes long; at most {MAX_NAME_LEN} are allowed",
+            text.len()
+        ));
+    }
+    if text.starts_with('.') {
+        return Err(format!("\"{text}\" must not start with a dot"));
+    }
+    if let Some(bad) = text
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_')))
+    {
+        return Err(format!(
+            "\"{text}\" contains {bad:?}; only letters, digits, '.', '-' and '_' are allowed"
+        ));
+    }
+    Ok(())
+}
+
+/// Parses an endpoint (`unix:///abs/path` or a bare absolute path, as the client accepts)
+/// and checks that it fits in a unix socket address; returns the socket path or what to fix.
+pub fn parse_endpoint(text: &str) -> Result<PathBuf, String> {
+    let path = crate::client::parse_endpoint(text).map_err(|err| err.to_string())?;
+    let len = path.as_os_str().len();
+    if len > MAX_SOCKET_PATH_LEN {
+        return Err(format!(
+            "socket path is {len} bytes long; unix sockets allow at most {MAX_SOCKET_PATH_LEN}"
+        ));
+    }
+    Ok(path)
+}
+
+/// Walks the JSON value, building errors that name the field path.
+struct Parser<'a> {
+    file: &'a Path,
+}
+
+type Obj = Map<String, Value>;
+
+impl Parser<'_> {
+    fn invalid(&self, field: impl Into<String>, message: impl Into<String>) -> ConfigError {
+        ConfigError::Invalid {
+            file: self.file.to_path_buf(),
+            field: field.into(),
+            message: message.into(),
+        }
+    }
+
+    fn object<'v>(&self, value: &'v Value, field: &str) -> Result<&'v Obj, ConfigError> {
+        value
+            .as_object()
+            .ok_or_else(|| self.invalid(field, format!("must be an object, not {}", kind(value))))
+    }
+
+    fn check_keys(&self, obj: &Obj, prefix: &str, known: &[&str]) -> Result<(), ConfigError> {
+        for key in obj.keys() {
+            if !known.contains(&key.as_str()) {
+                return Err(self.invalid(
+                    join(prefix, key),
+                    format!("unknown field; known fields here: {}", known.join(", ")),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn string<'v>(
+        &self,
+        obj: &'v Obj,
+        prefix: &str,
+        key: &str,
+    ) -> Result<Option<&'v str>, ConfigError> {
+        match obj.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(other) => Err(self.invalid(
+                join(prefix, key),
+                format!("must be a string, not {}", kind(other)),
+            )),
+        }
+    }
+
+    fn boolean(&self, obj: &Obj, prefix: &str, key: &str) -> Result<Option<bool>, ConfigError> {
+        match obj.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(other) => Err(self.invalid(
+                join(prefix, key),
+                format!("must be true or false, not {}", kind(other)),
+            )),
+        }
+    }
+
+    fn array<'v>(
+        &self,
+        obj: &'v Obj,
+        prefix: &str,
+        key: &str,
+    ) -> Result<Option<&'v [Value]>, ConfigError> {
+        match obj.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Array(items)) => Ok(Some(items)),
+            Some(other) => Err(self.invalid(
+                join(prefix, key),
+                format!("must be a list, not {}", kind(other)),
+            )),
+        }
+    }
+
+    /// A positive number of milliseconds.
+    fn millis(&self, obj: &Obj, prefix: &str, key: &str) -> Result<Option<Duration>, ConfigError> {
+        match obj.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(value) => match value.as_u64() {
+                Some(ms) if ms > 0 => Ok(Some(Duration::from_millis(ms))),
+                _ => Err(self.invalid(
+                    join(prefix, key),
+                    format!("must be a positive whole number of milliseconds, not {value}"),
+                )),
+            },
+        }
+    }
+
+    fn plugin(&self, value: &Value) -> Result<PluginConfig, ConfigError> {
+        let obj = self.object(value, "(top level)")?;
+        self.check_keys(
+            obj,
+            "",
+            &[
+                "type",
+                "name",
+                "containers",
+                "endpoints",
+                "target_path_root",
+                "target_path_exists",
+                "runtime",
+                "startup_timeout_ms",
+                "rpc_deadline_ms",
+                "stop_grace_ms",
+                "restart_backoff",
+                "node_id",
+            ],
+        )?;
+        let plugin_type = self
+            .string(obj, "", "type")?
+            .ok_or_else(|| self.invalid("type", "is required (e.g. \"org.example.lvm\")"))?;
+        validate_name(plugin_type).map_err(|msg| self.invalid("type", msg))?;
+        let name = self.string(obj, "", "name")?.unwrap_or(DEFAULT_NAME);
+        validate_name(name).map_err(|msg| self.invalid("name", msg))?;
+
+        let runtime = match obj.get("runtime") {
+            None | Some(Value::Null) => RuntimeConfig::Process,
+            Some(value) => self.runtime(value)?,
+        };
+
+        let containers = self.array(obj, "", "containers")?.filter(|c| !c.is_empty());
+        let endpoints = self.array(obj, "", "endpoints")?.filter(|e| !e.is_empty());
+        let deployment = match (containers, endpoints) {
+            (None, None) => {
+                return Err(self.invalid(
+                    "containers/endpoints",
+                    "neither is given; add `containers` (a plugin csi-agent launches) or `endpoints` (a plugin running elsewhere)",
+                ));
+            }
+            (Some(_), Some(_)) => {
+                return Err(self.invalid(
+                    "containers/endpoints",
+                    "both are given; keep `containers` (csi-agent launches the plugin) or `endpoints` (the plugin runs elsewhere), not both",
+                ));
+            }
+            (Some(containers), None) => Deployment::Managed(self.components(containers, &runtime)?),
+            (None, Some(endpoints)) => Deployment::Unmanaged(self.endpoints(endpoints)?),
+        };
+
+        let target_path_root = match self.string(obj, "", "target_path_root")? {
+            None => None,
+            Some(root) if root.starts_with('/') => Some(PathBuf::from(root)),
+            Some(root) => {
+                return Err(self.invalid(
+                    "target_path_root",
+                    format!("\"{root}\" must be an absolute path"),
+                ));
+            }
+        };
+        let target_path_exists = self
+            .boolean(obj, "", "target_path_exists")?
+            .unwrap_or(false);
+
+        let node_id = match self.string(obj, "", "node_id")? {
+            None => None,
+            Some("") => {
+                return Err(self.invalid(
+                    "node_id",
+                    "must not be empty; remove the field to use the daemon's node id",
+                ));
+            }
+            Some(id) if id.len() > MAX_NODE_ID_LEN => {
+                return Err(self.invalid(
+                    "node_id",
+                    format!(
+                        "is {} bytes long; at most {MAX_NODE_ID_LEN} are allowed",
+                        id.len()
+                    ),
+                ));
+            }
+            Some(id) => Some(id.to_owned()),
+        };
+
+        let restart_backoff = match obj.get("restart_backoff") {
+            None | Some(Value::Null) => DEFAULT_BACKOFF,
+            Some(value) => self.backoff(value)?,
+        };
+
+        Ok(PluginConfig {
+            plugin_type: plugin_type.to_owned(),
+            name: name.to_owned(),
+            deployment,
+            target_path_root,
+            target_path_exists,
+            runtime,
+            startup_timeout: self
+                .millis(obj, "", "startup_timeout_ms")?
+                .unwrap_or(DEFAULT_STARTUP_TIMEOUT),
+            rpc_deadline: self
+                .millis(obj, "", "rpc_deadline_ms")?
+                .unwrap_or(DEFAULT_RPC_DEADLINE),
+            stop_grace: self
+                .millis(obj, "", "stop_grace_ms")?
+                .unwrap_or(DEFAULT_STOP_GRACE),
+            restart_backoff,
+            node_id,
+        })
+    }
+
+    fn runtime(&self, value: &Value) -> Result<RuntimeConfig, ConfigError> {
+        let obj = self.object(value, "runtime")?;
+        let kind = self
+            .string(obj, "runtime", "kind")?
+            .ok_or_else(|| self.invalid("runtime.kind", "is required (supported: \"process\")"))?;
+        match kind {
+            "process" => {
+                self.check_keys(obj, "runtime", &["kind"])?;
+                Ok(RuntimeConfig::Process)
+            }
+            other => Err(self.invalid(
+                "runtime.kind",
+                format!("\"{other}\" is not a runtime this build supports; use \"process\""),
+            )),
+        }
+    }
+
+    fn backoff(&self, value: &Value) -> Result<RestartBackoff, ConfigError> {
+        let prefix = "restart_backoff";
+        let obj = self.object(value, prefix)?;
+        self.check_keys(obj, prefix, &["initial_ms", "max_ms", "reset_after_ms"])?;
+        let initial = self
+            .millis(obj, prefix, "initial_ms")?
+            .unwrap_or(DEFAULT_BACKOFF.initial);
+        let max = self
+            .millis(obj, prefix, "max_ms")?
+            .unwrap_or(DEFAULT_BACKOFF.max.max(initial));
+        let reset_after = self
+            .millis(obj, prefix, "reset_after_ms")?
+            .unwrap_or(DEFAULT_BACKOFF.reset_after);
+        if max < initial {
+            return Err(self.invalid(
+                "restart_backoff.max_ms",
+                format!(
+                    "{} is less than initial_ms ({}); make max_ms at least initial_ms",
+                    max.as_millis(),
+                    initial.as_millis()
+                ),
+            ));
+        }
+        Ok(RestartBackoff {
+            initial,
+            max,
+            reset_after,
+        })
+    }
+
+    fn components(
+        &self,
+        containers: &[Value],
+        runtime: &RuntimeConfig,
+    ) -> Result<Vec<ComponentConfig>, ConfigError> {
+        let mut served: BTreeSet<Service> = BTreeSet::new();
+        let mut components = Vec::new();
+        for (index, value) in containers.iter().enumerate() {
+            let prefix = format!("containers[{index}]");
+            let obj = self.object(value, &prefix)?;
+            self.check_keys(
+                obj,
+                &prefix,
+                &["services", "command", "resources", "container"],
+            )?;
+            let services = self.services(obj, &prefix)?;
+            let command = match obj.get("command") {
+                None | Some(Value::Null) => {
+                    return Err(self.invalid(
+                        join(&prefix, "command"),
+                        "is required: give the command that starts the plugin ({\"value\": \"/path/to/plugin\", ...})",
+                    ));
+                }
+                Some(value) => self.command(value, &join(&prefix, "command"))?,
+            };
+            let resources = self
+                .array(obj, &prefix, "resources")?
+                .map(<[Value]>::to_vec)
+                .unwrap_or_default();
+            let container = match obj.get("container") {
+                None | Some(Value::Null) => None,
+                Some(value) => {
+                    let container_obj = self.object(value, &join(&prefix, "container"))?;
+                    let has_image = container_obj.contains_key("docker")
+                        || container_obj
+                            .get("mesos")
+                            .and_then(|m| m.get("image"))
+                            .is_some();
+                    if has_image && *runtime == RuntimeConfig::Process {
+                        return Err(self.invalid(
+                            join(&prefix, "container"),
+                            "names an image, but runtime \"process\" runs host processes; remove the image or choose a runtime that runs images",
+                        ));
+                    }
+                    Some(value.clone())
+                }
+            };
+            let serves: Vec<Service> = services
+                .iter()
+                .copied()
+                .filter(|s| !served.contains(s))
+                .collect();
+            if serves.is_empty() {
+                // DESIGN §3: the first component listing a service serves it.
+                tracing::warn!(
+                    file = %self.file.display(),
+                    "{prefix} serves nothing: each of its services is served by an earlier component; it will not be launched"
+                );
+                continue;
+            }
+            served.extend(serves.iter().copied());
+            components.push(ComponentConfig {
+                services,
+                serves,
+                command,
+                resources,
+                container,
+            });
+        }
+        Ok(components)
+    }
+
+    fn services(&self, obj: &Obj, prefix: &str) -> Result<Vec<Service>, ConfigError> {
+        let field = join(prefix, "services");
+        let items = self.array(obj, prefix, "services")?.unwrap_or_default();
+        if items.is_empty() {
+            return Err(self.invalid(
+                field,
+                "must list at least one of CONTROLLER_SERVICE, NODE_SERVICE",
+            ));
+        }
+        let mut services = Vec::new();
+        for (index, item) in items.iter().enumerate() {
+            let service = self.service(item, &format!("{field}[{index}]"))?;
+            if !services.contains(&service) {
+                services.push(service);
+            }
+        }
+        Ok(services)
+    }
+
+    fn service(&self, value: &Value, field: &str) -> Result<Service, ConfigError> {
+        let unknown = || {
+            self.invalid(
+                field,
+                format!("unknown service {value}; use \"CONTROLLER_SERVICE\" or \"NODE_SERVICE\""),
+            )
+        };
+        match value {
+            Value::String(text) => Service::parse(text).ok_or_else(unknown),
+            _ => Err(unknown()),
+        }
+    }
+
+    fn command(&self, value: &Value, prefix: &str) -> Result<CommandConfig, ConfigError> {
+        let obj = self.object(value, prefix)?;
+        self.check_keys(
+            obj,
+            prefix,
+            &["value", "arguments", "shell", "environment", "uris", "user"],
+        )?;
+        let command = self.string(obj, prefix, "value")?.unwrap_or_default();
+        if command.trim().is_empty() {
+            return Err(self.invalid(
+                join(prefix, "value"),
+                "is empty; give the plugin's executable (or a shell command with \"shell\": true)",
+            ));
+        }
+        let mut arguments = Vec::new();
+        for (index, item) in self
+            .array(obj, prefix, "arguments")?
+            .unwrap_or_default()
+            .iter()
+            .enumerate()
+        {
+            match item {
+                Value::String(arg) => arguments.push(arg.clone()),
+                other => {
+                    return Err(self.invalid(
+                        format!("{prefix}.arguments[{index}]"),
+                        format!("must be a string, not {}", kind(other)),
+                    ));
+                }
+            }
+        }
+        // Mesos's CommandInfo.shell defaults to true.
+        let shell = self.boolean(obj, prefix, "shell")?.unwrap_or(true);
+        if self
+            .array(obj, prefix, "uris")?
+            .is_some_and(|uris| !uris.is_empty())
+        {
+            return Err(self.invalid(
+                join(prefix, "uris"),
+                "fetching URIs is not supported; install the plugin on the host and remove `uris`",
+            ));
+        }
+        if self.string(obj, prefix, "user")?.is_some() {
+            return Err(self.invalid(
+                join(prefix, "user"),
+                "running as another user is not supported; remove `user` (the plugin runs as csi-agent's user)",
+            ));
+        }
+        let environment = match obj.get("environment") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(value) => self.environment(value, &join(prefix, "environment"))?,
+        };
+        Ok(CommandConfig {
+            value: command.to_owned(),
+            arguments,
+            shell,
+            environment,
+        })
+    }
+
+    fn environment(&self, value: &Value, prefix: &str) -> Result<Vec<EnvVar>, ConfigError> {
+        let obj = self.object(value, prefix)?;
+        self.check_keys(obj, prefix, &["variables"])?;
+        let mut vars = Vec::new();
+        for (index, item) in self
+            .array(obj, prefix, "variables")?
+            .unwrap_or_default()
+            .iter()
+            .enumerate()
+        {
+            let field = format!("{prefix}.variables[{index}]");
+            let var = self.object(item, &field)?;
+            self.check_keys(var, &field, &["name", "value", "type"])?;
+            match self.string(var, &field, "type")? {
+                None | Some("VALUE") => {}
+                Some(other) => {
+                    return Err(self.invalid(
+                        join(&field, "type"),
+                        format!("\"{other}\" is not supported; only plain \"VALUE\" variables are"),
+                    ));
+                }
+            }
+            let name = self.string(var, &field, "name")?.unwrap_or_default();
+            if name.is_empty() || name.contains('=') || name.contains('\0') {
+                return Err(self.invalid(
+                    join(&field, "name"),
+                    "must be a non-empty variable name without '=' or NUL",
+                ));
+            }
+            let value = self.string(var, &field, "value")?.unwrap_or_default();
+            if value.contains('\0') {
+                return Err(self.invalid(join(&field, "value"), "must not contain NUL"));
+            }
+            vars.push(EnvVar {
+                name: name.to_owned(),
+                value: value.to_owned(),
+            });
+        }
+        Ok(vars)
+    }
+
+    fn endpoints(&self, items: &[Value]) -> Result<Vec<EndpointConfig>, ConfigError> {
+        let mut endpoints: Vec<EndpointConfig> = Vec::new();
+        for (index, item) in items.iter().enumerate() {
+            let prefix = format!("endpoints[{index}]");
+            let obj = self.object(item, &prefix)?;
+            self.check_keys(obj, &prefix, &["csi_service", "endpoint"])?;
+            let service = match obj.get("csi_service") {
+                None | Some(Value::Null) => {
+                    return Err(self.invalid(
+                        join(&prefix, "csi_service"),
+                        "is required: \"CONTROLLER_SERVICE\" or \"NODE_SERVICE\"",
+                    ));
+                }
+                Some(value) => self.service(value, &join(&prefix, "csi_service"))?,
+            };
+            let text = self.string(obj, &prefix, "endpoint")?.ok_or_else(|| {
+                self.invalid(
+                    join(&prefix, "endpoint"),
+                    "is required: unix:///absolute/path or /absolute/path of the plugin's socket",
+                )
+            })?;
+            let socket =
+                parse_endpoint(text).map_err(|msg| self.invalid(join(&prefix, "endpoint"), msg))?;
+            if endpoints.iter().any(|e| e.service == service) {
+                // DESIGN §3: the first one listing a service serves it.
+                tracing::warn!(
+                    file = %self.file.display(),
+                    "{prefix}: {service} already has an endpoint; this one is ignored"
+                );
+                continue;
+            }
+            endpoints.push(EndpointConfig { service, socket });
+        }
+        Ok(endpoints)
+    }
+}
+
+fn join(prefix: &str, key: &str) -> String {
+    if prefix.is_empty() {
+        key.to_owned()
+    } else {
+        format!("{prefix}.{key}")
+    }
+}
+
+fn kind(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "a list",
+        Value::Object(_) => "an object",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<PluginConfig, ConfigError> {
+        parse_config(Path::new("x.json"), text)
+    }
+
+    #[test]
+    fn minimal_managed_plugin_gets_defaults() -> anyhow::Result<()> {
+        let config = parse(
+            r#"{"type": "org.example.test",
+                "containers": [{"services": ["NODE_SERVICE"], "command": {"value": "/bin/plugin"}}]}"#,
+        )?;
+        assert_eq!(config.name, "default");
+        assert_eq!(config.runtime, RuntimeConfig::Process);
+        assert_eq!(config.startup_timeout, DEFAULT_STARTUP_TIMEOUT);
+        assert_eq!(config.restart_backoff, DEFAULT_BACKOFF);
+        let Deployment::Managed(components) = &config.deployment else {
+            anyhow::bail!("not managed");
+        };
+        assert!(components[0].command.shell, "Mesos default is shell=true");
+        Ok(())
+    }
+
+    #[test]
+    fn first_component_listing_a_service_serves_it() -> anyhow::Result<()> {
+        let config = parse(
+            r#"{"type": "t", "containers": [
+                {"services": ["NODE_SERVICE", "NODE_SERVICE"], "command": {"value": "a"}},
+                {"services": ["CONTROLLER_SERVICE", "NODE_SERVICE"], "command": {"value": "b"}},
+                {"services": ["CONTROLLER_SERVICE"], "command": {"value": "c"}}]}"#,
+        )?;
+        let Deployment::Managed(components) = &config.deployment else {
+            anyhow::bail!("not managed");
+        };
+        assert_eq!(components.len(), 2);
+        assert_eq!(components[0].services, vec![Service::Node]);
+        assert_eq!(
+            components[1].services,
+            vec![Service::Controller, Service::Node]
+        );
+        assert_eq!(components[1].serves, vec![Service::Controller]);
+        Ok(())
+    }
+
+    #[test]
+    fn argv_follows_mesos_semantics() {
+        let mut cmd = CommandConfig {
+            value: "/bin/plugin".into(),
+            arguments: vec![],
+            shell: false,
+            environment: vec![],
+        };
+        assert_eq!(cmd.argv(&[]).1, vec!["/bin/plugin"]);
+        cmd.arguments = vec![
+            "plugin".into(),
+            "--endpoint=$CSI_ENDPOINT".into(),
+            "${CSI_NODE_ID}x".into(),
+            "$CSI_ENDPOINTS".into(),
+        ];
+        let vars = [("CSI_ENDPOINT", "unix:///s"), ("CSI_NODE_ID", "n1")];
+        let (program, argv) = cmd.argv(&vars);
+        assert_eq!(program, "/bin/plugin");
+        assert_eq!(
+            argv,
+            vec!["plugin", "--endpoint=unix:///s", "n1x", "$CSI_ENDPOINTS"]
+        );
+        cmd.shell = true;
+        cmd.value = "exec plugin --endpoint=$CSI_ENDPOINT".into();
+        assert_eq!(
+            cmd.argv(&vars),
+            (
+                "/bin/sh".to_owned(),
+                vec![
+                    "sh".to_owned(),
+                    "-c".to_owned(),
+                    "exec plugin --endpoint=$CSI_ENDPOINT".to_owned()
+                ]
+            )
+        );
+    }
+
+    #[test]
+    fn backoff_is_immediate_then_doubles_to_the_cap() {
+        let backoff = RestartBackoff {
+            initial: Duration::from_millis(100),
+            max: Duration::from_millis(350),
+            reset_after: Duration::from_secs(1),
+        };
+        let delays: Vec<u128> = (1..=6).map(|n| backoff.delay(n).as_millis()).collect();
+        assert_eq!(delays, vec![0, 100, 200, 350, 350, 350]);
+        assert_eq!(backoff.delay(200), Duration::from_millis(350));
+    }
+
+    #[test]
+    fn endpoints_accept_unix_urls_and_bare_paths_only() {
+        assert_eq!(
+            parse_endpoint("unix:///run/x.sock"),
+            Ok(PathBuf::from("/run/x.sock"))
+        );
+        assert_eq!(
+            parse_endpoint("/run/x.sock"),
+            Ok(PathBuf::from("/run/x.sock"))
+        );
+        for bad in ["unix://run/x.sock", "tcp://1.2.3.4:5", "x.sock", ""] {
+            assert!(parse_endpoint(bad).is_err(), "{bad}");
+        }
+        let long = format!("/{}", "a".repeat(120));
+        assert!(parse_endpoint(&long).is_err_and(|e| e.contains("at most 107")));
+    }
+
+    #[test]
+    fn names_are_bounded_and_safe() {
+        for good in ["org.example.lvm", "a", "A-b_c.9"] {
+            assert!(validate_name(good).is_ok(), "{good}");
+        }
+        for bad in [
+            "",
+            ".hidden",
+            "..",
+            "a/b",
+            "a b",
+            "é",
+            &"x".repeat(MAX_NAME_LEN + 1),
+        ] {
+            assert!(validate_name(bad).is_err(), "{bad}");
+        }
+    }
+}

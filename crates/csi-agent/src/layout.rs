@@ -116,8 +116,14 @@ impl Layout {
         self.plugin_dir(plugin_type, plugin_name).join("containers")
     }
 
-    pub fn container_dir(&self, plugin_type: &str, plugin_name: &str, container_id: &str) -> PathBuf {
-        self.containers_dir(plugin_type, plugin_name).join(container_id)
+    pub fn container_dir(
+        &self,
+        plugin_type: &str,
+        plugin_name: &str,
+        container_id: &str,
+    ) -> PathBuf {
+        self.containers_dir(plugin_type, plugin_name)
+            .join(container_id)
     }
 
     pub fn volumes_dir(&self, plugin_type: &str, plugin_name: &str) -> PathBuf {
@@ -135,7 +141,12 @@ impl Layout {
     }
 
     /// `<plugin>/mounts/<enc volume id>`: the parent of the staging and target paths.
-    pub fn volume_mount_dir(&self, plugin_type: &str, plugin_name: &str, volume_id: &str) -> PathBuf {
+    pub fn volume_mount_dir(
+        &self,
+        plugin_type: &str,
+        plugin_name: &str,
+        volume_id: &str,
+    ) -> PathBuf {
         self.mounts_dir(plugin_type, plugin_name)
             .join(encode_id(volume_id))
     }

@@ -5,12 +5,17 @@
 //! machine and its store, recovery, mounts and metrics. It must not parse command lines nor
 //! format API responses: that is the daemon's job (`csi-agentd`).
 
+pub mod backoff;
+pub mod bootid;
 pub mod client;
 pub mod config;
+pub mod endpoints;
 pub mod failpoint;
 pub mod layout;
 pub mod metrics;
 pub mod mounts;
 pub mod runtime;
+pub mod server;
 pub mod service_manager;
 pub mod store;
+pub mod volume;

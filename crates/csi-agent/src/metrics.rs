@@ -223,7 +223,12 @@ mod tests {
     #[test]
     fn encodes_rpc_latency_with_labels() {
         let metrics = Metrics::new();
-        metrics.observe_rpc("org.example.test", "NodePublishVolume", "OK", Duration::from_millis(2));
+        metrics.observe_rpc(
+            "org.example.test",
+            "NodePublishVolume",
+            "OK",
+            Duration::from_millis(2),
+        );
         let text = metrics.encode();
         assert!(text.contains("csi_agent_rpc_duration_seconds_count{plugin=\"org.example.test\",method=\"NodePublishVolume\",code=\"OK\"} 1"), "{text}");
     }

@@ -1,7 +1,10 @@
 //! `csi-agentd`: the csi-agent daemon binary. It parses the command line, calls the engine
 //! (`csi_agent`) and formats what comes back; behaviour lives in the engine.
 
+mod api;
+mod convert;
 mod probe;
+mod serve;
 
 use std::process::ExitCode;
 
@@ -16,6 +19,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run the daemon: supervise plugins and serve the HTTP/JSON API.
+    Serve(serve::ServeArgs),
     /// Connect to a CSI plugin endpoint and print, as JSON, its CSI version, name, vendor
     /// version and capabilities.
     Probe(probe::ProbeArgs),
@@ -32,6 +37,13 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         match cli.command {
+            Command::Serve(args) => match serve::settings(args) {
+                Ok(settings) => {
+                    serve::init_logging(settings.log_format);
+                    serve::run(settings).await
+                }
+                Err(err) => Err(err),
+            },
             Command::Probe(args) => probe::run(args).await,
         }
     });

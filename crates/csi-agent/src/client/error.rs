@@ -121,7 +121,13 @@ impl RpcError {
 
     /// True when the plugin said it does not implement the method.
     pub fn is_unimplemented(&self) -> bool {
-        matches!(&self.kind, RpcErrorKind::Status { code: Code::Unimplemented, .. })
+        matches!(
+            &self.kind,
+            RpcErrorKind::Status {
+                code: Code::Unimplemented,
+                ..
+            }
+        )
     }
 
     /// The label used in metrics: the gRPC code name, or `TRANSPORT`.
@@ -227,8 +233,18 @@ mod tests {
             parse_endpoint("unix:///run/x.sock"),
             Ok(PathBuf::from("/run/x.sock"))
         );
-        assert_eq!(parse_endpoint("/run/x.sock"), Ok(PathBuf::from("/run/x.sock")));
-        for bad in ["", "unix://", "tcp://1.2.3.4:5", "relative.sock", "unix://rel", "/"] {
+        assert_eq!(
+            parse_endpoint("/run/x.sock"),
+            Ok(PathBuf::from("/run/x.sock"))
+        );
+        for bad in [
+            "",
+            "unix://",
+            "tcp://1.2.3.4:5",
+            "relative.sock",
+            "unix://rel",
+            "/",
+        ] {
             let err = parse_endpoint(bad).err();
             assert!(err.is_some(), "{bad:?} accepted");
         }

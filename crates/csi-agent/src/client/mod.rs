@@ -102,14 +102,15 @@ pub struct CsiClient {
 pub fn unix_channel(socket: &Path) -> Channel {
     let socket = socket.to_path_buf();
     // The URI is required by tonic but never resolved: the connector below ignores it.
-    Endpoint::from_static("http://csi.plugin")
-        .connect_with_connector_lazy(tower::service_fn(move |_: Uri| {
+    Endpoint::from_static("http://csi.plugin").connect_with_connector_lazy(tower::service_fn(
+        move |_: Uri| {
             let socket = socket.clone();
             async move {
                 let stream = tokio::net::UnixStream::connect(socket).await?;
                 Ok::<_, std::io::Error>(TokioIo::new(stream))
             }
-        }))
+        },
+    ))
 }
 
 impl CsiClient {
@@ -288,10 +289,7 @@ impl CsiClient {
             let response = self
                 .call("GetPluginCapabilities", |ch, d| async move {
                     v1::identity_client::IdentityClient::new(ch)
-                        .get_plugin_capabilities(request(
-                            v1::GetPluginCapabilitiesRequest {},
-                            d,
-                        ))
+                        .get_plugin_capabilities(request(v1::GetPluginCapabilitiesRequest {}, d))
                         .await
                 })
                 .await?;
@@ -774,10 +772,17 @@ impl CsiClient {
             .into_iter()
             .map(|c| c.as_str_name().to_owned())
             .collect();
-        let controller_capabilities = optional(self.controller_get_capabilities().await)?
-            .map(|set| set.into_iter().map(|c| c.as_str_name().to_owned()).collect());
-        let node_capabilities = optional(self.node_get_capabilities().await)?
-            .map(|set| set.into_iter().map(|c| c.as_str_name().to_owned()).collect());
+        let controller_capabilities =
+            optional(self.controller_get_capabilities().await)?.map(|set| {
+                set.into_iter()
+                    .map(|c| c.as_str_name().to_owned())
+                    .collect()
+            });
+        let node_capabilities = optional(self.node_get_capabilities().await)?.map(|set| {
+            set.into_iter()
+                .map(|c| c.as_str_name().to_owned())
+                .collect()
+        });
         Ok(PluginDescription {
             version: self.version,
             name: info.name,

@@ -12,7 +12,9 @@ use super::{ControllerCapabilities, NodeCapabilities, PluginServices};
 /// A v1 request that v0 cannot express.
 pub type Untranslatable = String;
 
-pub fn access_mode_to_v0(mode: &v1::volume_capability::AccessMode) -> v0::volume_capability::AccessMode {
+pub fn access_mode_to_v0(
+    mode: &v1::volume_capability::AccessMode,
+) -> v0::volume_capability::AccessMode {
     let name = v1::volume_capability::access_mode::Mode::try_from(mode.mode)
         .map(|m| m.as_str_name())
         .unwrap_or("UNKNOWN");
@@ -21,7 +23,9 @@ pub fn access_mode_to_v0(mode: &v1::volume_capability::AccessMode) -> v0::volume
     v0::volume_capability::AccessMode { mode: mode.into() }
 }
 
-pub fn access_mode_to_v1(mode: &v0::volume_capability::AccessMode) -> v1::volume_capability::AccessMode {
+pub fn access_mode_to_v1(
+    mode: &v0::volume_capability::AccessMode,
+) -> v1::volume_capability::AccessMode {
     let name = v0::volume_capability::access_mode::Mode::try_from(mode.mode)
         .map(|m| m.as_str_name())
         .unwrap_or("UNKNOWN");
@@ -128,10 +132,14 @@ pub fn controller_capabilities_to_v1(
         .capabilities
         .iter()
         .filter_map(|cap| match &cap.r#type {
-            Some(Type::Rpc(r)) => v0::controller_service_capability::rpc::Type::try_from(r.r#type).ok(),
+            Some(Type::Rpc(r)) => {
+                v0::controller_service_capability::rpc::Type::try_from(r.r#type).ok()
+            }
             None => None,
         })
-        .filter_map(|t| v1::controller_service_capability::rpc::Type::from_str_name(t.as_str_name()))
+        .filter_map(|t| {
+            v1::controller_service_capability::rpc::Type::from_str_name(t.as_str_name())
+        })
         .filter(|t| *t != v1::controller_service_capability::rpc::Type::Unknown)
         .collect()
 }
@@ -252,14 +260,15 @@ pub fn validate_response(
     asked: &v1::ValidateVolumeCapabilitiesRequest,
     response: v0::ValidateVolumeCapabilitiesResponse,
 ) -> v1::ValidateVolumeCapabilitiesResponse {
-    let confirmed = response
-        .supported
-        .then(|| v1::validate_volume_capabilities_response::Confirmed {
-            volume_context: asked.volume_context.clone(),
-            volume_capabilities: asked.volume_capabilities.clone(),
-            parameters: asked.parameters.clone(),
-            ..Default::default()
-        });
+    let confirmed =
+        response
+            .supported
+            .then(|| v1::validate_volume_capabilities_response::Confirmed {
+                volume_context: asked.volume_context.clone(),
+                volume_capabilities: asked.volume_capabilities.clone(),
+                parameters: asked.parameters.clone(),
+                ..Default::default()
+            });
     v1::ValidateVolumeCapabilitiesResponse {
         confirmed,
         message: response.message,
@@ -390,6 +399,9 @@ mod tests {
         };
         req.secrets.insert("k".into(), "s".into());
         let v0_req = node_stage_request(req);
-        assert_eq!(v0_req.node_stage_secrets.get("k").map(String::as_str), Some("s"));
+        assert_eq!(
+            v0_req.node_stage_secrets.get("k").map(String::as_str),
+            Some("s")
+        );
     }
 }

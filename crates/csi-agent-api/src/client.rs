@@ -1,0 +1,574 @@
+//! [`ApiClient`]: a typed client for csi-agentd's HTTP/JSON API, over the unix socket or over
+//! the TCP listener with a bearer token.
+//!
+//! This module owns the transport (one HTTP/1.1 connection per request, which keeps the client
+//! stateless and is cheap on a unix socket) and the mapping of answers to types or
+//! [`ApiError`]s. It must not interpret answers beyond that (no retries, no hints for a
+//! particular program): callers decide what a failure means for them.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Bytes;
+use hyper::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE, HOST, HeaderValue, USER_AGENT};
+use hyper::{Method, Request, Uri};
+use hyper_util::rt::TokioIo;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tokio::net::{TcpStream, UnixStream};
+
+use crate::error::ApiError;
+use crate::routes;
+use crate::types::*;
+
+/// Bodies larger than this are refused rather than buffered: no legitimate answer comes near
+/// it (10,000 volumes list in a few MiB), and a runaway peer must not exhaust memory.
+const MAX_BODY_BYTES: usize = 256 * 1024 * 1024;
+
+/// A client of one csi-agentd. Cheap to clone; every call opens its own connection.
+#[derive(Clone)]
+pub struct ApiClient {
+    endpoint: Endpoint,
+    timeout: Option<Duration>,
+}
+
+#[derive(Clone)]
+enum Endpoint {
+    Unix {
+        socket: PathBuf,
+    },
+    Tcp {
+        /// As the caller wrote it, for messages.
+        url: String,
+        /// Host without IPv6 brackets, for connecting.
+        host: String,
+        port: u16,
+        /// `host:port` as in the URL, for the `Host` header.
+        authority: String,
+        /// `Bearer <token>`, marked sensitive so that hyper never logs it.
+        authorization: Option<HeaderValue>,
+    },
+}
+
+// By hand, so that the bearer token can never reach a log through `{:?}`.
+impl fmt::Debug for ApiClient {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut s = f.debug_struct("ApiClient");
+        match &self.endpoint {
+            Endpoint::Unix { socket } => s.field("socket", socket),
+            Endpoint::Tcp {
+                url, authorization, ..
+            } => s.field("url", url).field(
+                "token",
+                &if authorization.is_some() {
+                    "<redacted>"
+                } else {
+                    "<none>"
+                },
+            ),
+        };
+        s.field("timeout", &self.timeout).finish()
+    }
+}
+
+impl ApiClient {
+    /// A client of the daemon listening on the unix socket at `socket` (usually
+    /// `<work_dir>/api.sock`). Nothing is connected until the first call.
+    pub fn unix(socket: impl Into<PathBuf>) -> ApiClient {
+        ApiClient {
+            endpoint: Endpoint::Unix {
+                socket: socket.into(),
+            },
+            timeout: None,
+        }
+    }
+
+    /// A client of the daemon's TCP listener at `url` (`http://host:port`), sending
+    /// `Authorization: Bearer <token>` when a token is given. Surrounding whitespace of the token
+    /// (a token file's trailing newline) is ignored.
+    pub fn tcp(url: &str, token: Option<&str>) -> Result<ApiClient, ApiError> {
+        let invalid = |reason: &str| ApiError::InvalidUrl {
+            url: url.to_owned(),
+            reason: reason.to_owned(),
+        };
+        let uri: Uri = url
+            .parse()
+            .map_err(|err| invalid(&format!("{err}; expected http://HOST:PORT")))?;
+        match uri.scheme_str() {
+            Some("http") => {}
+            Some("https") => {
+                return Err(invalid(
+                    "https is not supported: csi-agentd's TCP listener speaks plain HTTP; \
+                     use http://, behind a TLS proxy or an SSH tunnel if the network is untrusted",
+                ));
+            }
+            _ => return Err(invalid("expected http://HOST:PORT")),
+        }
+        let Some(authority) = uri.authority() else {
+            return Err(invalid("no host; expected http://HOST:PORT"));
+        };
+        if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
+            return Err(invalid(
+                "a path or query is not allowed; expected http://HOST:PORT",
+            ));
+        }
+        if authority.as_str().contains('@') {
+            return Err(invalid(
+                "credentials in the URL are not supported; use a token file",
+            ));
+        }
+        let host = authority
+            .host()
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_owned();
+        let authorization = match token {
+            Some(token) => Some(bearer(token.trim())?),
+            None => None,
+        };
+        Ok(ApiClient {
+            endpoint: Endpoint::Tcp {
+                url: url.to_owned(),
+                host,
+                port: authority.port_u16().unwrap_or(80),
+                authority: authority.as_str().to_owned(),
+                authorization,
+            },
+            timeout: None,
+        })
+    }
+
+    /// Gives up on a call (connect, request and whole answer) after `timeout`. `None`, the
+    /// default, waits as long as the daemon takes: a publish may legitimately wait through a
+    /// plugin restart.
+    pub fn with_timeout(mut self, timeout: Option<Duration>) -> ApiClient {
+        self.timeout = timeout;
+        self
+    }
+
+    /// The socket path or URL this client talks to, for messages.
+    pub fn endpoint(&self) -> String {
+        match &self.endpoint {
+            Endpoint::Unix { socket } => socket.display().to_string(),
+            Endpoint::Tcp { url, .. } => url.clone(),
+        }
+    }
+
+    /// The unix socket path, when this client uses one.
+    pub fn socket(&self) -> Option<&Path> {
+        match &self.endpoint {
+            Endpoint::Unix { socket } => Some(socket),
+            Endpoint::Tcp { .. } => None,
+        }
+    }
+
+    /// `GET /v1/health`
+    pub async fn health(&self) -> Result<Health, ApiError> {
+        self.get_json(routes::HEALTH).await
+    }
+
+    /// `POST /v1/start`: opens the start gate (idempotent).
+    pub async fn start(&self) -> Result<StartResponse, ApiError> {
+        self.call_json(Method::POST, routes::START, None).await
+    }
+
+    /// `GET /metrics`: the Prometheus text exposition, as is.
+    pub async fn metrics(&self) -> Result<String, ApiError> {
+        let (status, body) = self.send(Method::GET, routes::METRICS, None).await?;
+        if !is_success(status) {
+            return Err(error_from(status, &body));
+        }
+        String::from_utf8(body.to_vec())
+            .map_err(|_| ApiError::decode(status, "the metrics are not UTF-8 text", &body))
+    }
+
+    /// `GET /v1/plugins`
+    pub async fn plugins(&self) -> Result<PluginList, ApiError> {
+        self.get_json(routes::PLUGINS).await
+    }
+
+    /// `GET /v1/plugins/{type}`
+    pub async fn plugin(&self, plugin_type: &str) -> Result<PluginInfo, ApiError> {
+        self.get_json(&routes::plugin(plugin_type)).await
+    }
+
+    /// `POST /v1/plugins/reload`: re-reads the plugin configuration directory.
+    pub async fn reload(&self) -> Result<ReloadReport, ApiError> {
+        self.call_json(Method::POST, routes::PLUGINS_RELOAD, None)
+            .await
+    }
+
+    /// `POST /v1/volumes/publish`
+    pub async fn publish(&self, request: &PublishRequest) -> Result<PublishResponse, ApiError> {
+        self.post_json(routes::PUBLISH, request).await
+    }
+
+    /// `POST /v1/volumes/unpublish`
+    pub async fn unpublish(
+        &self,
+        request: &UnpublishRequest,
+    ) -> Result<UnpublishResponse, ApiError> {
+        self.post_json(routes::UNPUBLISH, request).await
+    }
+
+    /// `GET /v1/volumes`
+    pub async fn volumes(&self) -> Result<VolumeList, ApiError> {
+        self.get_json(routes::VOLUMES).await
+    }
+
+    /// `GET /v1/volumes/{plugin}/{volume_id}`
+    pub async fn volume(&self, plugin: &str, volume_id: &str) -> Result<VolumeInfo, ApiError> {
+        self.get_json(&routes::volume(plugin, volume_id)).await
+    }
+
+    /// `POST /v1/volumes` (CreateVolume)
+    pub async fn create_volume(
+        &self,
+        request: &CreateVolumeRequest,
+    ) -> Result<CreateVolumeResponse, ApiError> {
+        self.post_json(routes::VOLUMES, request).await
+    }
+
+    /// `DELETE /v1/volumes/{plugin}/{volume_id}` (DeleteVolume)
+    pub async fn delete_volume(
+        &self,
+        plugin: &str,
+        volume_id: &str,
+    ) -> Result<DeleteVolumeResponse, ApiError> {
+        self.call_json(Method::DELETE, &routes::volume(plugin, volume_id), None)
+            .await
+    }
+
+    /// `POST /v1/volumes/validate` (ValidateVolumeCapabilities)
+    pub async fn validate(&self, request: &ValidateRequest) -> Result<ValidateResponse, ApiError> {
+        self.post_json(routes::VALIDATE, request).await
+    }
+
+    /// `GET /v1/plugins/{type}/backend-volumes` (ListVolumes): one page. Pass the previous
+    /// page's `next_token` as `starting_token` for the next one.
+    pub async fn backend_volumes(
+        &self,
+        plugin_type: &str,
+        max_entries: Option<u32>,
+        starting_token: Option<&str>,
+    ) -> Result<BackendVolumePage, ApiError> {
+        let max_entries = max_entries.map(|n| n.to_string());
+        let path = format!(
+            "{}{}",
+            routes::backend_volumes(plugin_type),
+            routes::query(&[
+                ("max_entries", max_entries.as_deref()),
+                ("starting_token", starting_token),
+            ])
+        );
+        self.get_json(&path).await
+    }
+
+    /// `POST /v1/capacity` (GetCapacity)
+    pub async fn capacity(&self, request: &CapacityRequest) -> Result<CapacityResponse, ApiError> {
+        self.post_json(routes::CAPACITY, request).await
+    }
+
+    async fn get_json<T: DeserializeOwned>(&self, path: &str) -> Result<T, ApiError> {
+        self.call_json(Method::GET, path, None).await
+    }
+
+    async fn post_json<B: Serialize, T: DeserializeOwned>(
+        &self,
+        path: &str,
+        body: &B,
+    ) -> Result<T, ApiError> {
+        // The API's request types serialize infallibly (string-keyed maps, no custom
+        // serializers); should that ever change, report it rather than panic.
+        let body = serde_json::to_vec(body).map_err(|err| {
+            ApiError::decode(0, format!("cannot encode the request: {err}"), b"")
+        })?;
+        self.call_json(Method::POST, path, Some(body)).await
+    }
+
+    async fn call_json<T: DeserializeOwned>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Vec<u8>>,
+    ) -> Result<T, ApiError> {
+        let (status, bytes) = self.send(method, path, body).await?;
+        if !is_success(status) {
+            return Err(error_from(status, &bytes));
+        }
+        serde_json::from_slice(&bytes).map_err(|err| {
+            ApiError::decode(status, format!("not the expected JSON: {err}"), &bytes)
+        })
+    }
+
+    /// One request on a fresh connection; the status and the whole body.
+    async fn send(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Vec<u8>>,
+    ) -> Result<(u16, Bytes), ApiError> {
+        let exchange = self.send_untimed(method, path, body);
+        match self.timeout {
+            None => exchange.await,
+            Some(after) => tokio::time::timeout(after, exchange)
+                .await
+                .map_err(|_| ApiError::Timeout {
+                    endpoint: self.endpoint(),
+                    after,
+                })?,
+        }
+    }
+
+    async fn send_untimed(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Vec<u8>>,
+    ) -> Result<(u16, Bytes), ApiError> {
+        let (host, authorization) = match &self.endpoint {
+            // Any Host will do on a unix socket; HTTP/1.1 only requires one.
+            Endpoint::Unix { .. } => (HeaderValue::from_static("localhost"), None),
+            Endpoint::Tcp {
+                authority,
+                authorization,
+                ..
+            } => (
+                HeaderValue::from_str(authority).map_err(|err| ApiError::InvalidUrl {
+                    url: self.endpoint(),
+                    reason: err.to_string(),
+                })?,
+                authorization.clone(),
+            ),
+        };
+        let mut builder = Request::builder()
+            .method(method)
+            .uri(path)
+            .header(HOST, host)
+            .header(ACCEPT, "application/json")
+            .header(
+                USER_AGENT,
+                concat!("csi-agent-api/", env!("CARGO_PKG_VERSION")),
+            );
+        if body.is_some() {
+            builder = builder.header(CONTENT_TYPE, "application/json");
+        }
+        if let Some(authorization) = authorization {
+            builder = builder.header(AUTHORIZATION, authorization);
+        }
+        let request = builder
+            .body(Full::new(Bytes::from(body.unwrap_or_default())))
+            .map_err(|err| ApiError::InvalidUrl {
+                url: path.to_owned(),
+                reason: err.to_string(),
+            })?;
+
+        match &self.endpoint {
+            Endpoint::Unix { socket } => {
+                let stream =
+                    UnixStream::connect(socket)
+                        .await
+                        .map_err(|source| ApiError::Connect {
+                            socket: socket.clone(),
+                            source,
+                        })?;
+                exchange(TokioIo::new(stream), request, &self.endpoint()).await
+            }
+            Endpoint::Tcp {
+                url, host, port, ..
+            } => {
+                let stream = TcpStream::connect((host.as_str(), *port))
+                    .await
+                    .map_err(|source| ApiError::ConnectTcp {
+                        url: url.clone(),
+                        source,
+                    })?;
+                // Requests are small and answered at once; Nagle would only add latency.
+                // Failing to set it changes nothing but speed, so it is not an error.
+                let _ = stream.set_nodelay(true);
+                exchange(TokioIo::new(stream), request, url).await
+            }
+        }
+    }
+}
+
+/// Sends one request over an established stream and reads the whole answer.
+async fn exchange<I>(
+    io: I,
+    request: Request<Full<Bytes>>,
+    endpoint: &str,
+) -> Result<(u16, Bytes), ApiError>
+where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    let transport = |source| ApiError::Transport {
+        endpoint: endpoint.to_owned(),
+        source,
+    };
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(io)
+        .await
+        .map_err(transport)?;
+    // The connection must be driven while the request is in flight and the body is read; it
+    // ends by itself once `sender` is dropped. Its own error, if any, also fails
+    // `send_request` or the body, where it is reported.
+    tokio::spawn(connection);
+    let response = sender.send_request(request).await.map_err(transport)?;
+    let status = response.status().as_u16();
+    let body = Limited::new(response.into_body(), MAX_BODY_BYTES)
+        .collect()
+        .await
+        .map_err(|err| match err.downcast::<hyper::Error>() {
+            Ok(source) => transport(*source),
+            Err(other) => ApiError::decode(
+                status,
+                format!("body larger than {MAX_BODY_BYTES} bytes ({other})"),
+                b"",
+            ),
+        })?
+        .to_bytes();
+    Ok((status, body))
+}
+
+fn is_success(status: u16) -> bool {
+    (200..300).contains(&status)
+}
+
+/// A non-2xx answer as an [`ApiError`].
+fn error_from(status: u16, body: &[u8]) -> ApiError {
+    if let Ok(body) = serde_json::from_slice::<ErrorBody>(body) {
+        return ApiError::Api { status, body };
+    }
+    // A newer daemon may send an error code this client does not know; keep its message
+    // (which says what to fix) and take the kind from the status rather than hide it all
+    // behind a decode error.
+    #[derive(serde::Deserialize)]
+    struct LooseErrorBody {
+        message: String,
+        #[serde(default)]
+        grpc_code: Option<String>,
+    }
+    match serde_json::from_slice::<LooseErrorBody>(body) {
+        Ok(loose) => ApiError::Api {
+            status,
+            body: ErrorBody {
+                code: ErrorCode::ALL
+                    .into_iter()
+                    .find(|code| code.http_status() == status)
+                    .unwrap_or(ErrorCode::Internal),
+                message: loose.message,
+                grpc_code: loose.grpc_code,
+            },
+        },
+        Err(_) => ApiError::decode(status, "not the API's error shape", body),
+    }
+}
+
+/// `Bearer <token>` as a sensitive header value.
+fn bearer(token: &str) -> Result<HeaderValue, ApiError> {
+    if token.is_empty() {
+        return Err(ApiError::InvalidUrl {
+            url: "(token)".to_owned(),
+            reason: "the bearer token is empty".to_owned(),
+        });
+    }
+    // The token itself must never appear in the message.
+    let mut value = HeaderValue::from_str(&format!("Bearer {token}")).map_err(|_| {
+        ApiError::InvalidUrl {
+            url: "(token)".to_owned(),
+            reason: "the bearer token holds characters that cannot be sent in an HTTP header \
+                     (control characters or non-ASCII)"
+                .to_owned(),
+        }
+    })?;
+    value.set_sensitive(true);
+    Ok(value)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tcp_url_is_parsed() -> Result<(), ApiError> {
+        let client = ApiClient::tcp("http://127.0.0.1:7070", Some("s3cret\n"))?;
+        assert_eq!(client.endpoint(), "http://127.0.0.1:7070");
+        let Endpoint::Tcp {
+            host,
+            port,
+            authority,
+            authorization,
+            ..
+        } = &client.endpoint
+        else {
+            panic!("not a TCP endpoint");
+        };
+        assert_eq!((host.as_str(), *port), ("127.0.0.1", 7070));
+        assert_eq!(authority, "127.0.0.1:7070");
+        assert_eq!(
+            authorization.as_ref().map(|v| v.as_bytes()),
+            Some(&b"Bearer s3cret"[..])
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn ipv6_and_default_port() -> Result<(), ApiError> {
+        let client = ApiClient::tcp("http://[::1]/", None)?;
+        let Endpoint::Tcp { host, port, .. } = &client.endpoint else {
+            panic!("not a TCP endpoint");
+        };
+        assert_eq!((host.as_str(), *port), ("::1", 80));
+        Ok(())
+    }
+
+    #[test]
+    fn bad_urls_are_refused_with_a_reason() {
+        for (url, needle) in [
+            ("https://h:1", "https is not supported"),
+            ("h:1", "expected http://HOST:PORT"),
+            ("http://h:1/v1", "path or query"),
+            ("http://u:p@h:1", "credentials"),
+            ("not a url", "expected http://HOST:PORT"),
+        ] {
+            match ApiClient::tcp(url, None) {
+                Err(err) => assert!(err.to_string().contains(needle), "{url}: {err}"),
+                Ok(client) => panic!("{url} accepted: {client:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn token_never_appears_in_debug_or_errors() {
+        let Ok(client) = ApiClient::tcp("http://h:1", Some("hunter2")) else {
+            panic!("valid URL refused");
+        };
+        assert!(!format!("{client:?}").contains("hunter2"));
+        let Err(err) = ApiClient::tcp("http://h:1", Some("hunter2\u{1}x")) else {
+            panic!("control character accepted");
+        };
+        assert!(!err.to_string().contains("hunter2"), "{err}");
+    }
+
+    #[test]
+    fn unknown_error_code_keeps_message_and_maps_status() {
+        let err = error_from(
+            503,
+            br#"{"code":"brand_new","message":"try later","grpc_code":"UNAVAILABLE"}"#,
+        );
+        let ApiError::Api { status, body } = err else {
+            panic!("not an Api error: {err}");
+        };
+        assert_eq!(status, 503);
+        assert_eq!(body.code, ErrorCode::Unavailable);
+        assert_eq!(body.message, "try later");
+    }
+
+    #[test]
+    fn non_json_error_is_decode() {
+        let err = error_from(502, b"<html>bad gateway</html>");
+        assert!(matches!(err, ApiError::Decode { status: 502, .. }), "{err}");
+        assert!(err.to_string().contains("bad gateway"), "{err}");
+    }
+}

@@ -1,0 +1,387 @@
+//! Request and response bodies. Field names are the wire contract: renaming one is a
+//! breaking change of the API.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// The one error shape of every failed request.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    /// Stable machine-readable kind (see [`ErrorCode`]).
+    pub code: ErrorCode,
+    /// What went wrong and what to do about it.
+    pub message: String,
+    /// The plugin's gRPC code (`NOT_FOUND`, …) when the error came from the plugin.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grpc_code: Option<String>,
+}
+
+/// Kinds of errors, each with one HTTP status.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    /// 400: malformed JSON, missing or invalid fields.
+    InvalidRequest,
+    /// 401: missing or wrong bearer token (TCP listener).
+    Unauthorized,
+    /// 404: unknown plugin, volume or route.
+    NotFound,
+    /// 409: the request contradicts the volume's current use.
+    Conflict,
+    /// 422: the plugin answered with a final error (see `grpc_code`).
+    PluginError,
+    /// 502: the plugin broke the CSI specification.
+    PluginProtocol,
+    /// 503: the plugin is unavailable or kept failing transiently; retry later.
+    Unavailable,
+    /// 500: csi-agent could not do its own part (disk, mounts).
+    Internal,
+}
+
+impl ErrorCode {
+    /// Every kind, for documentation and tests (`openapi.yaml` must list each one).
+    pub const ALL: [ErrorCode; 8] = [
+        ErrorCode::InvalidRequest,
+        ErrorCode::Unauthorized,
+        ErrorCode::NotFound,
+        ErrorCode::Conflict,
+        ErrorCode::PluginError,
+        ErrorCode::PluginProtocol,
+        ErrorCode::Unavailable,
+        ErrorCode::Internal,
+    ];
+
+    pub fn http_status(self) -> u16 {
+        match self {
+            ErrorCode::InvalidRequest => 400,
+            ErrorCode::Unauthorized => 401,
+            ErrorCode::NotFound => 404,
+            ErrorCode::Conflict => 409,
+            ErrorCode::PluginError => 422,
+            ErrorCode::PluginProtocol => 502,
+            ErrorCode::Unavailable => 503,
+            ErrorCode::Internal => 500,
+        }
+    }
+}
+
+impl fmt::Display for ErrorBody {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.grpc_code {
+            Some(grpc) => write!(f, "{} (plugin said {grpc})", self.message),
+            None => f.write_str(&self.message),
+        }
+    }
+}
+
+/// `GET /v1/health`
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Health {
+    /// Always `"ok"` when the daemon answers.
+    pub status: String,
+    /// True once the start gate is open (`POST /v1/start`, or `--start immediate`).
+    pub started: bool,
+    pub version: String,
+}
+
+/// `POST /v1/start`
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StartResponse {
+    pub started: bool,
+    /// False when the gate was already open (start is idempotent).
+    pub opened_now: bool,
+}
+
+/// `{"mount": {"fs_type": "", "mount_flags": []}, "access_mode": "SINGLE_NODE_WRITER"}` or
+/// `{"block": {}, "access_mode": …}`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CapabilitySpec {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mount: Option<MountSpec>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block: Option<BlockSpec>,
+    /// A CSI access mode name: `SINGLE_NODE_WRITER`, `SINGLE_NODE_READER_ONLY`,
+    /// `MULTI_NODE_READER_ONLY`, `MULTI_NODE_SINGLE_WRITER`, `MULTI_NODE_MULTI_WRITER`,
+    /// `SINGLE_NODE_SINGLE_WRITER`, `SINGLE_NODE_MULTI_WRITER`.
+    pub access_mode: String,
+}
+
+impl CapabilitySpec {
+    /// The CSI access mode names `access_mode` accepts (CSI v1; v0 has the first five).
+    pub const ACCESS_MODES: &'static [&'static str] = &[
+        "SINGLE_NODE_WRITER",
+        "SINGLE_NODE_READER_ONLY",
+        "MULTI_NODE_READER_ONLY",
+        "MULTI_NODE_SINGLE_WRITER",
+        "MULTI_NODE_MULTI_WRITER",
+        "SINGLE_NODE_SINGLE_WRITER",
+        "SINGLE_NODE_MULTI_WRITER",
+    ];
+
+    /// A filesystem capability.
+    pub fn mount(access_mode: &str, fs_type: &str, mount_flags: Vec<String>) -> CapabilitySpec {
+        CapabilitySpec {
+            mount: Some(MountSpec {
+                fs_type: fs_type.to_owned(),
+                mount_flags,
+            }),
+            block: None,
+            access_mode: access_mode.to_owned(),
+        }
+    }
+
+    /// A raw block device capability.
+    pub fn block(access_mode: &str) -> CapabilitySpec {
+        CapabilitySpec {
+            mount: None,
+            block: Some(BlockSpec {}),
+            access_mode: access_mode.to_owned(),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MountSpec {
+    #[serde(default)]
+    pub fs_type: String,
+    #[serde(default)]
+    pub mount_flags: Vec<String>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BlockSpec {}
+
+/// Secrets for the node RPCs. Never echoed back.
+#[derive(Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SecretsSpec {
+    #[serde(default)]
+    pub node_stage: BTreeMap<String, String>,
+    #[serde(default)]
+    pub node_publish: BTreeMap<String, String>,
+}
+
+impl fmt::Debug for SecretsSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SecretsSpec")
+            .field("node_stage", &format_args!("<redacted {} entries>", self.node_stage.len()))
+            .field(
+                "node_publish",
+                &format_args!("<redacted {} entries>", self.node_publish.len()),
+            )
+            .finish()
+    }
+}
+
+/// `POST /v1/volumes/publish`
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PublishRequest {
+    pub plugin: String,
+    pub volume_id: String,
+    /// The consumer (usually a container id); `"default"` when absent.
+    #[serde(default = "default_workload")]
+    pub workload: String,
+    pub capability: CapabilitySpec,
+    #[serde(default)]
+    pub readonly: bool,
+    /// Absent: the context returned when the volume was created through csi-agent (if any).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub volume_context: Option<BTreeMap<String, String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secrets: Option<SecretsSpec>,
+    /// An absolute path where csi-agent bind-mounts the target for the workload.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bind_to: Option<String>,
+}
+
+pub fn default_workload() -> String {
+    "default".to_owned()
+}
+
+/// Answer to a publish.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PublishResponse {
+    /// Absolute host path of the published volume.
+    pub target_path: String,
+    /// The same path relative to the daemon's work dir.
+    pub target_path_relative: String,
+    pub state: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bind_to: Option<String>,
+}
+
+/// `POST /v1/volumes/unpublish`
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UnpublishRequest {
+    pub plugin: String,
+    pub volume_id: String,
+    #[serde(default = "default_workload")]
+    pub workload: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UnpublishResponse {
+    /// The volume's state afterwards (`UNKNOWN` when csi-agent no longer tracks it).
+    pub state: String,
+}
+
+/// One volume as csi-agent tracks it (`GET /v1/volumes`, `GET /v1/volumes/{plugin}/{id}`).
+/// Secrets are never included; `has_secrets` says whether some are stored.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeInfo {
+    pub plugin: String,
+    pub volume_id: String,
+    pub state: String,
+    pub claims: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capability: Option<CapabilitySpec>,
+    pub readonly: bool,
+    pub volume_context: BTreeMap<String, String>,
+    pub target_path: String,
+    pub target_path_relative: String,
+    /// `created` (through csi-agent) or `pre_provisioned`.
+    pub origin: String,
+    pub has_secrets: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeList {
+    pub volumes: Vec<VolumeInfo>,
+}
+
+/// One component (process) of a managed plugin.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ComponentInfo {
+    pub id: String,
+    pub services: Vec<String>,
+    pub ready: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pid: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoint: Option<String>,
+    pub restarts: u64,
+}
+
+/// A plugin (`GET /v1/plugins`, `GET /v1/plugins/{type}`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PluginInfo {
+    #[serde(rename = "type")]
+    pub plugin_type: String,
+    pub name: String,
+    pub managed: bool,
+    /// `not_started` (gate closed or not used yet), `ready`, `failed`.
+    pub state: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub csi_version: Option<String>,
+    pub config_file: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    pub components: Vec<ComponentInfo>,
+    pub volumes: usize,
+}
+
+/// A configuration file that failed to load.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConfigErrorInfo {
+    pub file: String,
+    pub message: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PluginList {
+    pub plugins: Vec<PluginInfo>,
+    pub config_errors: Vec<ConfigErrorInfo>,
+}
+
+/// `POST /v1/plugins/reload`
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReloadReport {
+    pub added: Vec<String>,
+    pub changed: Vec<String>,
+    pub removed: Vec<String>,
+    pub config_errors: Vec<ConfigErrorInfo>,
+}
+
+/// `POST /v1/volumes` (CreateVolume)
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateVolumeRequest {
+    pub plugin: String,
+    pub name: String,
+    #[serde(default)]
+    pub capacity_bytes: i64,
+    pub capability: CapabilitySpec,
+    #[serde(default)]
+    pub parameters: BTreeMap<String, String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CreateVolumeResponse {
+    pub volume_id: String,
+    pub capacity_bytes: i64,
+    pub volume_context: BTreeMap<String, String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeleteVolumeResponse {
+    pub deleted: bool,
+}
+
+/// `POST /v1/volumes/validate` (ValidateVolumeCapabilities)
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ValidateRequest {
+    pub plugin: String,
+    pub volume_id: String,
+    pub capabilities: Vec<CapabilitySpec>,
+    #[serde(default)]
+    pub volume_context: BTreeMap<String, String>,
+    #[serde(default)]
+    pub parameters: BTreeMap<String, String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ValidateResponse {
+    pub confirmed: bool,
+    pub message: String,
+}
+
+/// `GET /v1/plugins/{type}/backend-volumes` (ListVolumes, one page)
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BackendVolume {
+    pub volume_id: String,
+    pub capacity_bytes: i64,
+    pub volume_context: BTreeMap<String, String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BackendVolumePage {
+    pub volumes: Vec<BackendVolume>,
+    /// Empty when this is the last page.
+    pub next_token: String,
+}
+
+/// `POST /v1/capacity` (GetCapacity)
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CapacityRequest {
+    pub plugin: String,
+    #[serde(default)]
+    pub capabilities: Vec<CapabilitySpec>,
+    #[serde(default)]
+    pub parameters: BTreeMap<String, String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CapacityResponse {
+    pub available_capacity: i64,
+}

@@ -1,0 +1,557 @@
+//! Keeps `openapi.yaml` and the Rust contract in step: the routes it describes are exactly
+//! `routes::ALL_ROUTES`, each schema's properties are exactly the serde field names of its Rust
+//! type, its `required` lists are what serde really requires (requests) or always sends
+//! (responses), and its error responses carry the statuses of `ErrorCode::http_status`.
+//!
+//! Samples are built with every optional field set, so that serializing one shows every key.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use anyhow::{Context, Result, anyhow, bail, ensure};
+use csi_agent_api::routes::{self, ALL_ROUTES};
+use csi_agent_api::*;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use serde_json::{Value, json};
+
+const HTTP_METHODS: &[&str] = &["get", "put", "post", "delete", "patch", "head", "options"];
+
+fn spec() -> Result<Value> {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/openapi.yaml");
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {path}"))?;
+    serde_norway::from_str(&text).with_context(|| format!("parsing {path}"))
+}
+
+fn object<'a>(value: &'a Value, what: &str) -> Result<&'a serde_json::Map<String, Value>> {
+    value
+        .as_object()
+        .ok_or_else(|| anyhow!("{what} is not a mapping"))
+}
+
+fn keys(value: &Value, what: &str) -> Result<BTreeSet<String>> {
+    Ok(object(value, what)?.keys().cloned().collect())
+}
+
+/// `#/components/schemas/X` → `X`.
+fn schema_ref(value: &Value) -> Option<&str> {
+    value
+        .get("$ref")?
+        .as_str()?
+        .strip_prefix("#/components/schemas/")
+}
+
+fn map(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+    pairs
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect()
+}
+
+fn mount_cap() -> CapabilitySpec {
+    CapabilitySpec::mount("SINGLE_NODE_WRITER", "ext4", vec!["noatime".to_owned()])
+}
+
+/// Both `mount` and `block` set: not a valid request, but it shows every key.
+fn full_cap() -> CapabilitySpec {
+    CapabilitySpec {
+        block: Some(BlockSpec {}),
+        ..mount_cap()
+    }
+}
+
+fn volume_info(full: bool) -> VolumeInfo {
+    VolumeInfo {
+        plugin: "org.example.lvm".to_owned(),
+        volume_id: "v1".to_owned(),
+        state: "PUBLISHED".to_owned(),
+        claims: vec!["c1".to_owned()],
+        capability: full.then(full_cap),
+        readonly: false,
+        volume_context: map(&[("k", "v")]),
+        target_path: "/w/csi/org.example.lvm/default/mounts/v1/target".to_owned(),
+        target_path_relative: "csi/org.example.lvm/default/mounts/v1/target".to_owned(),
+        origin: "created".to_owned(),
+        has_secrets: true,
+        last_error: full.then(|| "boom".to_owned()),
+    }
+}
+
+fn component(full: bool) -> ComponentInfo {
+    ComponentInfo {
+        id: "csi-org-example-lvm-default--CONTROLLER_SERVICE-NODE_SERVICE".to_owned(),
+        services: vec!["CONTROLLER_SERVICE".to_owned()],
+        ready: true,
+        pid: full.then_some(42),
+        endpoint: full.then(|| "unix:///run/x.sock".to_owned()),
+        restarts: 0,
+    }
+}
+
+fn plugin_info(full: bool) -> PluginInfo {
+    PluginInfo {
+        plugin_type: "org.example.lvm".to_owned(),
+        name: "default".to_owned(),
+        managed: true,
+        state: "ready".to_owned(),
+        csi_version: full.then(|| "1.x".to_owned()),
+        config_file: "/etc/csi/lvm.json".to_owned(),
+        error: full.then(|| "boom".to_owned()),
+        components: vec![component(full)],
+        volumes: 1,
+    }
+}
+
+fn config_error() -> ConfigErrorInfo {
+    ConfigErrorInfo {
+        file: "bad.json".to_owned(),
+        message: "no type".to_owned(),
+    }
+}
+
+fn backend_volume() -> BackendVolume {
+    BackendVolume {
+        volume_id: "v1".to_owned(),
+        capacity_bytes: 1,
+        volume_context: map(&[("k", "v")]),
+    }
+}
+
+/// How a schema's `required` list is checked.
+enum Kind {
+    /// Sent by clients: `required` must be exactly the fields serde cannot do without.
+    Request(fn(Value) -> bool),
+    /// Sent by the daemon: `required` must be exactly the keys a minimal value still sends.
+    Response(Value),
+}
+
+struct Case {
+    schema: &'static str,
+    /// Serialized with every optional field set.
+    full: Value,
+    kind: Kind,
+}
+
+fn parses<T: DeserializeOwned>(value: Value) -> bool {
+    serde_json::from_value::<T>(value).is_ok()
+}
+
+fn to_json(value: impl Serialize) -> Result<Value> {
+    Ok(serde_json::to_value(value)?)
+}
+
+fn request<T: Serialize + DeserializeOwned>(schema: &'static str, full: T) -> Result<Case> {
+    Ok(Case {
+        schema,
+        full: to_json(full)?,
+        kind: Kind::Request(parses::<T>),
+    })
+}
+
+fn response<T: Serialize>(schema: &'static str, full: T, minimal: T) -> Result<Case> {
+    Ok(Case {
+        schema,
+        full: to_json(full)?,
+        kind: Kind::Response(to_json(minimal)?),
+    })
+}
+
+fn cases() -> Result<Vec<Case>> {
+    let secrets = SecretsSpec {
+        node_stage: map(&[("a", "b")]),
+        node_publish: map(&[("c", "d")]),
+    };
+    let error = |grpc: Option<&str>| ErrorBody {
+        code: ErrorCode::PluginError,
+        message: "m".to_owned(),
+        grpc_code: grpc.map(str::to_owned),
+    };
+    let health = Health {
+        status: "ok".to_owned(),
+        started: true,
+        version: "0.1.0".to_owned(),
+    };
+    let start = StartResponse {
+        started: true,
+        opened_now: true,
+    };
+    let published = |bind: bool| PublishResponse {
+        target_path: "/w/t".to_owned(),
+        target_path_relative: "t".to_owned(),
+        state: "PUBLISHED".to_owned(),
+        bind_to: bind.then(|| "/b".to_owned()),
+    };
+    let unpublished = UnpublishResponse {
+        state: "CREATED".to_owned(),
+    };
+    let volumes = VolumeList {
+        volumes: vec![volume_info(true)],
+    };
+    let plugins = PluginList {
+        plugins: vec![plugin_info(true)],
+        config_errors: vec![config_error()],
+    };
+    let reload = ReloadReport {
+        added: vec!["a".to_owned()],
+        changed: vec![],
+        removed: vec![],
+        config_errors: vec![config_error()],
+    };
+    let created = CreateVolumeResponse {
+        volume_id: "v1".to_owned(),
+        capacity_bytes: 1,
+        volume_context: map(&[("k", "v")]),
+    };
+    let validated = ValidateResponse {
+        confirmed: true,
+        message: String::new(),
+    };
+    let page = BackendVolumePage {
+        volumes: vec![backend_volume()],
+        next_token: String::new(),
+    };
+    let capacity = CapacityResponse {
+        available_capacity: 1,
+    };
+    Ok(vec![
+        response("ErrorBody", error(Some("NOT_FOUND")), error(None))?,
+        response("Health", health.clone(), health)?,
+        response("StartResponse", start.clone(), start)?,
+        request("CapabilitySpec", full_cap())?,
+        request("MountSpec", MountSpec::default())?,
+        request("BlockSpec", BlockSpec {})?,
+        request("SecretsSpec", secrets.clone())?,
+        request(
+            "PublishRequest",
+            PublishRequest {
+                plugin: "p".to_owned(),
+                volume_id: "v".to_owned(),
+                workload: "w".to_owned(),
+                capability: mount_cap(),
+                readonly: true,
+                volume_context: Some(map(&[("k", "v")])),
+                secrets: Some(secrets),
+                bind_to: Some("/b".to_owned()),
+            },
+        )?,
+        response("PublishResponse", published(true), published(false))?,
+        request(
+            "UnpublishRequest",
+            UnpublishRequest {
+                plugin: "p".to_owned(),
+                volume_id: "v".to_owned(),
+                workload: "w".to_owned(),
+            },
+        )?,
+        response("UnpublishResponse", unpublished.clone(), unpublished)?,
+        response("VolumeInfo", volume_info(true), volume_info(false))?,
+        response("VolumeList", volumes.clone(), volumes)?,
+        response("ComponentInfo", component(true), component(false))?,
+        response("PluginInfo", plugin_info(true), plugin_info(false))?,
+        response("ConfigErrorInfo", config_error(), config_error())?,
+        response("PluginList", plugins.clone(), plugins)?,
+        response("ReloadReport", reload.clone(), reload)?,
+        request(
+            "CreateVolumeRequest",
+            CreateVolumeRequest {
+                plugin: "p".to_owned(),
+                name: "n".to_owned(),
+                capacity_bytes: 1,
+                capability: mount_cap(),
+                parameters: map(&[("k", "v")]),
+            },
+        )?,
+        response("CreateVolumeResponse", created.clone(), created)?,
+        response(
+            "DeleteVolumeResponse",
+            DeleteVolumeResponse { deleted: true },
+            DeleteVolumeResponse { deleted: true },
+        )?,
+        request(
+            "ValidateRequest",
+            ValidateRequest {
+                plugin: "p".to_owned(),
+                volume_id: "v".to_owned(),
+                capabilities: vec![mount_cap()],
+                volume_context: map(&[("k", "v")]),
+                parameters: map(&[("k", "v")]),
+            },
+        )?,
+        response("ValidateResponse", validated.clone(), validated)?,
+        response("BackendVolume", backend_volume(), backend_volume())?,
+        response("BackendVolumePage", page.clone(), page)?,
+        request(
+            "CapacityRequest",
+            CapacityRequest {
+                plugin: "p".to_owned(),
+                capabilities: vec![mount_cap()],
+                parameters: map(&[("k", "v")]),
+            },
+        )?,
+        response("CapacityResponse", capacity.clone(), capacity)?,
+    ])
+}
+
+/// Schemas that are not the body of one Rust struct.
+const NON_STRUCT_SCHEMAS: &[&str] = &["ErrorCode", "StringMap", "AccessMode"];
+
+#[test]
+fn routes_are_exactly_all_routes() -> Result<()> {
+    let spec = spec()?;
+    let mut described = BTreeSet::new();
+    for (path, item) in object(&spec["paths"], "paths")? {
+        for method in keys(item, path)? {
+            if HTTP_METHODS.contains(&method.as_str()) {
+                described.insert((method.to_uppercase(), path.clone()));
+            }
+        }
+    }
+    let expected: BTreeSet<(String, String)> = ALL_ROUTES
+        .iter()
+        .map(|(m, p)| ((*m).to_owned(), (*p).to_owned()))
+        .collect();
+    ensure!(
+        described == expected,
+        "openapi.yaml describes {:?} but routes::ALL_ROUTES lists {:?}",
+        described.symmetric_difference(&expected).collect::<Vec<_>>(),
+        expected.difference(&described).collect::<Vec<_>>()
+    );
+    Ok(())
+}
+
+#[test]
+fn schema_properties_are_the_serde_fields() -> Result<()> {
+    let spec = spec()?;
+    let schemas = &spec["components"]["schemas"];
+    let mut covered: BTreeSet<String> = NON_STRUCT_SCHEMAS.iter().map(|s| s.to_string()).collect();
+    for case in cases()? {
+        let name = case.schema;
+        covered.insert(name.to_owned());
+        let schema = schemas
+            .get(name)
+            .ok_or_else(|| anyhow!("openapi.yaml has no schema {name}"))?;
+        let properties = keys(&schema["properties"], &format!("{name}.properties"))?;
+        let fields = keys(&case.full, name)?;
+        ensure!(
+            properties == fields,
+            "{name}: openapi.yaml properties {properties:?} != serde fields {fields:?}"
+        );
+
+        let required: BTreeSet<String> = match schema.get("required") {
+            None => BTreeSet::new(),
+            Some(list) => list
+                .as_array()
+                .ok_or_else(|| anyhow!("{name}.required is not a list"))?
+                .iter()
+                .map(|v| v.as_str().map(str::to_owned))
+                .collect::<Option<_>>()
+                .ok_or_else(|| anyhow!("{name}.required holds a non-string"))?,
+        };
+        ensure!(
+            required.is_subset(&properties),
+            "{name}: required {required:?} names unknown properties"
+        );
+        match &case.kind {
+            Kind::Response(minimal) => {
+                let always = keys(minimal, name)?;
+                ensure!(
+                    required == always,
+                    "{name}: required {required:?} but the daemon always sends {always:?}"
+                );
+            }
+            Kind::Request(parses) => {
+                let full = object(&case.full, name)?;
+                let only_required: serde_json::Map<String, Value> = full
+                    .iter()
+                    .filter(|(k, _)| required.contains(*k))
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect();
+                ensure!(
+                    parses(Value::Object(only_required.clone())),
+                    "{name}: a body with only the required fields {required:?} is refused"
+                );
+                for field in &required {
+                    let mut without = only_required.clone();
+                    without.remove(field);
+                    ensure!(
+                        !parses(Value::Object(without)),
+                        "{name}: '{field}' is listed as required but serde accepts its absence"
+                    );
+                }
+                let mut extra = full.clone();
+                extra.insert("no_such_field".to_owned(), json!(1));
+                let denies_unknown = !parses(Value::Object(extra));
+                let closed = schema.get("additionalProperties") == Some(&json!(false));
+                ensure!(
+                    denies_unknown == closed,
+                    "{name}: serde denies unknown fields: {denies_unknown}, but openapi.yaml \
+                     additionalProperties: false is {closed}"
+                );
+            }
+        }
+    }
+    let all = keys(schemas, "components.schemas")?;
+    ensure!(
+        all == covered,
+        "schemas without a Rust sample in this test: {:?}; samples without a schema: {:?}",
+        all.difference(&covered).collect::<Vec<_>>(),
+        covered.difference(&all).collect::<Vec<_>>()
+    );
+    Ok(())
+}
+
+/// (method, path, request body schema, 200 response schema; `None` = text/plain).
+const BODIES: &[(&str, &str, Option<&str>, Option<&str>)] = &[
+    ("GET", routes::HEALTH, None, Some("Health")),
+    ("POST", routes::START, None, Some("StartResponse")),
+    ("GET", routes::METRICS, None, None),
+    ("GET", routes::PLUGINS, None, Some("PluginList")),
+    ("GET", routes::PLUGIN, None, Some("PluginInfo")),
+    ("POST", routes::PLUGINS_RELOAD, None, Some("ReloadReport")),
+    ("GET", routes::BACKEND_VOLUMES, None, Some("BackendVolumePage")),
+    (
+        "POST",
+        routes::PUBLISH,
+        Some("PublishRequest"),
+        Some("PublishResponse"),
+    ),
+    (
+        "POST",
+        routes::UNPUBLISH,
+        Some("UnpublishRequest"),
+        Some("UnpublishResponse"),
+    ),
+    ("GET", routes::VOLUMES, None, Some("VolumeList")),
+    (
+        "POST",
+        routes::VOLUMES,
+        Some("CreateVolumeRequest"),
+        Some("CreateVolumeResponse"),
+    ),
+    ("GET", routes::VOLUME, None, Some("VolumeInfo")),
+    ("DELETE", routes::VOLUME, None, Some("DeleteVolumeResponse")),
+    (
+        "POST",
+        routes::VALIDATE,
+        Some("ValidateRequest"),
+        Some("ValidateResponse"),
+    ),
+    (
+        "POST",
+        routes::CAPACITY,
+        Some("CapacityRequest"),
+        Some("CapacityResponse"),
+    ),
+];
+
+#[test]
+fn each_route_carries_its_rust_types() -> Result<()> {
+    let spec = spec()?;
+    let listed: BTreeSet<(&str, &str)> = BODIES.iter().map(|(m, p, _, _)| (*m, *p)).collect();
+    let all: BTreeSet<(&str, &str)> = ALL_ROUTES.iter().copied().collect();
+    ensure!(listed == all, "BODIES in this test must list every route");
+
+    for (method, path, request, response) in BODIES {
+        let op = &spec["paths"][*path][method.to_lowercase()];
+        ensure!(op.is_object(), "{method} {path} missing");
+        let body = &op["requestBody"];
+        match request {
+            None => ensure!(body.is_null(), "{method} {path} takes no body"),
+            Some(schema) => {
+                ensure!(body["required"] == json!(true), "{method} {path}: body required");
+                let got = schema_ref(&body["content"]["application/json"]["schema"]);
+                ensure!(got == Some(*schema), "{method} {path}: request {got:?} != {schema}");
+            }
+        }
+        let ok = &op["responses"]["200"]["content"];
+        match response {
+            None => ensure!(
+                ok["text/plain"]["schema"]["type"] == json!("string"),
+                "{method} {path}: text/plain answer"
+            ),
+            Some(schema) => {
+                let got = schema_ref(&ok["application/json"]["schema"]);
+                ensure!(got == Some(*schema), "{method} {path}: response {got:?} != {schema}");
+            }
+        }
+        // Every route may be refused for a bad token (TCP) or fail internally.
+        for status in ["401", "500"] {
+            ensure!(
+                op["responses"].get(status).is_some(),
+                "{method} {path}: no {status} response"
+            );
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn error_responses_use_the_error_shape_and_statuses() -> Result<()> {
+    let spec = spec()?;
+    let codes: Vec<Value> = ErrorCode::ALL
+        .iter()
+        .map(|code| serde_json::to_value(code))
+        .collect::<Result<_, _>>()?;
+    ensure!(
+        spec["components"]["schemas"]["ErrorCode"]["enum"] == Value::Array(codes),
+        "ErrorCode enum in openapi.yaml != ErrorCode::ALL"
+    );
+
+    let responses = object(&spec["components"]["responses"], "components.responses")?;
+    // Response name → the code its description starts with (`` `not_found`: … ``).
+    let mut code_of = BTreeMap::new();
+    for (name, response) in responses {
+        let description = response["description"].as_str().unwrap_or_default();
+        let code_name = description
+            .strip_prefix('`')
+            .and_then(|rest| rest.split('`').next())
+            .ok_or_else(|| anyhow!("response {name}: description must start with `code`"))?;
+        let code: ErrorCode = serde_json::from_value(json!(code_name))
+            .with_context(|| format!("response {name}: unknown code {code_name}"))?;
+        ensure!(
+            schema_ref(&response["content"]["application/json"]["schema"]) == Some("ErrorBody"),
+            "response {name} is not the ErrorBody shape"
+        );
+        code_of.insert(format!("#/components/responses/{name}"), code);
+    }
+
+    let mut statuses_used = BTreeSet::new();
+    for (path, item) in object(&spec["paths"], "paths")? {
+        for (method, op) in object(item, path)? {
+            if !HTTP_METHODS.contains(&method.as_str()) {
+                continue;
+            }
+            for (status, response) in object(&op["responses"], "responses")? {
+                if status.starts_with('2') {
+                    continue;
+                }
+                let reference = response["$ref"].as_str().unwrap_or_default();
+                let Some(code) = code_of.get(reference) else {
+                    bail!("{method} {path} {status}: not a components/responses error");
+                };
+                ensure!(
+                    status == &code.http_status().to_string(),
+                    "{method} {path}: {status} refers to {reference} ({})",
+                    code.http_status()
+                );
+                statuses_used.insert(code.http_status());
+            }
+        }
+    }
+    let all: BTreeSet<u16> = ErrorCode::ALL.iter().map(|c| c.http_status()).collect();
+    ensure!(statuses_used == all, "statuses used {statuses_used:?} != {all:?}");
+    Ok(())
+}
+
+#[test]
+fn access_modes_and_security_scheme() -> Result<()> {
+    let spec = spec()?;
+    ensure!(
+        spec["components"]["schemas"]["AccessMode"]["enum"] == json!(CapabilitySpec::ACCESS_MODES),
+        "AccessMode enum != CapabilitySpec::ACCESS_MODES"
+    );
+    let scheme = &spec["components"]["securitySchemes"]["bearerAuth"];
+    ensure!(scheme["type"] == json!("http") && scheme["scheme"] == json!("bearer"));
+    // Optional: none on the unix socket, the bearer token on TCP.
+    ensure!(spec["security"] == json!([{}, {"bearerAuth": []}]));
+    Ok(())
+}

@@ -1,0 +1,459 @@
+//! [`CsiServer`]: the engine's front door (Mesos's `CSIServer`).
+//!
+//! It owns the start gate, the plugin table keyed by plugin type, configuration loading and
+//! reloading, and routes each volume operation to the plugin's volume manager. A request for
+//! a type that is not loaded yet loads its config then; a plugin whose initialization failed
+//! is retried on the next request instead of staying dead. Until the gate opens, requests
+//! wait (they are not refused) and no plugin is launched and no CSI call is made.
+//!
+//! It must not parse requests or format responses: the daemon does that.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
+
+use futures::future::BoxFuture;
+use tokio::sync::{Mutex, watch};
+
+use crate::client::{CsiClient, RpcError};
+use crate::config::{self, ConfigDiff, ConfigError, ConfigSet, LoadedConfig, PluginConfig, Service};
+use crate::layout::Layout;
+use crate::metrics::Metrics;
+use crate::service_manager::{ComponentStatus, ManagerError, ManagerOptions, ServiceManager};
+use crate::store::{Store, StoreError};
+use crate::volume::recovery::RecoveryReport;
+use crate::volume::{PluginEndpoints, VolumeConfig, VolumeError, VolumeManager};
+
+/// Settings of the engine.
+#[derive(Clone, Debug)]
+pub struct ServerOptions {
+    pub work_dir: PathBuf,
+    /// Where plugin configs (`*.json`) are read; `None`: no plugins.
+    pub plugin_config_dir: Option<PathBuf>,
+    /// Root of the short socket dirs of managed components.
+    pub socket_root: PathBuf,
+    /// The node id given to plugins unless their config overrides it.
+    pub node_id: String,
+    /// The current boot id (`/proc/sys/kernel/random/boot_id`).
+    pub boot_id: String,
+}
+
+/// Errors of engine operations.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("unknown plugin type {plugin_type:?}: {hint}")]
+    UnknownPlugin { plugin_type: String, hint: String },
+    #[error("plugin {plugin_type}: configuration error: {message}")]
+    PluginConfig {
+        plugin_type: String,
+        message: String,
+    },
+    #[error("plugin {plugin_type} could not be initialized: {message}")]
+    PluginInit {
+        plugin_type: String,
+        message: String,
+    },
+    #[error(transparent)]
+    Volume(#[from] VolumeError),
+    #[error("work dir: {0}")]
+    Store(#[from] StoreError),
+}
+
+/// The endpoints of a managed or unmanaged plugin, through its service manager, which can be
+/// replaced when the plugin's configuration changes while its volumes stay put.
+#[derive(Debug)]
+pub struct ManagedEndpoints {
+    manager: RwLock<Arc<ServiceManager>>,
+}
+
+impl ManagedEndpoints {
+    pub fn new(manager: Arc<ServiceManager>) -> Self {
+        Self {
+            manager: RwLock::new(manager),
+        }
+    }
+
+    pub fn manager(&self) -> Arc<ServiceManager> {
+        match self.manager.read() {
+            Ok(m) => m.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        }
+    }
+
+    fn replace(&self, manager: Arc<ServiceManager>) -> Arc<ServiceManager> {
+        let mut slot = match self.manager.write() {
+            Ok(m) => m,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        std::mem::replace(&mut *slot, manager)
+    }
+}
+
+impl PluginEndpoints for ManagedEndpoints {
+    fn client(&self, service: Service) -> BoxFuture<'_, Result<CsiClient, RpcError>> {
+        let manager = self.manager();
+        Box::pin(async move {
+            match manager.endpoint(service).await {
+                Ok(ready) => Ok(ready.client),
+                // Not ready (starting, restarting, backing off): transient, so the caller
+                // retries with backoff and waits through the restart.
+                Err(err @ ManagerError::NotReady { .. }) => Err(RpcError::transport("connect", err)),
+                Err(err) => Err(RpcError::protocol("connect", err.to_string())),
+            }
+        })
+    }
+
+    fn serves(&self, service: Service) -> bool {
+        config_serves(self.manager().config(), service)
+    }
+}
+
+/// True when some component (or endpoint) of the plugin serves `service`.
+pub fn config_serves(config: &PluginConfig, service: Service) -> bool {
+    match &config.deployment {
+        config::Deployment::Managed(components) => {
+            components.iter().any(|c| c.serves.contains(&service))
+        }
+        config::Deployment::Unmanaged(endpoints) => endpoints.iter().any(|e| e.service == service),
+    }
+}
+
+/// One initialized plugin.
+#[derive(Debug)]
+pub struct Plugin {
+    pub loaded: LoadedConfig,
+    pub endpoints: Arc<ManagedEndpoints>,
+    pub volumes: VolumeManager,
+    pub recovery: RecoveryReport,
+}
+
+impl Plugin {
+    pub fn config(&self) -> &PluginConfig {
+        &self.loaded.config
+    }
+
+    pub fn components(&self) -> Vec<ComponentStatus> {
+        self.endpoints.manager().status()
+    }
+}
+
+/// A plugin as reported by [`CsiServer::plugins`].
+#[derive(Debug)]
+pub struct PluginReport {
+    pub loaded: LoadedConfig,
+    /// `None` until the plugin is first used (or the gate opens).
+    pub plugin: Option<Arc<Plugin>>,
+    /// The last initialization error, if the plugin could not be set up.
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Default)]
+struct Table {
+    /// The configs of the last successful load of each type.
+    configs: ConfigSet,
+    config_errors: Vec<String>,
+    config_error_files: Vec<(PathBuf, String)>,
+    plugins: BTreeMap<String, Arc<Plugin>>,
+    init_errors: BTreeMap<String, String>,
+}
+
+/// The engine.
+#[derive(Clone, Debug)]
+pub struct CsiServer {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    options: ServerOptions,
+    layout: Layout,
+    store: Store,
+    metrics: Arc<Metrics>,
+    started: watch::Sender<bool>,
+    table: Mutex<Table>,
+}
+
+impl CsiServer {
+    /// Creates the engine over a work dir. Makes no CSI call and launches nothing.
+    pub fn new(options: ServerOptions, metrics: Arc<Metrics>) -> Result<Self, ServerError> {
+        let layout = Layout::new(&options.work_dir);
+        let store = Store::open(layout.clone(), Some(metrics.clone()))?;
+        let (started, _) = watch::channel(false);
+        let server = Self {
+            inner: Arc::new(Inner {
+                options,
+                layout,
+                store,
+                metrics,
+                started,
+                table: Mutex::new(Table::default()),
+            }),
+        };
+        Ok(server)
+    }
+
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.inner.metrics
+    }
+
+    pub fn work_dir(&self) -> &Path {
+        &self.inner.options.work_dir
+    }
+
+    pub fn is_started(&self) -> bool {
+        *self.inner.started.borrow()
+    }
+
+    /// Opens the start gate: loads every config and initializes every plugin, which recovers
+    /// its volumes and starts reconciling them. Idempotent; returns true when it opened the
+    /// gate now.
+    pub async fn start(&self) -> bool {
+        let opened = self.inner.started.send_if_modified(|started| {
+            let was = *started;
+            *started = true;
+            !was
+        });
+        if opened {
+            self.reload().await;
+            let types: Vec<String> = {
+                let table = self.inner.table.lock().await;
+                table.configs.plugins.keys().cloned().collect()
+            };
+            for plugin_type in types {
+                if let Err(err) = self.plugin(&plugin_type).await {
+                    tracing::error!(plugin = %plugin_type, error = %err, "plugin not initialized at start; retried on next use");
+                }
+            }
+        }
+        opened
+    }
+
+    /// Waits until the gate is open.
+    pub async fn wait_started(&self) {
+        let mut rx = self.inner.started.subscribe();
+        // The sender lives in `self`, so this cannot fail while we wait.
+        let _ = rx.wait_for(|started| *started).await;
+    }
+
+    /// The plugin of `plugin_type`, initialized on first use. Waits for the gate.
+    pub async fn plugin(&self, plugin_type: &str) -> Result<Arc<Plugin>, ServerError> {
+        self.wait_started().await;
+        let mut table = self.inner.table.lock().await;
+        if let Some(plugin) = table.plugins.get(plugin_type) {
+            return Ok(plugin.clone());
+        }
+        if table.configs.plugins.get(plugin_type).is_none() {
+            // Configs added at run time work without a reload.
+            drop(table);
+            self.reload().await;
+            table = self.inner.table.lock().await;
+            if let Some(plugin) = table.plugins.get(plugin_type) {
+                return Ok(plugin.clone());
+            }
+        }
+        let Some(loaded) = table.configs.plugins.get(plugin_type).cloned() else {
+            let hint = match table
+                .config_error_files
+                .iter()
+                .find(|(_, message)| message.contains(&format!("\"{plugin_type}\"")))
+            {
+                Some((file, message)) => format!("{} failed to load: {message}", file.display()),
+                None => match &self.inner.options.plugin_config_dir {
+                    Some(dir) => format!(
+                        "no config in {} declares it; add a <file>.json with \"type\": \"{plugin_type}\"",
+                        dir.display()
+                    ),
+                    None => "the daemon runs without --plugin-config-dir".to_owned(),
+                },
+            };
+            return Err(ServerError::UnknownPlugin {
+                plugin_type: plugin_type.to_owned(),
+                hint,
+            });
+        };
+        match self.init_plugin(loaded).await {
+            Ok(plugin) => {
+                table.init_errors.remove(plugin_type);
+                table.plugins.insert(plugin_type.to_owned(), plugin.clone());
+                Ok(plugin)
+            }
+            Err(err) => {
+                table
+                    .init_errors
+                    .insert(plugin_type.to_owned(), err.to_string());
+                Err(err)
+            }
+        }
+    }
+
+    async fn init_plugin(&self, loaded: LoadedConfig) -> Result<Arc<Plugin>, ServerError> {
+        let config = &loaded.config;
+        let init_err = |message: String| ServerError::PluginInit {
+            plugin_type: config.plugin_type.clone(),
+            message,
+        };
+        let manager = ServiceManager::new(config.clone(), self.manager_options())
+            .await
+            .map_err(|e| init_err(e.to_string()))?;
+        let endpoints = Arc::new(ManagedEndpoints::new(Arc::new(manager)));
+        let volumes = VolumeManager::new(
+            self.volume_config(config),
+            self.inner.layout.clone(),
+            self.inner.store.clone(),
+            endpoints.clone(),
+            Arc::new(crate::mounts::HostMounter),
+            self.inner.options.boot_id.clone(),
+            Some(self.inner.metrics.clone()),
+        );
+        let recovery = volumes.recover().await?;
+        Ok(Arc::new(Plugin {
+            loaded,
+            endpoints,
+            volumes,
+            recovery,
+        }))
+    }
+
+    fn manager_options(&self) -> ManagerOptions {
+        ManagerOptions {
+            layout: self.inner.layout.clone(),
+            node_id: self.inner.options.node_id.clone(),
+            socket_root: self.inner.options.socket_root.clone(),
+            metrics: self.inner.metrics.clone(),
+        }
+    }
+
+    fn volume_config(&self, config: &PluginConfig) -> VolumeConfig {
+        let mut volume_config = VolumeConfig::new(&config.plugin_type, &config.name);
+        volume_config.target_path_exists = config.target_path_exists;
+        volume_config.node_id = config.node_id.clone();
+        volume_config
+    }
+
+    /// Re-reads the config dir: added plugins become usable, changed ones get new components
+    /// (their volumes stay), removed ones stop once none of their volumes is in use.
+    pub async fn reload(&self) -> (ConfigDiff, Vec<(PathBuf, String)>) {
+        let report = match &self.inner.options.plugin_config_dir {
+            Some(dir) => config::load_dir(dir, Some(&self.inner.metrics)),
+            None => config::LoadReport::default(),
+        };
+        let errors: Vec<(PathBuf, String)> = report
+            .errors
+            .iter()
+            .map(|e: &ConfigError| (e.file().to_path_buf(), e.to_string()))
+            .collect();
+        for (_, message) in &errors {
+            tracing::error!(%message, "plugin config skipped");
+        }
+        let mut table = self.inner.table.lock().await;
+        let diff = ConfigDiff::between(&table.configs, &report);
+        let mut next = report.set.clone();
+        // A file that failed this time keeps its plugin on the old configuration.
+        for plugin_type in &diff.kept_on_error {
+            if let Some(old) = table.configs.plugins.get(plugin_type) {
+                next.plugins.insert(plugin_type.clone(), old.clone());
+            }
+        }
+        for plugin_type in &diff.changed {
+            let Some(plugin) = table.plugins.get(plugin_type).cloned() else {
+                continue;
+            };
+            let Some(loaded) = next.plugins.get(plugin_type).cloned() else {
+                continue;
+            };
+            let same_volume_settings = plugin.config().name == loaded.config.name;
+            if !same_volume_settings {
+                // A renamed plugin lives in another directory: set it up afresh.
+                table.plugins.remove(plugin_type);
+                continue;
+            }
+            match ServiceManager::new(loaded.config.clone(), self.manager_options()).await {
+                Ok(manager) => {
+                    let old = plugin.endpoints.replace(Arc::new(manager));
+                    drop(old);
+                    plugin.volumes.forget_capabilities();
+                    let updated = Arc::new(Plugin {
+                        loaded,
+                        endpoints: plugin.endpoints.clone(),
+                        volumes: plugin.volumes.clone(),
+                        recovery: plugin.recovery.clone(),
+                    });
+                    table.plugins.insert(plugin_type.clone(), updated);
+                    tracing::info!(plugin = %plugin_type, "plugin configuration changed; components replaced");
+                }
+                Err(err) => {
+                    tracing::error!(plugin = %plugin_type, error = %err, "changed plugin not restarted");
+                }
+            }
+        }
+        for plugin_type in &diff.removed {
+            let Some(plugin) = table.plugins.get(plugin_type).cloned() else {
+                continue;
+            };
+            let in_use = plugin
+                .volumes
+                .list()
+                .await
+                .iter()
+                .any(|v| !v.claims.is_empty() || v.state != crate::volume::VolumeState::Created);
+            if in_use {
+                // A node plugin must outlive its volumes (nomad#11614): keep it configured
+                // until they are unpublished.
+                tracing::warn!(plugin = %plugin_type, "plugin config removed but volumes are in use; it keeps running until they are unpublished");
+                if let Some(old) = table.configs.plugins.get(plugin_type) {
+                    next.plugins.insert(plugin_type.clone(), old.clone());
+                }
+                continue;
+            }
+            table.plugins.remove(plugin_type);
+            if let Err(err) = plugin.endpoints.manager().stop().await {
+                tracing::error!(plugin = %plugin_type, error = %err, "removed plugin not stopped cleanly");
+            }
+        }
+        table.configs = next;
+        table.config_errors = errors.iter().map(|(_, m)| m.clone()).collect();
+        table.config_error_files = errors.clone();
+        (diff, errors)
+    }
+
+    /// Every configured plugin, with its state.
+    pub async fn plugins(&self) -> (Vec<PluginReport>, Vec<(PathBuf, String)>) {
+        let table = self.inner.table.lock().await;
+        let reports = table
+            .configs
+            .plugins
+            .iter()
+            .map(|(plugin_type, loaded)| PluginReport {
+                loaded: loaded.clone(),
+                plugin: table.plugins.get(plugin_type).cloned(),
+                error: table.init_errors.get(plugin_type).cloned(),
+            })
+            .collect();
+        (reports, table.config_error_files.clone())
+    }
+
+    /// The plugin if it is initialized, without initializing it or waiting for the gate.
+    pub async fn plugin_if_loaded(&self, plugin_type: &str) -> Option<Arc<Plugin>> {
+        self.inner.table.lock().await.plugins.get(plugin_type).cloned()
+    }
+
+    /// Reads the configs once at startup without opening the gate (for `GET /v1/plugins`).
+    pub async fn load_configs(&self) {
+        let mut table = self.inner.table.lock().await;
+        if !table.configs.plugins.is_empty() {
+            return;
+        }
+        let report = match &self.inner.options.plugin_config_dir {
+            Some(dir) => config::load_dir(dir, Some(&self.inner.metrics)),
+            None => config::LoadReport::default(),
+        };
+        let errors: Vec<(PathBuf, String)> = report
+            .errors
+            .iter()
+            .map(|e| (e.file().to_path_buf(), e.to_string()))
+            .collect();
+        table.configs = report.set;
+        table.config_errors = errors.iter().map(|(_, m)| m.clone()).collect();
+        table.config_error_files = errors;
+    }
+}

@@ -1,0 +1,273 @@
+//! Controller-side operations (the Mesos SLRP's part): create, delete, validate, list and
+//! capacity. Create and delete retry transient errors with backoff (MESOS-9517); a created
+//! volume gets a record so that a later publish uses the context returned at creation.
+//!
+//! This module only speaks to the Controller service and keeps the records of created
+//! volumes; node-side work stays in the volume manager proper.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Instant;
+
+use csi_proto::v1;
+
+use super::{
+    Capability, Origin, VolumeError, VolumeManager, VolumeRecord, VolumeState, retry_transient,
+    to_hash_map, validate_id,
+};
+use crate::config::Service;
+
+/// A volume created through csi-agent.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CreatedVolume {
+    pub volume_id: String,
+    pub capacity_bytes: i64,
+    pub volume_context: BTreeMap<String, String>,
+}
+
+/// One page of the plugin's volumes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VolumePage {
+    pub volumes: Vec<CreatedVolume>,
+    pub next_token: String,
+}
+
+/// The answer of ValidateVolumeCapabilities.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Validation {
+    pub confirmed: bool,
+    pub message: String,
+}
+
+impl VolumeManager {
+    fn require_controller(&self) -> Result<(), VolumeError> {
+        if self.inner.endpoints.serves(Service::Controller) {
+            Ok(())
+        } else {
+            Err(VolumeError::InvalidRequest(format!(
+                "plugin {} has no CONTROLLER_SERVICE component: controller operations need one in its configuration",
+                self.inner.config.plugin_type
+            )))
+        }
+    }
+
+    /// CreateVolume, idempotent by name (the plugin guarantees it; retries rely on it).
+    pub async fn create_volume(
+        &self,
+        name: &str,
+        capacity_bytes: i64,
+        capability: &Capability,
+        parameters: BTreeMap<String, String>,
+        secrets: BTreeMap<String, String>,
+    ) -> Result<CreatedVolume, VolumeError> {
+        validate_id("name", name)?;
+        if capacity_bytes < 0 {
+            return Err(VolumeError::InvalidRequest(format!(
+                "capacity_bytes is {capacity_bytes}: give 0 (plugin default) or a positive size"
+            )));
+        }
+        self.require_controller()?;
+        let deadline = Instant::now() + self.inner.config.operation_timeout;
+        let endpoints = &self.inner.endpoints;
+        let request = v1::CreateVolumeRequest {
+            name: name.to_owned(),
+            capacity_range: (capacity_bytes > 0).then_some(v1::CapacityRange {
+                required_bytes: capacity_bytes,
+                limit_bytes: 0,
+            }),
+            volume_capabilities: vec![capability.to_v1()],
+            parameters: to_hash_map(&parameters),
+            secrets: to_hash_map(&secrets),
+            ..Default::default()
+        };
+        let response = retry_transient(self.inner.config.retry, deadline, || {
+            let request = request.clone();
+            async move {
+                let client = endpoints.client(Service::Controller).await?;
+                client.create_volume(request).await
+            }
+        })
+        .await?;
+        let Some(volume) = response.volume else {
+            return Err(VolumeError::Protocol(
+                "CreateVolume returned no volume".into(),
+            ));
+        };
+        if volume.volume_id.is_empty() {
+            return Err(VolumeError::Protocol(
+                "CreateVolume returned an empty volume_id".into(),
+            ));
+        }
+        validate_id("volume_id returned by CreateVolume", &volume.volume_id)
+            .map_err(|e| VolumeError::Protocol(e.to_string()))?;
+        let created = CreatedVolume {
+            volume_id: volume.volume_id.clone(),
+            capacity_bytes: volume.capacity_bytes,
+            volume_context: volume.volume_context.into_iter().collect(),
+        };
+        let slot = self.slot(&created.volume_id);
+        let mut guard = slot.lock().await;
+        let mut record = guard
+            .record
+            .clone()
+            .unwrap_or_else(|| VolumeRecord::new(&created.volume_id, Origin::Created));
+        record.origin = Origin::Created;
+        record.capacity_bytes = created.capacity_bytes;
+        if record.claims.is_empty() && record.state == VolumeState::Created {
+            record.volume_context = created.volume_context.clone();
+        }
+        self.persist(&mut guard, record).await?;
+        Ok(created)
+    }
+
+    /// DeleteVolume. Refused while the volume is claimed or anything is left on this node.
+    pub async fn delete_volume(
+        &self,
+        volume_id: &str,
+        secrets: BTreeMap<String, String>,
+    ) -> Result<(), VolumeError> {
+        validate_id("volume_id", volume_id)?;
+        self.require_controller()?;
+        let slot = self.slot(volume_id);
+        let mut guard = slot.lock().await;
+        if let Some(record) = &guard.record {
+            if !record.claims.is_empty() || record.state != VolumeState::Created {
+                return Err(VolumeError::Conflict(format!(
+                    "volume {volume_id:?} is {} with {} claim(s): unpublish it before deleting it",
+                    record.state.as_str(),
+                    record.claims.len()
+                )));
+            }
+        }
+        let deadline = Instant::now() + self.inner.config.operation_timeout;
+        let endpoints = &self.inner.endpoints;
+        let request = v1::DeleteVolumeRequest {
+            volume_id: volume_id.to_owned(),
+            secrets: to_hash_map(&secrets),
+        };
+        retry_transient(self.inner.config.retry, deadline, || {
+            let request = request.clone();
+            async move {
+                let client = endpoints.client(Service::Controller).await?;
+                client.delete_volume(request).await
+            }
+        })
+        .await?;
+        if guard.record.is_some() {
+            self.forget(&mut guard, volume_id).await?;
+        }
+        self.cleanup_mount_dir(volume_id);
+        Ok(())
+    }
+
+    pub async fn validate_volume_capabilities(
+        &self,
+        volume_id: &str,
+        capabilities: &[Capability],
+        volume_context: BTreeMap<String, String>,
+        parameters: BTreeMap<String, String>,
+    ) -> Result<Validation, VolumeError> {
+        validate_id("volume_id", volume_id)?;
+        if capabilities.is_empty() {
+            return Err(VolumeError::InvalidRequest(
+                "capabilities is empty: give at least one capability to validate".into(),
+            ));
+        }
+        self.require_controller()?;
+        let deadline = Instant::now() + self.inner.config.operation_timeout;
+        let endpoints = &self.inner.endpoints;
+        let request = v1::ValidateVolumeCapabilitiesRequest {
+            volume_id: volume_id.to_owned(),
+            volume_context: to_hash_map(&volume_context),
+            volume_capabilities: capabilities.iter().map(Capability::to_v1).collect(),
+            parameters: to_hash_map(&parameters),
+            ..Default::default()
+        };
+        let response = retry_transient(self.inner.config.retry, deadline, || {
+            let request = request.clone();
+            async move {
+                let client = endpoints.client(Service::Controller).await?;
+                client.validate_volume_capabilities(request).await
+            }
+        })
+        .await?;
+        Ok(Validation {
+            confirmed: response.confirmed.is_some(),
+            message: response.message,
+        })
+    }
+
+    /// ListVolumes, one page. Duplicate entries from the plugin are dropped (MESOS-9956).
+    pub async fn list_backend_volumes(
+        &self,
+        max_entries: i32,
+        starting_token: &str,
+    ) -> Result<VolumePage, VolumeError> {
+        if max_entries < 0 {
+            return Err(VolumeError::InvalidRequest(format!(
+                "max_entries is {max_entries}: give 0 (no limit) or a positive number"
+            )));
+        }
+        self.require_controller()?;
+        let deadline = Instant::now() + self.inner.config.operation_timeout;
+        let endpoints = &self.inner.endpoints;
+        let request = v1::ListVolumesRequest {
+            max_entries,
+            starting_token: starting_token.to_owned(),
+        };
+        let response = retry_transient(self.inner.config.retry, deadline, || {
+            let request = request.clone();
+            async move {
+                let client = endpoints.client(Service::Controller).await?;
+                client.list_volumes(request).await
+            }
+        })
+        .await?;
+        let mut seen = BTreeSet::new();
+        let mut volumes = Vec::new();
+        for entry in response.entries {
+            let Some(volume) = entry.volume else { continue };
+            if !seen.insert(volume.volume_id.clone()) {
+                tracing::warn!(
+                    plugin = %self.inner.config.plugin_type,
+                    volume_id = %volume.volume_id,
+                    "plugin listed a volume twice; ignoring the duplicate"
+                );
+                continue;
+            }
+            volumes.push(CreatedVolume {
+                volume_id: volume.volume_id,
+                capacity_bytes: volume.capacity_bytes,
+                volume_context: volume.volume_context.into_iter().collect(),
+            });
+        }
+        Ok(VolumePage {
+            volumes,
+            next_token: response.next_token,
+        })
+    }
+
+    /// GetCapacity for the given capabilities and parameters.
+    pub async fn get_capacity(
+        &self,
+        capabilities: &[Capability],
+        parameters: BTreeMap<String, String>,
+    ) -> Result<i64, VolumeError> {
+        self.require_controller()?;
+        let deadline = Instant::now() + self.inner.config.operation_timeout;
+        let endpoints = &self.inner.endpoints;
+        let request = v1::GetCapacityRequest {
+            volume_capabilities: capabilities.iter().map(Capability::to_v1).collect(),
+            parameters: to_hash_map(&parameters),
+            ..Default::default()
+        };
+        let response = retry_transient(self.inner.config.retry, deadline, || {
+            let request = request.clone();
+            async move {
+                let client = endpoints.client(Service::Controller).await?;
+                client.get_capacity(request).await
+            }
+        })
+        .await?;
+        Ok(response.available_capacity)
+    }
+}

@@ -1,0 +1,1080 @@
+//! The volume manager: Mesos's `VolumeManager`, with durable claims.
+//!
+//! It owns every volume of one plugin: the per-volume lock, the in-memory copy of each
+//! record, and the driving of a volume through its lifecycle ([`machine`]) with the intent
+//! of each RPC durable before the RPC and the result durable before the caller is answered
+//! (a step's result and the next step's intent share one write). Claims are the desired
+//! state; the record's state is the actual state; [`VolumeManager::reconcile`] drives each
+//! volume from one toward the other, also after a crash or a reboot ([`recovery`]).
+//!
+//! It must not launch or supervise plugins (it asks [`PluginEndpoints`] for a client) and
+//! must not parse or format the API.
+
+pub mod controller;
+pub mod machine;
+pub mod record;
+pub mod recovery;
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex as StdMutex};
+use std::time::{Duration, Instant};
+
+use csi_proto::v1;
+use futures::future::BoxFuture;
+use serde::{Deserialize, Serialize};
+use tokio::sync::{Mutex, OnceCell};
+
+use crate::backoff::{Backoff, RetryPolicy};
+use crate::client::{CsiClient, CsiVersion, RpcError, RpcErrorKind};
+use crate::config::Service;
+use crate::failpoint;
+use crate::layout::{Layout, encode_id};
+use crate::metrics::{Metrics, OperationLabels};
+use crate::mounts::{MountTable, Mounter};
+use crate::store::{Record, Store, StoreError};
+use machine::{LifecycleCaps, LifecycleRpc, Step, next_step};
+pub use record::{AccessMode, AccessType, Capability, Origin, VolumeRecord, VolumeState};
+
+impl Record for VolumeRecord {
+    const SCHEMA_VERSION: u32 = 1;
+}
+
+/// Gives the volume manager a client for a plugin service, waiting (bounded) for the plugin
+/// to be ready. Implemented by the service manager; tests use fixed sockets.
+pub trait PluginEndpoints: Send + Sync + fmt::Debug {
+    /// A ready client for `service`. Errors are reported as [`RpcError`]s: a plugin that is
+    /// not there (yet) is a transient transport error, so callers retry it like any other.
+    fn client(&self, service: Service) -> BoxFuture<'_, Result<CsiClient, RpcError>>;
+
+    /// True when some component of the plugin serves `service`.
+    fn serves(&self, service: Service) -> bool;
+}
+
+/// Secrets for the node RPCs of one volume. Redacted in `Debug`; stored only in the 0600
+/// secrets file beside the record.
+#[derive(Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeSecrets {
+    #[serde(default)]
+    pub node_stage: BTreeMap<String, String>,
+    #[serde(default)]
+    pub node_publish: BTreeMap<String, String>,
+}
+
+impl VolumeSecrets {
+    pub fn is_empty(&self) -> bool {
+        self.node_stage.is_empty() && self.node_publish.is_empty()
+    }
+}
+
+impl fmt::Debug for VolumeSecrets {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("VolumeSecrets")
+            .field(
+                "node_stage",
+                &format_args!("<redacted {} entries>", self.node_stage.len()),
+            )
+            .field(
+                "node_publish",
+                &format_args!("<redacted {} entries>", self.node_publish.len()),
+            )
+            .finish()
+    }
+}
+
+/// Settings of one plugin's volume manager.
+#[derive(Clone, Debug)]
+pub struct VolumeConfig {
+    pub plugin_type: String,
+    pub plugin_name: String,
+    /// Backoff between retries of transient errors.
+    pub retry: RetryPolicy,
+    /// How long a publish or unpublish request keeps retrying transient errors before it
+    /// answers with the last one (the reconciler goes on after that).
+    pub operation_timeout: Duration,
+    /// Mesos's `target_path_exists`: the CO creates the target even for v1 plugins.
+    pub target_path_exists: bool,
+    /// The node id for ControllerPublish, instead of asking NodeGetInfo.
+    pub node_id: Option<String>,
+}
+
+impl VolumeConfig {
+    pub fn new(plugin_type: &str, plugin_name: &str) -> Self {
+        Self {
+            plugin_type: plugin_type.to_owned(),
+            plugin_name: plugin_name.to_owned(),
+            retry: RetryPolicy::default(),
+            operation_timeout: Duration::from_secs(120),
+            target_path_exists: false,
+            node_id: None,
+        }
+    }
+}
+
+/// A request to publish a volume for a workload.
+#[derive(Clone, Debug)]
+pub struct PublishRequest {
+    pub volume_id: String,
+    pub workload: String,
+    pub capability: Capability,
+    pub readonly: bool,
+    /// `None`: use the context recorded when the volume was created (or none).
+    pub volume_context: Option<BTreeMap<String, String>>,
+    pub secrets: VolumeSecrets,
+    /// An absolute path where csi-agent bind-mounts the target for this workload (read-only
+    /// when the volume is published read-only); undone when the workload unpublishes.
+    pub bind_to: Option<PathBuf>,
+}
+
+/// Where a published volume is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Published {
+    pub target_path: PathBuf,
+    pub state: VolumeState,
+    pub bind_to: Option<PathBuf>,
+}
+
+/// Errors of volume operations, each with what the caller should do.
+#[derive(Debug, thiserror::Error)]
+pub enum VolumeError {
+    /// The request itself is wrong; nothing was changed.
+    #[error("{0}")]
+    InvalidRequest(String),
+    /// The request contradicts the volume's current use; nothing was changed.
+    #[error("{0}")]
+    Conflict(String),
+    /// The plugin answered with a final error (or transient ones until the operation
+    /// timeout); the volume is left in its transient state for the reconciler.
+    #[error("{0}")]
+    Plugin(#[from] RpcError),
+    /// The plugin answered success but broke a rule of the CSI spec.
+    #[error("the plugin broke the CSI spec: {0}")]
+    Protocol(String),
+    #[error("durable state could not be written: {0}")]
+    Store(#[from] StoreError),
+    #[error("file system error on {}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("interrupted by failpoint {0}")]
+    Failpoint(String),
+}
+
+impl From<failpoint::FailpointError> for VolumeError {
+    fn from(err: failpoint::FailpointError) -> Self {
+        VolumeError::Failpoint(err.to_string())
+    }
+}
+
+/// One volume's lock and cached record (`None`: no record on disk).
+#[derive(Debug, Default)]
+struct Slot {
+    record: Option<VolumeRecord>,
+    /// Secrets cached after a publish or first read, so that steps need not re-read the file.
+    secrets: Option<VolumeSecrets>,
+}
+
+/// The volumes of one plugin.
+#[derive(Clone, Debug)]
+pub struct VolumeManager {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    config: VolumeConfig,
+    layout: Layout,
+    store: Store,
+    endpoints: Arc<dyn PluginEndpoints>,
+    mounter: Arc<dyn Mounter>,
+    boot_id: String,
+    metrics: Option<Arc<Metrics>>,
+    slots: StdMutex<HashMap<String, Arc<Mutex<Slot>>>>,
+    /// Asked once, forgotten when the plugin's configuration changes.
+    caps: StdMutex<Option<LifecycleCaps>>,
+    node_id: OnceCell<String>,
+}
+
+/// The longest volume id accepted, in bytes (the CSI spec's size limit for ids).
+pub const MAX_ID_BYTES: usize = 128;
+
+/// Checks an id from a request (volume id or workload); `what` names the field.
+pub fn validate_id(what: &str, id: &str) -> Result<(), VolumeError> {
+    if id.is_empty() {
+        return Err(VolumeError::InvalidRequest(format!(
+            "{what} is empty: give a non-empty id"
+        )));
+    }
+    if id.len() > MAX_ID_BYTES {
+        return Err(VolumeError::InvalidRequest(format!(
+            "{what} is {} bytes long: at most {MAX_ID_BYTES} bytes are allowed",
+            id.len()
+        )));
+    }
+    // Each id becomes one path component; encoding may triple its length.
+    if encode_id(id).len() > 255 {
+        return Err(VolumeError::InvalidRequest(format!(
+            "{what} has too many characters outside [A-Za-z0-9_-]: its on-disk name would exceed 255 bytes"
+        )));
+    }
+    Ok(())
+}
+
+impl VolumeManager {
+    pub fn new(
+        config: VolumeConfig,
+        layout: Layout,
+        store: Store,
+        endpoints: Arc<dyn PluginEndpoints>,
+        mounter: Arc<dyn Mounter>,
+        boot_id: String,
+        metrics: Option<Arc<Metrics>>,
+    ) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                config,
+                layout,
+                store,
+                endpoints,
+                mounter,
+                boot_id,
+                metrics,
+                slots: StdMutex::new(HashMap::new()),
+                caps: StdMutex::new(None),
+                node_id: OnceCell::new(),
+            }),
+        }
+    }
+
+    pub fn config(&self) -> &VolumeConfig {
+        &self.inner.config
+    }
+
+    pub fn target_path(&self, volume_id: &str) -> PathBuf {
+        let c = &self.inner.config;
+        self.inner
+            .layout
+            .target_path(&c.plugin_type, &c.plugin_name, volume_id)
+    }
+
+    pub fn staging_path(&self, volume_id: &str) -> PathBuf {
+        let c = &self.inner.config;
+        self.inner
+            .layout
+            .staging_path(&c.plugin_type, &c.plugin_name, volume_id)
+    }
+
+    fn slot(&self, volume_id: &str) -> Arc<Mutex<Slot>> {
+        let mut slots = lock(&self.inner.slots);
+        slots.entry(volume_id.to_owned()).or_default().clone()
+    }
+
+    /// The record of a volume, as last made durable.
+    pub async fn get(&self, volume_id: &str) -> Option<VolumeRecord> {
+        let slot = self.slot(volume_id);
+        let guard = slot.lock().await;
+        guard.record.clone()
+    }
+
+    /// Every known volume's record, sorted by volume id.
+    pub async fn list(&self) -> Vec<VolumeRecord> {
+        let slots: Vec<Arc<Mutex<Slot>>> = {
+            let slots = lock(&self.inner.slots);
+            slots.values().cloned().collect()
+        };
+        let mut out = Vec::with_capacity(slots.len());
+        for slot in slots {
+            if let Some(record) = &slot.lock().await.record {
+                out.push(record.clone());
+            }
+        }
+        out.sort_by(|a, b| a.volume_id.cmp(&b.volume_id));
+        out
+    }
+
+    /// Publishes a volume for a workload and returns its target path.
+    ///
+    /// The claim is durable before any RPC. Publishing a volume that is already published for
+    /// another workload only adds the claim: it never resets the volume's state. On failure the
+    /// claim this request added is withdrawn and the volume is left for the reconciler to wind
+    /// back.
+    pub async fn publish(&self, request: PublishRequest) -> Result<Published, VolumeError> {
+        let started = Instant::now();
+        let result = self.publish_inner(request).await;
+        self.observe_operation("publish", &result, started);
+        result
+    }
+
+    async fn publish_inner(&self, request: PublishRequest) -> Result<Published, VolumeError> {
+        validate_id("volume_id", &request.volume_id)?;
+        validate_id("workload", &request.workload)?;
+        if !request.readonly && request.capability.access_mode.is_read_only() {
+            return Err(VolumeError::InvalidRequest(format!(
+                "access_mode {} is read-only but readonly is false: set \"readonly\": true or use a writer access mode",
+                access_mode_name(request.capability.access_mode)
+            )));
+        }
+        let slot = self.slot(&request.volume_id);
+        let mut guard = slot.lock().await;
+        let mut record = match guard.record.clone() {
+            Some(record) => record,
+            None => VolumeRecord::new(&request.volume_id, Origin::PreProvisioned),
+        };
+        let in_use = !record.claims.is_empty() || record.state != VolumeState::Created;
+        if in_use {
+            // The first publish fixed how the volume is staged and published; a later one
+            // must agree, or it would silently get something else than it asked for.
+            if record.capability.as_ref() != Some(&request.capability)
+                || record.readonly != request.readonly
+            {
+                return Err(VolumeError::Conflict(format!(
+                    "volume {:?} is already in use with {}; publish it with the same capability and readonly, or unpublish it first",
+                    request.volume_id,
+                    describe_use(&record)
+                )));
+            }
+            if record.claims.contains(&request.workload)
+                && record.state == VolumeState::Published
+                && record.bind_mounts.get(&request.workload) == request.bind_to.as_ref()
+            {
+                return Ok(Published {
+                    target_path: self.target_path(&request.volume_id),
+                    state: record.state,
+                    bind_to: request.bind_to.clone(),
+                });
+            }
+            if let Some(existing) = record.bind_mounts.get(&request.workload) {
+                if request.bind_to.as_ref() != Some(existing) {
+                    return Err(VolumeError::Conflict(format!(
+                        "workload {:?} already has volume {:?} bound at {}; unpublish it first to bind elsewhere",
+                        request.workload,
+                        request.volume_id,
+                        existing.display()
+                    )));
+                }
+            }
+        } else {
+            record.capability = Some(request.capability.clone());
+            record.readonly = request.readonly;
+            if let Some(context) = &request.volume_context {
+                record.volume_context = context.clone();
+            }
+        }
+        // Secrets first: the steps below may need them after a crash.
+        if !request.secrets.is_empty() {
+            let store = self.inner.store.clone();
+            let c = self.inner.config.clone();
+            let secrets = request.secrets.clone();
+            let volume_id = request.volume_id.clone();
+            blocking(move || {
+                store.save_secrets(&c.plugin_type, &c.plugin_name, &volume_id, &secrets)
+            })
+            .await?;
+            record.has_secrets = true;
+            guard.secrets = Some(request.secrets.clone());
+            failpoint::hit("volume.secrets.after_write")?;
+        }
+        let added_claim = record.claims.insert(request.workload.clone());
+        if let Some(bind_to) = &request.bind_to {
+            // The binding is durable with the claim, before anything is mounted.
+            record
+                .bind_mounts
+                .insert(request.workload.clone(), bind_to.clone());
+        }
+        let outcome = self.drive(&mut guard, record, true).await;
+        match outcome {
+            Ok(state) => {
+                failpoint::hit("volume.publish.before_answer")?;
+                Ok(Published {
+                    target_path: self.target_path(&request.volume_id),
+                    state,
+                    bind_to: request.bind_to.clone(),
+                })
+            }
+            Err(err) => {
+                if added_claim {
+                    if let Some(mut record) = guard.record.clone() {
+                        record.claims.remove(&request.workload);
+                        if let Some(bind_to) = record.bind_mounts.remove(&request.workload) {
+                            let _ = self.unbind(&bind_to);
+                        }
+                        record.last_error = Some(err.to_string());
+                        // Best effort: if this write fails, the claim stays and the reconciler
+                        // publishes the volume; a later unpublish for the workload cleans it.
+                        if self.persist(&mut guard, record).await.is_ok() {
+                            self.spawn_reconcile(&request.volume_id);
+                        }
+                    }
+                }
+                Err(err)
+            }
+        }
+    }
+
+    /// Withdraws a workload's claim; when it was the last one, unpublishes (and unstages, and
+    /// controller-unpublishes) the volume. An unknown volume or claim succeeds.
+    pub async fn unpublish(&self, volume_id: &str, workload: &str) -> Result<(), VolumeError> {
+        let started = Instant::now();
+        let result = self.unpublish_inner(volume_id, workload).await;
+        self.observe_operation("unpublish", &result, started);
+        result
+    }
+
+    async fn unpublish_inner(&self, volume_id: &str, workload: &str) -> Result<(), VolumeError> {
+        validate_id("volume_id", volume_id)?;
+        validate_id("workload", workload)?;
+        let slot = self.slot(volume_id);
+        let mut guard = slot.lock().await;
+        let Some(mut record) = guard.record.clone() else {
+            return Ok(());
+        };
+        if let Some(bind_to) = record.bind_mounts.get(workload).cloned() {
+            // The workload's own bind mount goes first; its record entry only once it is gone.
+            self.unbind(&bind_to)?;
+            record.bind_mounts.remove(workload);
+        }
+        record.claims.remove(workload);
+        let up = record.wants_published();
+        self.drive(&mut guard, record, up).await?;
+        Ok(())
+    }
+
+    /// Unmounts a workload's bind mount (and the dir csi-agent created for it, if empty).
+    fn unbind(&self, bind_to: &Path) -> Result<(), VolumeError> {
+        self.inner
+            .mounter
+            .unmount(bind_to)
+            .map_err(|err| VolumeError::Io {
+                path: bind_to.to_path_buf(),
+                source: std::io::Error::other(err.to_string()),
+            })?;
+        failpoint::hit("volume.unbind.after_unmount")?;
+        Ok(())
+    }
+
+    /// Makes sure every recorded bind mount of a published volume exists (after a crash
+    /// between recording and mounting, or after a reboot).
+    fn ensure_binds(&self, record: &VolumeRecord) -> Result<(), VolumeError> {
+        if record.bind_mounts.is_empty() {
+            return Ok(());
+        }
+        let table = mount_table()?;
+        let target = self.target_path(&record.volume_id);
+        for bind_to in record.bind_mounts.values() {
+            if table.is_mount_point(bind_to) {
+                continue;
+            }
+            create_dir_all(bind_to)?;
+            self.inner
+                .mounter
+                .bind_mount(&target, bind_to, record.readonly)
+                .map_err(|err| VolumeError::Io {
+                    path: bind_to.clone(),
+                    source: std::io::Error::other(err.to_string()),
+                })?;
+        }
+        Ok(())
+    }
+
+    /// Drives one volume toward what its claims want (used by recovery and after failures).
+    pub async fn reconcile(&self, volume_id: &str) -> Result<(), VolumeError> {
+        let slot = self.slot(volume_id);
+        let mut guard = slot.lock().await;
+        let Some(record) = guard.record.clone() else {
+            return Ok(());
+        };
+        let up = record.wants_published();
+        self.drive(&mut guard, record, up).await?;
+        Ok(())
+    }
+
+    /// Reconciles a volume in the background, retrying with backoff until it converges.
+    /// A missing plugin never makes it give up (k8s#72500, k8s#120268).
+    pub fn spawn_reconcile(&self, volume_id: &str) {
+        let manager = self.clone();
+        let volume_id = volume_id.to_owned();
+        tokio::spawn(async move {
+            let mut backoff = Backoff::new(manager.inner.config.retry);
+            loop {
+                match manager.reconcile(&volume_id).await {
+                    Ok(()) => return,
+                    Err(err) => {
+                        tracing::warn!(
+                            plugin = %manager.inner.config.plugin_type,
+                            volume_id = %volume_id,
+                            error = %err,
+                            "volume did not converge yet; retrying"
+                        );
+                        tokio::time::sleep(backoff.next_delay()).await;
+                    }
+                }
+            }
+        });
+    }
+
+    /// Drives `record` step by step toward published (`up`) or unpublished. `record` may hold
+    /// changes not yet durable (a new claim, a claim removed): they are written with the first
+    /// intent, or alone if no step is needed.
+    async fn drive(
+        &self,
+        slot: &mut Slot,
+        mut record: VolumeRecord,
+        up: bool,
+    ) -> Result<VolumeState, VolumeError> {
+        let deadline = Instant::now() + self.inner.config.operation_timeout;
+        let mut dirty = slot.record.as_ref() != Some(&record);
+        loop {
+            let caps = if next_step(record.state, up, ALL_CAPS) == Step::Done {
+                // No step needed whatever the plugin can do: don't ask it.
+                ALL_CAPS
+            } else {
+                self.caps(deadline).await?
+            };
+            match next_step(record.state, up, caps) {
+                Step::Done => break,
+                Step::Skip(to) => {
+                    self.after_skip(&record, to)?;
+                    record.state = to;
+                    dirty = true;
+                }
+                Step::Rpc(rpc) => {
+                    let points = rpc.failpoints();
+                    failpoint::hit(points.before_intent)?;
+                    record.state = rpc.intent();
+                    if record.state.is_node_side() {
+                        record.boot_id = Some(self.inner.boot_id.clone());
+                    }
+                    if rpc == LifecycleRpc::ControllerPublish && record.node_id.is_none() {
+                        record.node_id = Some(self.node_id(deadline).await?);
+                    }
+                    self.persist(slot, record.clone()).await?;
+                    failpoint::hit(points.before_rpc)?;
+                    let outcome = self.run_rpc(slot, &mut record, rpc, deadline).await;
+                    failpoint::hit(points.after_rpc)?;
+                    if let Err(err) = outcome {
+                        tracing::warn!(
+                            plugin = %self.inner.config.plugin_type,
+                            volume_id = %record.volume_id,
+                            step = rpc.name(),
+                            error = %err,
+                            "volume step failed; the volume stays in its transient state"
+                        );
+                        return Err(err);
+                    }
+                    record.state = rpc.result();
+                    record.last_error = None;
+                    if rpc == LifecycleRpc::ControllerUnpublish {
+                        record.publish_context.clear();
+                        record.node_id = None;
+                    }
+                    if !record.state.is_node_side() && record.state != VolumeState::VolReady {
+                        record.boot_id = None;
+                    }
+                    dirty = true;
+                }
+            }
+        }
+        if record.claims.is_empty() && record.state == VolumeState::Created {
+            self.cleanup_mount_dir(&record.volume_id);
+            if record.origin == Origin::PreProvisioned {
+                failpoint::hit("volume.record.before_delete")?;
+                self.forget(slot, &record.volume_id).await?;
+                failpoint::hit("volume.record.after_delete")?;
+                return Ok(VolumeState::Created);
+            }
+        }
+        if dirty {
+            failpoint::hit("volume.final.before_write")?;
+            self.persist(slot, record.clone()).await?;
+            failpoint::hit("volume.final.after_write")?;
+        }
+        if record.state == VolumeState::Published {
+            self.ensure_binds(&record)?;
+        }
+        Ok(record.state)
+    }
+
+    /// Runs one lifecycle RPC with retries of transient errors, including the preparation and
+    /// checks the CSI spec puts on the CO around it.
+    async fn run_rpc(
+        &self,
+        slot: &mut Slot,
+        record: &mut VolumeRecord,
+        rpc: LifecycleRpc,
+        deadline: Instant,
+    ) -> Result<(), VolumeError> {
+        let volume_id = record.volume_id.clone();
+        let staging = self.staging_path(&volume_id);
+        let target = self.target_path(&volume_id);
+        let service = match rpc {
+            LifecycleRpc::ControllerPublish | LifecycleRpc::ControllerUnpublish => {
+                Service::Controller
+            }
+            _ => Service::Node,
+        };
+        let secrets = if matches!(rpc, LifecycleRpc::NodeStage | LifecycleRpc::NodePublish) {
+            self.secrets(slot, record).await?
+        } else {
+            VolumeSecrets::default()
+        };
+        let capability = record.capability.as_ref().map(Capability::to_v1);
+        let mut backoff = Backoff::new(self.inner.config.retry);
+        loop {
+            let client = self.inner.endpoints.client(service).await;
+            let attempt = match client {
+                Err(err) => Err(VolumeError::Plugin(err)),
+                Ok(client) => {
+                    self.attempt(
+                        &client,
+                        record,
+                        rpc,
+                        &staging,
+                        &target,
+                        &secrets,
+                        capability.clone(),
+                    )
+                    .await
+                }
+            };
+            match attempt {
+                Ok(()) => return Ok(()),
+                Err(VolumeError::Plugin(err)) if err.is_transient() => {
+                    let delay = backoff.next_delay();
+                    if Instant::now() + delay >= deadline {
+                        return Err(VolumeError::Plugin(err));
+                    }
+                    tracing::debug!(step = rpc.name(), error = %err, ?delay, "transient error; retrying");
+                    tokio::time::sleep(delay).await;
+                }
+                Err(err) => return Err(err),
+            }
+        }
+    }
+
+    /// One attempt of one RPC, with the CO's side of the target path rules (DESIGN.md §5).
+    #[allow(clippy::too_many_arguments)]
+    async fn attempt(
+        &self,
+        client: &CsiClient,
+        record: &mut VolumeRecord,
+        rpc: LifecycleRpc,
+        staging: &Path,
+        target: &Path,
+        secrets: &VolumeSecrets,
+        capability: Option<v1::VolumeCapability>,
+    ) -> Result<(), VolumeError> {
+        let volume_id = record.volume_id.clone();
+        let v0 = client.version() != CsiVersion::V1;
+        let co_creates_target = v0 || self.inner.config.target_path_exists;
+        match rpc {
+            LifecycleRpc::ControllerPublish => {
+                let response = client
+                    .controller_publish_volume(v1::ControllerPublishVolumeRequest {
+                        volume_id,
+                        node_id: record.node_id.clone().unwrap_or_default(),
+                        volume_capability: capability,
+                        readonly: record.readonly,
+                        volume_context: to_hash_map(&record.volume_context),
+                        ..Default::default()
+                    })
+                    .await?;
+                record.publish_context = response.publish_context.into_iter().collect();
+            }
+            LifecycleRpc::ControllerUnpublish => {
+                client
+                    .controller_unpublish_volume(v1::ControllerUnpublishVolumeRequest {
+                        volume_id,
+                        node_id: record.node_id.clone().unwrap_or_default(),
+                        ..Default::default()
+                    })
+                    .await?;
+            }
+            LifecycleRpc::NodeStage => {
+                // "The CO SHALL ensure that the path is directory and that the process serving
+                // the request has read and write permission to it."
+                create_dir_all(staging)?;
+                client
+                    .node_stage_volume(v1::NodeStageVolumeRequest {
+                        volume_id,
+                        publish_context: to_hash_map(&record.publish_context),
+                        staging_target_path: path_string(staging),
+                        volume_capability: capability,
+                        secrets: to_hash_map(&secrets.node_stage),
+                        volume_context: to_hash_map(&record.volume_context),
+                    })
+                    .await?;
+            }
+            LifecycleRpc::NodeUnstage => {
+                client
+                    .node_unstage_volume(v1::NodeUnstageVolumeRequest {
+                        volume_id,
+                        staging_target_path: path_string(staging),
+                    })
+                    .await?;
+                let table = mount_table()?;
+                if table.is_mount_point(staging) {
+                    return Err(VolumeError::Protocol(format!(
+                        "NodeUnstageVolume succeeded but {} is still mounted",
+                        staging.display()
+                    )));
+                }
+                remove_empty_dir(staging)?;
+            }
+            LifecycleRpc::NodePublish => {
+                // v1: "The CO SHALL ensure that the parent directory of this path exists";
+                // the SP creates the target. v0 (and target_path_exists): the CO creates it.
+                if co_creates_target {
+                    create_dir_all(target)?;
+                } else if let Some(parent) = target.parent() {
+                    create_dir_all(parent)?;
+                }
+                let stage_used = self.caps_now().is_some_and(|c| c.stage);
+                client
+                    .node_publish_volume(v1::NodePublishVolumeRequest {
+                        volume_id,
+                        publish_context: to_hash_map(&record.publish_context),
+                        staging_target_path: if stage_used {
+                            path_string(staging)
+                        } else {
+                            String::new()
+                        },
+                        target_path: path_string(target),
+                        volume_capability: capability,
+                        readonly: record.readonly,
+                        secrets: to_hash_map(&secrets.node_publish),
+                        volume_context: to_hash_map(&record.volume_context),
+                    })
+                    .await?;
+                if !target.exists() {
+                    return Err(VolumeError::Protocol(format!(
+                        "NodePublishVolume succeeded but did not create the target path {} (CSI v1: the plugin creates it)",
+                        target.display()
+                    )));
+                }
+            }
+            LifecycleRpc::NodeUnpublish => {
+                client
+                    .node_unpublish_volume(v1::NodeUnpublishVolumeRequest {
+                        volume_id,
+                        target_path: path_string(target),
+                    })
+                    .await?;
+                let table = mount_table()?;
+                if table.is_mount_point(target) {
+                    return Err(VolumeError::Protocol(format!(
+                        "NodeUnpublishVolume succeeded but {} is still mounted",
+                        target.display()
+                    )));
+                }
+                // v1: "the SP MUST delete the file or directory it created at this path". A
+                // plugin that leaves an empty directory is tolerated (real ones do); the CO
+                // removes what it created itself (v0).
+                if target.exists() && !co_creates_target {
+                    tracing::warn!(
+                        plugin = %self.inner.config.plugin_type,
+                        target = %target.display(),
+                        "plugin left the target path after NodeUnpublishVolume (CSI v1 says it must remove it); removing it"
+                    );
+                }
+                remove_empty_dir(target)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Tidies up after a step skipped for lack of a capability.
+    fn after_skip(&self, record: &VolumeRecord, to: VolumeState) -> Result<(), VolumeError> {
+        if to == VolumeState::NodeReady && record.state == VolumeState::VolReady {
+            // Unstage skipped (no STAGE_UNSTAGE_VOLUME): the CO-created staging dir, if any, goes.
+            remove_empty_dir(&self.staging_path(&record.volume_id))?;
+        }
+        Ok(())
+    }
+
+    async fn secrets(
+        &self,
+        slot: &mut Slot,
+        record: &VolumeRecord,
+    ) -> Result<VolumeSecrets, VolumeError> {
+        if !record.has_secrets {
+            return Ok(VolumeSecrets::default());
+        }
+        if let Some(secrets) = &slot.secrets {
+            return Ok(secrets.clone());
+        }
+        let store = self.inner.store.clone();
+        let c = self.inner.config.clone();
+        let volume_id = record.volume_id.clone();
+        let loaded: Option<VolumeSecrets> =
+            blocking(move || store.load_secrets(&c.plugin_type, &c.plugin_name, &volume_id))
+                .await?;
+        let secrets = loaded.unwrap_or_default();
+        slot.secrets = Some(secrets.clone());
+        Ok(secrets)
+    }
+
+    /// Makes `record` durable and the slot's copy.
+    async fn persist(&self, slot: &mut Slot, record: VolumeRecord) -> Result<(), VolumeError> {
+        let store = self.inner.store.clone();
+        let c = self.inner.config.clone();
+        let to_write = record.clone();
+        blocking(move || {
+            store.save_volume(
+                &c.plugin_type,
+                &c.plugin_name,
+                &to_write.volume_id,
+                &to_write,
+            )
+        })
+        .await?;
+        slot.record = Some(record);
+        Ok(())
+    }
+
+    /// Deletes the record (and secrets) of an idle volume.
+    async fn forget(&self, slot: &mut Slot, volume_id: &str) -> Result<(), VolumeError> {
+        let store = self.inner.store.clone();
+        let c = self.inner.config.clone();
+        let id = volume_id.to_owned();
+        blocking(move || store.delete_volume(&c.plugin_type, &c.plugin_name, &id)).await?;
+        slot.record = None;
+        slot.secrets = None;
+        Ok(())
+    }
+
+    /// Removes `mounts/<enc id>/{staging,target}` and the dir itself, when empty and not
+    /// mounted. Never recursive, never across a mount point.
+    fn cleanup_mount_dir(&self, volume_id: &str) {
+        for path in [
+            self.staging_path(volume_id),
+            self.target_path(volume_id),
+            self.volume_mount_dir(volume_id),
+        ] {
+            if let Err(err) = remove_empty_dir(&path) {
+                tracing::warn!(path = %path.display(), error = %err, "mount dir left in place");
+            }
+        }
+    }
+
+    fn volume_mount_dir(&self, volume_id: &str) -> PathBuf {
+        let c = &self.inner.config;
+        self.inner
+            .layout
+            .volume_mount_dir(&c.plugin_type, &c.plugin_name, volume_id)
+    }
+
+    fn caps_now(&self) -> Option<LifecycleCaps> {
+        *lock(&self.inner.caps)
+    }
+
+    /// Forgets the plugin's capabilities (after its configuration changed): they are asked
+    /// again before the next step.
+    pub fn forget_capabilities(&self) {
+        *lock(&self.inner.caps) = None;
+    }
+
+    /// The plugin's lifecycle capabilities, asked once (and retried while it is unavailable).
+    async fn caps(&self, deadline: Instant) -> Result<LifecycleCaps, VolumeError> {
+        if let Some(caps) = self.caps_now() {
+            return Ok(caps);
+        }
+        let endpoints = &self.inner.endpoints;
+        let retry = self.inner.config.retry;
+        let caps = async move {
+            let stage = retry_transient(retry, deadline, || async {
+                let client = endpoints.client(Service::Node).await?;
+                client.node_get_capabilities().await
+            })
+            .await?
+            .contains(&v1::node_service_capability::rpc::Type::StageUnstageVolume);
+            let controller_publish = if endpoints.serves(Service::Controller) {
+                retry_transient(retry, deadline, || async {
+                    let client = endpoints.client(Service::Controller).await?;
+                    client.controller_get_capabilities().await
+                })
+                .await?
+                .contains(&v1::controller_service_capability::rpc::Type::PublishUnpublishVolume)
+            } else {
+                false
+            };
+            Ok::<_, VolumeError>(LifecycleCaps {
+                controller_publish,
+                stage,
+            })
+        }
+        .await?;
+        *lock(&self.inner.caps) = Some(caps);
+        Ok(caps)
+    }
+
+    /// The node id for ControllerPublish: the configured one, or NodeGetInfo's (NodeGetId's on
+    /// CSI 0.2).
+    async fn node_id(&self, deadline: Instant) -> Result<String, VolumeError> {
+        if let Some(id) = &self.inner.config.node_id {
+            return Ok(id.clone());
+        }
+        let endpoints = &self.inner.endpoints;
+        let retry = self.inner.config.retry;
+        self.inner
+            .node_id
+            .get_or_try_init(|| async move {
+                let info = retry_transient(retry, deadline, || async {
+                    let client = endpoints.client(Service::Node).await?;
+                    client.node_get_info().await
+                })
+                .await?;
+                if info.node_id.is_empty() {
+                    return Err(VolumeError::Protocol(
+                        "NodeGetInfo returned an empty node_id".into(),
+                    ));
+                }
+                Ok(info.node_id)
+            })
+            .await
+            .cloned()
+    }
+
+    fn observe_operation<T>(
+        &self,
+        operation: &str,
+        result: &Result<T, VolumeError>,
+        started: Instant,
+    ) {
+        if let Some(metrics) = &self.inner.metrics {
+            metrics
+                .operation_duration
+                .get_or_create(&OperationLabels {
+                    operation: operation.to_owned(),
+                    outcome: if result.is_ok() { "ok" } else { "error" }.to_owned(),
+                })
+                .observe(started.elapsed().as_secs_f64());
+        }
+    }
+}
+
+/// Every capability on: used to ask "is anything left to do at all?" without the plugin.
+const ALL_CAPS: LifecycleCaps = LifecycleCaps {
+    controller_publish: true,
+    stage: true,
+};
+
+/// Retries `call` on transient errors until `deadline`.
+async fn retry_transient<T, F, Fut>(
+    policy: RetryPolicy,
+    deadline: Instant,
+    mut call: F,
+) -> Result<T, VolumeError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, RpcError>>,
+{
+    let mut backoff = Backoff::new(policy);
+    loop {
+        match call().await {
+            Ok(value) => return Ok(value),
+            Err(err) if err.is_transient() => {
+                let delay = backoff.next_delay();
+                if Instant::now() + delay >= deadline {
+                    return Err(err.into());
+                }
+                tokio::time::sleep(delay).await;
+            }
+            Err(err) => return Err(err.into()),
+        }
+    }
+}
+
+/// Runs blocking file-system work (fsync) off the async workers.
+async fn blocking<T, E>(
+    work: impl FnOnce() -> Result<T, E> + Send + 'static,
+) -> Result<T, VolumeError>
+where
+    T: Send + 'static,
+    E: Into<VolumeError> + Send + 'static,
+{
+    match tokio::task::spawn_blocking(work).await {
+        Ok(result) => result.map_err(Into::into),
+        Err(join) => Err(VolumeError::Io {
+            path: PathBuf::new(),
+            source: std::io::Error::other(format!("blocking task failed: {join}")),
+        }),
+    }
+}
+
+fn lock<T>(mutex: &StdMutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // A poisoned lock only means a panicking holder; the data is a plain value.
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn mount_table() -> Result<MountTable, VolumeError> {
+    MountTable::read().map_err(|err| VolumeError::Io {
+        path: PathBuf::from("/proc/self/mountinfo"),
+        source: std::io::Error::other(err.to_string()),
+    })
+}
+
+fn create_dir_all(path: &Path) -> Result<(), VolumeError> {
+    std::fs::create_dir_all(path).map_err(|source| VolumeError::Io {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// Removes `path` if it is an empty directory that is not a mount point; a missing path is
+/// fine. `rmdir` itself refuses non-empty directories and returns EBUSY on a mount point, so
+/// this can never delete data.
+fn remove_empty_dir(path: &Path) -> Result<(), VolumeError> {
+    match std::fs::remove_dir(path) {
+        Ok(()) => Ok(()),
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(source) => Err(VolumeError::Io {
+            path: path.to_path_buf(),
+            source,
+        }),
+    }
+}
+
+fn path_string(path: &Path) -> String {
+    path.to_string_lossy().into_owned()
+}
+
+fn to_hash_map(map: &BTreeMap<String, String>) -> HashMap<String, String> {
+    map.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+}
+
+fn access_mode_name(mode: AccessMode) -> String {
+    serde_json::to_value(mode)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_owned))
+        .unwrap_or_default()
+}
+
+fn describe_use(record: &VolumeRecord) -> String {
+    let mode = record
+        .capability
+        .as_ref()
+        .map(|c| access_mode_name(c.access_mode))
+        .unwrap_or_else(|| "no capability".to_owned());
+    format!(
+        "access_mode {mode}, readonly {}, {} claim(s)",
+        record.readonly,
+        record.claims.len()
+    )
+}
+
+/// True for errors a caller may retry later (plugin unavailable, timeouts).
+pub fn is_transient(err: &VolumeError) -> bool {
+    matches!(err, VolumeError::Plugin(e) if e.is_transient())
+        || matches!(
+            err,
+            VolumeError::Plugin(RpcError {
+                kind: RpcErrorKind::DeadlineExceeded,
+                ..
+            })
+        )
+}

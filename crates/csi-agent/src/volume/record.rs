@@ -1,0 +1,291 @@
+//! The durable volume record: what csi-agent knows about one volume, as written to
+//! `volumes/<enc id>/volume.json`.
+//!
+//! The record holds the *actual* state (the steady or transient state of the lifecycle) and
+//! the *desired* state (the claims). It carries no secrets: those live in the 0600 secrets
+//! file beside it. This module defines data and its conversions only; the volume manager
+//! decides when records change.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use csi_proto::v1;
+use serde::{Deserialize, Serialize};
+
+/// Mesos's `csi.state.VolumeState`: four steady states and one transient state per RPC.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum VolumeState {
+    /// Known (created or pre-provisioned); nothing done on this node.
+    Created,
+    /// ControllerPublish in flight (or its outcome unknown).
+    ControllerPublish,
+    /// ControllerUnpublish in flight (or its outcome unknown).
+    ControllerUnpublish,
+    /// Attached to this node (or no controller publish needed).
+    NodeReady,
+    NodeStage,
+    NodeUnstage,
+    /// Staged (or no staging needed).
+    VolReady,
+    NodePublish,
+    NodeUnpublish,
+    /// Published at the target path.
+    Published,
+}
+
+impl VolumeState {
+    /// Position on the ladder `CREATED(0) … PUBLISHED(6)`: steady states are even, a transient
+    /// state sits between the two steady states its RPC moves between.
+    pub fn level(self) -> u8 {
+        match self {
+            VolumeState::Created => 0,
+            VolumeState::ControllerPublish | VolumeState::ControllerUnpublish => 1,
+            VolumeState::NodeReady => 2,
+            VolumeState::NodeStage | VolumeState::NodeUnstage => 3,
+            VolumeState::VolReady => 4,
+            VolumeState::NodePublish | VolumeState::NodeUnpublish => 5,
+            VolumeState::Published => 6,
+        }
+    }
+
+    pub fn is_transient(self) -> bool {
+        self.level() % 2 == 1
+    }
+
+    /// True when something may exist on this node (a stage or a publish, done or uncertain):
+    /// exactly the states a reboot invalidates.
+    pub fn is_node_side(self) -> bool {
+        self.level() >= 3
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            VolumeState::Created => "CREATED",
+            VolumeState::ControllerPublish => "CONTROLLER_PUBLISH",
+            VolumeState::ControllerUnpublish => "CONTROLLER_UNPUBLISH",
+            VolumeState::NodeReady => "NODE_READY",
+            VolumeState::NodeStage => "NODE_STAGE",
+            VolumeState::NodeUnstage => "NODE_UNSTAGE",
+            VolumeState::VolReady => "VOL_READY",
+            VolumeState::NodePublish => "NODE_PUBLISH",
+            VolumeState::NodeUnpublish => "NODE_UNPUBLISH",
+            VolumeState::Published => "PUBLISHED",
+        }
+    }
+
+    pub const ALL: [VolumeState; 10] = [
+        VolumeState::Created,
+        VolumeState::ControllerPublish,
+        VolumeState::ControllerUnpublish,
+        VolumeState::NodeReady,
+        VolumeState::NodeStage,
+        VolumeState::NodeUnstage,
+        VolumeState::VolReady,
+        VolumeState::NodePublish,
+        VolumeState::NodeUnpublish,
+        VolumeState::Published,
+    ];
+}
+
+/// CSI access modes, spelled as in the spec.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum AccessMode {
+    SingleNodeWriter,
+    SingleNodeReaderOnly,
+    MultiNodeReaderOnly,
+    MultiNodeSingleWriter,
+    MultiNodeMultiWriter,
+    SingleNodeSingleWriter,
+    SingleNodeMultiWriter,
+}
+
+impl AccessMode {
+    /// Modes under which a workload can never write: publishing read-write contradicts them.
+    pub fn is_read_only(self) -> bool {
+        matches!(
+            self,
+            AccessMode::SingleNodeReaderOnly | AccessMode::MultiNodeReaderOnly
+        )
+    }
+
+    fn to_v1(self) -> v1::volume_capability::access_mode::Mode {
+        use v1::volume_capability::access_mode::Mode;
+        match self {
+            AccessMode::SingleNodeWriter => Mode::SingleNodeWriter,
+            AccessMode::SingleNodeReaderOnly => Mode::SingleNodeReaderOnly,
+            AccessMode::MultiNodeReaderOnly => Mode::MultiNodeReaderOnly,
+            AccessMode::MultiNodeSingleWriter => Mode::MultiNodeSingleWriter,
+            AccessMode::MultiNodeMultiWriter => Mode::MultiNodeMultiWriter,
+            AccessMode::SingleNodeSingleWriter => Mode::SingleNodeSingleWriter,
+            AccessMode::SingleNodeMultiWriter => Mode::SingleNodeMultiWriter,
+        }
+    }
+}
+
+/// How the volume is accessed: a mounted file system or a raw block device.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AccessType {
+    Mount {
+        #[serde(default)]
+        fs_type: String,
+        /// Mount flags may be sensitive (they can carry credentials): never logged.
+        #[serde(default)]
+        mount_flags: Vec<String>,
+    },
+    Block {},
+}
+
+/// A CSI `VolumeCapability` in csi-agent's own, stable JSON shape.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Capability {
+    #[serde(flatten)]
+    pub access_type: AccessType,
+    pub access_mode: AccessMode,
+}
+
+impl Capability {
+    pub fn to_v1(&self) -> v1::VolumeCapability {
+        let access_type = match &self.access_type {
+            AccessType::Mount {
+                fs_type,
+                mount_flags,
+            } => v1::volume_capability::AccessType::Mount(v1::volume_capability::MountVolume {
+                fs_type: fs_type.clone(),
+                mount_flags: mount_flags.clone(),
+                ..Default::default()
+            }),
+            AccessType::Block {} => {
+                v1::volume_capability::AccessType::Block(v1::volume_capability::BlockVolume {})
+            }
+        };
+        v1::VolumeCapability {
+            access_type: Some(access_type),
+            access_mode: Some(v1::volume_capability::AccessMode {
+                mode: self.access_mode.to_v1().into(),
+            }),
+        }
+    }
+}
+
+/// Where a volume came from: created through csi-agent (kept until deleted) or given by the
+/// caller (pre-provisioned: forgotten once nothing claims it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Origin {
+    PreProvisioned,
+    Created,
+}
+
+/// One volume's durable record.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeRecord {
+    pub volume_id: String,
+    pub state: VolumeState,
+    pub origin: Origin,
+    /// Workloads that want the volume published: the desired state.
+    #[serde(default)]
+    pub claims: BTreeSet<String>,
+    /// The capability the volume is (being) staged and published with; `None` until the first
+    /// publish of a created volume.
+    #[serde(default)]
+    pub capability: Option<Capability>,
+    #[serde(default)]
+    pub readonly: bool,
+    #[serde(default)]
+    pub volume_context: BTreeMap<String, String>,
+    /// From ControllerPublish, passed to NodeStage and NodePublish.
+    #[serde(default)]
+    pub publish_context: BTreeMap<String, String>,
+    /// The node id ControllerPublish was called with (needed for the matching unpublish).
+    #[serde(default)]
+    pub node_id: Option<String>,
+    /// The boot the node-side state belongs to; a different boot id at recovery means every
+    /// mount vanished with a reboot.
+    #[serde(default)]
+    pub boot_id: Option<String>,
+    /// Capacity reported at creation (0 when unknown).
+    #[serde(default)]
+    pub capacity_bytes: i64,
+    /// True when a secrets file exists beside the record.
+    #[serde(default)]
+    pub has_secrets: bool,
+    /// Paths where csi-agent bind-mounts the target for a workload (`bind_to`), by workload.
+    /// Recorded with the claim, before the mount, so that a crash never leaks one.
+    #[serde(default)]
+    pub bind_mounts: BTreeMap<String, std::path::PathBuf>,
+    /// The last final error met while driving the volume, for operators.
+    #[serde(default)]
+    pub last_error: Option<String>,
+}
+
+impl VolumeRecord {
+    pub fn new(volume_id: &str, origin: Origin) -> Self {
+        Self {
+            volume_id: volume_id.to_owned(),
+            state: VolumeState::Created,
+            origin,
+            claims: BTreeSet::new(),
+            capability: None,
+            readonly: false,
+            volume_context: BTreeMap::new(),
+            publish_context: BTreeMap::new(),
+            node_id: None,
+            boot_id: None,
+            capacity_bytes: 0,
+            has_secrets: false,
+            bind_mounts: BTreeMap::new(),
+            last_error: None,
+        }
+    }
+
+    /// The state the claims ask for.
+    pub fn wants_published(&self) -> bool {
+        !self.claims.is_empty()
+    }
+
+    /// True when nothing remains to undo and nothing claims the volume: a pre-provisioned
+    /// volume in this condition is forgotten.
+    pub fn is_idle(&self) -> bool {
+        self.claims.is_empty() && self.state == VolumeState::Created
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn levels_put_each_transient_between_its_steady_states() {
+        for state in VolumeState::ALL {
+            let steady = matches!(
+                state,
+                VolumeState::Created
+                    | VolumeState::NodeReady
+                    | VolumeState::VolReady
+                    | VolumeState::Published
+            );
+            assert_eq!(state.is_transient(), !steady, "{state:?}");
+        }
+    }
+
+    #[test]
+    fn record_json_is_stable() {
+        let mut record = VolumeRecord::new("vol/1", Origin::PreProvisioned);
+        record.claims.insert("w1".into());
+        record.capability = Some(Capability {
+            access_type: AccessType::Mount {
+                fs_type: "ext4".into(),
+                mount_flags: vec![],
+            },
+            access_mode: AccessMode::SingleNodeWriter,
+        });
+        let json = serde_json::to_value(&record).unwrap_or_default();
+        assert_eq!(json["state"], "CREATED");
+        assert_eq!(json["capability"]["mount"]["fs_type"], "ext4");
+        assert_eq!(json["capability"]["access_mode"], "SINGLE_NODE_WRITER");
+        let back: VolumeRecord = serde_json::from_value(json).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(back, record);
+    }
+}

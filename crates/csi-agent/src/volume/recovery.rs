@@ -1,0 +1,150 @@
+//! Recovery of one plugin's volumes from disk after a restart of csi-agent or of the node.
+//!
+//! Recovery is declarative: it loads every record (moving unreadable ones aside), resets the
+//! node-side states of records written before a reboot (every mount vanished with it),
+//! confirms the records against the live mount table, and hands every volume whose actual
+//! state differs from what its claims want to the background reconciler, which keeps retrying
+//! while the plugin is absent. It then removes empty, unmounted mount dirs that no record
+//! owns. It never deletes across a mount point and never drops a volume because the plugin
+//! is missing.
+
+use std::time::Instant;
+
+use super::{VolumeError, VolumeManager, VolumeRecord, VolumeState, blocking, mount_table};
+use crate::layout::decode_id;
+use crate::store::LoadAll;
+
+/// What recovery found.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RecoveryReport {
+    /// Records loaded.
+    pub records: usize,
+    /// Unreadable records (moved aside) and other problems, one line each.
+    pub problems: Vec<String>,
+    /// Records whose node-side state was reset because the node rebooted.
+    pub reset_by_reboot: usize,
+    /// Records corrected because the mount table showed a mount they did not expect.
+    pub corrected_by_mount_table: usize,
+    /// Volumes handed to the reconciler.
+    pub reconciling: Vec<String>,
+    /// Mount dirs without a record that still hold a mount (left alone, reported).
+    pub stray_mounts: Vec<String>,
+}
+
+impl VolumeManager {
+    /// Loads and repairs every record, then starts reconciling the volumes that need it.
+    pub async fn recover(&self) -> Result<RecoveryReport, VolumeError> {
+        let started = Instant::now();
+        let store = self.inner.store.clone();
+        let c = self.inner.config.clone();
+        let loaded: LoadAll<VolumeRecord> =
+            blocking(move || store.load_all(&c.plugin_type, &c.plugin_name)).await?;
+        let mut report = RecoveryReport {
+            records: loaded.records.len(),
+            problems: loaded.problems.iter().map(ToString::to_string).collect(),
+            ..RecoveryReport::default()
+        };
+        for problem in &report.problems {
+            tracing::error!(plugin = %self.inner.config.plugin_type, %problem, "volume record unreadable");
+        }
+        let table = mount_table()?;
+        for entry in loaded.records {
+            let mut record = entry.record;
+            // The directory name is the truth for which volume this is.
+            record.volume_id = entry.volume_id;
+            let mut changed = false;
+            let rebooted = record
+                .boot_id
+                .as_deref()
+                .is_some_and(|boot| boot != self.inner.boot_id);
+            if rebooted && record.state.is_node_side() {
+                // Every mount vanished with the reboot; the controller side (an attachment
+                // to this node) did not.
+                record.state = VolumeState::NodeReady;
+                record.boot_id = None;
+                report.reset_by_reboot += 1;
+                changed = true;
+            }
+            // A mount the record does not account for: make the step uncertain, so that the
+            // reconciler completes it or undoes it instead of leaking it.
+            let target_mounted = table.is_mount_point(&self.target_path(&record.volume_id));
+            let staging_mounted = table.is_mount_point(&self.staging_path(&record.volume_id));
+            if target_mounted && record.state.level() < VolumeState::NodePublish.level() {
+                record.state = VolumeState::NodePublish;
+                record.boot_id = Some(self.inner.boot_id.clone());
+                report.corrected_by_mount_table += 1;
+                changed = true;
+            } else if staging_mounted && record.state.level() < VolumeState::NodeStage.level() {
+                record.state = VolumeState::NodeStage;
+                record.boot_id = Some(self.inner.boot_id.clone());
+                report.corrected_by_mount_table += 1;
+                changed = true;
+            }
+            let needs_work = record.state.is_transient()
+                || (record.wants_published() && record.state != VolumeState::Published)
+                || (!record.wants_published()
+                    && (record.state != VolumeState::Created
+                        || record.origin == super::Origin::PreProvisioned));
+            let volume_id = record.volume_id.clone();
+            let slot = self.slot(&volume_id);
+            let mut guard = slot.lock().await;
+            if changed {
+                self.persist(&mut guard, record).await?;
+            } else {
+                guard.record = Some(record);
+            }
+            drop(guard);
+            if needs_work {
+                report.reconciling.push(volume_id.clone());
+                self.spawn_reconcile(&volume_id);
+            }
+        }
+        report.stray_mounts = self.collect_garbage(&table).await;
+        if let Some(metrics) = &self.inner.metrics {
+            metrics
+                .recovery_seconds
+                .set(started.elapsed().as_secs_f64());
+        }
+        tracing::info!(
+            plugin = %self.inner.config.plugin_type,
+            records = report.records,
+            problems = report.problems.len(),
+            reset_by_reboot = report.reset_by_reboot,
+            reconciling = report.reconciling.len(),
+            "volumes recovered"
+        );
+        Ok(report)
+    }
+
+    /// Removes mount dirs that no record owns when they are empty and unmounted; reports the
+    /// ones that hold a mount.
+    async fn collect_garbage(&self, table: &crate::mounts::MountTable) -> Vec<String> {
+        let c = &self.inner.config;
+        let mounts_dir = self.inner.layout.mounts_dir(&c.plugin_type, &c.plugin_name);
+        let Ok(entries) = std::fs::read_dir(&mounts_dir) else {
+            return Vec::new();
+        };
+        let mut stray = Vec::new();
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let Some(volume_id) = name.to_str().and_then(decode_id) else {
+                continue;
+            };
+            if self.get(&volume_id).await.is_some() {
+                continue;
+            }
+            let dir = entry.path();
+            if !table.mounts_under(&dir).is_empty() {
+                tracing::error!(
+                    plugin = %c.plugin_type,
+                    dir = %dir.display(),
+                    "mount without a volume record; left in place (see docs/operations.md: stray mounts)"
+                );
+                stray.push(volume_id);
+                continue;
+            }
+            self.cleanup_mount_dir(&volume_id);
+        }
+        stray
+    }
+}

@@ -1,0 +1,472 @@
+//! The HTTP/JSON API (DESIGN.md §7): routes, request parsing and response formatting. Every
+//! handler parses, calls the engine, and formats; behaviour stays in the engine.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{Path as UrlPath, Query, Request, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use csi_agent::server::CsiServer;
+use csi_agent::metrics::ComponentLabels;
+use csi_agent::runtime::RuntimeHandle;
+use csi_agent::service_manager::ComponentState;
+use csi_agent::volume::{PublishRequest, VolumeSecrets};
+use csi_agent_api as api;
+use serde::de::DeserializeOwned;
+
+use crate::convert::{self, ApiFailure};
+
+#[derive(Clone, Debug)]
+pub struct AppState {
+    pub server: CsiServer,
+}
+
+impl IntoResponse for ApiFailure {
+    fn into_response(self) -> Response {
+        let status = StatusCode::from_u16(self.0.code.http_status())
+            .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        (status, Json(self.0)).into_response()
+    }
+}
+
+type ApiResult<T> = Result<Json<T>, ApiFailure>;
+
+/// Parses a JSON body with a message that names the route and the problem.
+fn parse_body<T: DeserializeOwned>(route: &str, body: &Bytes) -> Result<T, ApiFailure> {
+    serde_json::from_slice(body).map_err(|err| {
+        ApiFailure::invalid(format!(
+            "request body of {route} is not valid: {err}; see docs/api.md for the expected fields"
+        ))
+    })
+}
+
+/// All routes of the API.
+pub fn router(state: AppState) -> Router {
+    use api::routes;
+    Router::new()
+        .route(routes::HEALTH, get(health))
+        .route(routes::START, post(start))
+        .route(routes::METRICS, get(metrics))
+        .route(routes::PLUGINS, get(plugins))
+        .route(routes::PLUGIN, get(plugin))
+        .route(routes::PLUGINS_RELOAD, post(reload))
+        .route(routes::BACKEND_VOLUMES, get(backend_volumes))
+        .route(routes::PUBLISH, post(publish))
+        .route(routes::UNPUBLISH, post(unpublish))
+        .route(routes::VOLUMES, get(volumes).post(create_volume))
+        .route(routes::VOLUME, get(volume).delete(delete_volume))
+        .route(routes::VALIDATE, post(validate))
+        .route(routes::CAPACITY, post(capacity))
+        .fallback(not_found)
+        .with_state(state)
+}
+
+/// Requires `Authorization: Bearer <token>` (TCP listener only), compared in constant time.
+pub async fn require_token(
+    State(token): State<Arc<String>>,
+    headers: HeaderMap,
+    request: Request,
+    next: Next,
+) -> Response {
+    use subtle::ConstantTimeEq;
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    let ok: bool = given.as_bytes().ct_eq(token.as_bytes()).into();
+    if ok && !given.is_empty() {
+        next.run(request).await
+    } else {
+        ApiFailure::new(
+            api::ErrorCode::Unauthorized,
+            "missing or wrong bearer token: send \"Authorization: Bearer <token>\" with the token from the daemon's --token-file",
+        )
+        .into_response()
+    }
+}
+
+async fn not_found() -> ApiFailure {
+    ApiFailure::new(
+        api::ErrorCode::NotFound,
+        "no such route; see docs/api.md for the routes of this API",
+    )
+}
+
+async fn health(State(state): State<AppState>) -> Json<api::Health> {
+    Json(api::Health {
+        status: "ok".to_owned(),
+        started: state.server.is_started(),
+        version: env!("CARGO_PKG_VERSION").to_owned(),
+    })
+}
+
+async fn start(State(state): State<AppState>) -> Json<api::StartResponse> {
+    let opened_now = state.server.start().await;
+    Json(api::StartResponse {
+        started: true,
+        opened_now,
+    })
+}
+
+async fn metrics(State(state): State<AppState>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        state.server.metrics().encode(),
+    )
+        .into_response()
+}
+
+async fn plugin_infos(state: &AppState) -> api::PluginList {
+    state.server.load_configs().await;
+    let (reports, errors) = state.server.plugins().await;
+    let mut plugins = Vec::new();
+    for report in reports {
+        let config = &report.loaded.config;
+        let (components, volumes, csi_version, ready) = match &report.plugin {
+            None => (Vec::new(), 0, None, false),
+            Some(plugin) => {
+                let statuses = plugin.components();
+                let mut version = None;
+                let ready = !statuses.is_empty()
+                    && statuses
+                        .iter()
+                        .all(|s| matches!(s.state, ComponentState::Ready(_)));
+                let components = statuses
+                    .iter()
+                    .map(|s| {
+                        let (pid, endpoint) = match &s.state {
+                            ComponentState::Ready(ready) => {
+                                version = Some(ready.version.as_str().to_owned());
+                                (
+                                    ready.handle.as_ref().and_then(|h| match h {
+                                        RuntimeHandle::Process { pid, .. } => u32::try_from(*pid).ok(),
+                                    }),
+                                    Some(ready.socket.to_string_lossy().into_owned()),
+                                )
+                            }
+                            _ => (None, None),
+                        };
+                        api::ComponentInfo {
+                            id: s.component.clone(),
+                            services: s.serves.iter().map(|x| x.as_str().to_owned()).collect(),
+                            ready: matches!(s.state, ComponentState::Ready(_)),
+                            pid,
+                            endpoint,
+                            restarts: component_restarts(state, &config.plugin_type, &s.component),
+                        }
+                    })
+                    .collect();
+                let volumes = plugin.volumes.list().await.len();
+                (components, volumes, version, ready)
+            }
+        };
+        let state_name = if report.error.is_some() {
+            "failed"
+        } else if ready {
+            "ready"
+        } else if report.plugin.is_some() {
+            "starting"
+        } else {
+            "not_started"
+        };
+        plugins.push(api::PluginInfo {
+            plugin_type: config.plugin_type.clone(),
+            name: config.name.clone(),
+            managed: config.is_managed(),
+            state: state_name.to_owned(),
+            csi_version,
+            config_file: report.loaded.file.to_string_lossy().into_owned(),
+            error: report.error.clone(),
+            components,
+            volumes,
+        });
+    }
+    api::PluginList {
+        plugins,
+        config_errors: config_errors(errors),
+    }
+}
+
+/// Restarts of a component, as counted in the metrics.
+fn component_restarts(state: &AppState, plugin_type: &str, component: &str) -> u64 {
+    state
+        .server
+        .metrics()
+        .component_restarts
+        .get(&ComponentLabels {
+            plugin: plugin_type.to_owned(),
+            component: component.to_owned(),
+        })
+        .map(|c| c.get())
+        .unwrap_or(0)
+}
+
+fn config_errors(errors: Vec<(PathBuf, String)>) -> Vec<api::ConfigErrorInfo> {
+    errors
+        .into_iter()
+        .map(|(file, message)| api::ConfigErrorInfo {
+            file: file.to_string_lossy().into_owned(),
+            message,
+        })
+        .collect()
+}
+
+async fn plugins(State(state): State<AppState>) -> Json<api::PluginList> {
+    Json(plugin_infos(&state).await)
+}
+
+async fn plugin(
+    State(state): State<AppState>,
+    UrlPath(plugin_type): UrlPath<String>,
+) -> ApiResult<api::PluginInfo> {
+    plugin_infos(&state)
+        .await
+        .plugins
+        .into_iter()
+        .find(|p| p.plugin_type == plugin_type)
+        .map(Json)
+        .ok_or_else(|| {
+            ApiFailure::new(
+                api::ErrorCode::NotFound,
+                format!("unknown plugin type {plugin_type:?}: GET /v1/plugins lists the configured ones"),
+            )
+        })
+}
+
+async fn reload(State(state): State<AppState>) -> Json<api::ReloadReport> {
+    let (diff, errors) = state.server.reload().await;
+    Json(api::ReloadReport {
+        added: diff.added,
+        changed: diff.changed,
+        removed: diff.removed,
+        config_errors: config_errors(errors),
+    })
+}
+
+async fn publish(State(state): State<AppState>, body: Bytes) -> ApiResult<api::PublishResponse> {
+    let request: api::PublishRequest = parse_body("POST /v1/volumes/publish", &body)?;
+    if request.plugin.is_empty() {
+        return Err(ApiFailure::invalid("plugin is empty: give the plugin's type"));
+    }
+    let capability = convert::capability(&request.capability)?;
+    let bind_to = match &request.bind_to {
+        None => None,
+        Some(path) if path.starts_with('/') => Some(PathBuf::from(path)),
+        Some(path) => {
+            return Err(ApiFailure::invalid(format!(
+                "bind_to {path:?} is not an absolute path"
+            )));
+        }
+    };
+    let secrets = request.secrets.clone().unwrap_or_default();
+    let plugin = state.server.plugin(&request.plugin).await?;
+    let published = plugin
+        .volumes
+        .publish(PublishRequest {
+            volume_id: request.volume_id.clone(),
+            workload: request.workload.clone(),
+            capability,
+            readonly: request.readonly,
+            volume_context: request.volume_context.clone(),
+            secrets: VolumeSecrets {
+                node_stage: secrets.node_stage,
+                node_publish: secrets.node_publish,
+            },
+            bind_to,
+        })
+        .await?;
+    let work_dir = state.server.work_dir();
+    Ok(Json(api::PublishResponse {
+        target_path: published.target_path.to_string_lossy().into_owned(),
+        target_path_relative: convert::relative(work_dir, &published.target_path),
+        state: published.state.as_str().to_owned(),
+        bind_to: published.bind_to.map(|p| p.to_string_lossy().into_owned()),
+    }))
+}
+
+async fn unpublish(
+    State(state): State<AppState>,
+    body: Bytes,
+) -> ApiResult<api::UnpublishResponse> {
+    let request: api::UnpublishRequest = parse_body("POST /v1/volumes/unpublish", &body)?;
+    let plugin = state.server.plugin(&request.plugin).await?;
+    plugin
+        .volumes
+        .unpublish(&request.volume_id, &request.workload)
+        .await?;
+    let state_name = plugin
+        .volumes
+        .get(&request.volume_id)
+        .await
+        .map(|r| r.state.as_str().to_owned())
+        .unwrap_or_else(|| "UNKNOWN".to_owned());
+    Ok(Json(api::UnpublishResponse { state: state_name }))
+}
+
+async fn volumes(State(state): State<AppState>) -> ApiResult<api::VolumeList> {
+    state.server.wait_started().await;
+    let (reports, _) = state.server.plugins().await;
+    let mut volumes = Vec::new();
+    for report in reports {
+        let plugin_type = &report.loaded.config.plugin_type;
+        let Some(plugin) = state.server.plugin_if_loaded(plugin_type).await else {
+            continue;
+        };
+        for record in plugin.volumes.list().await {
+            let target = plugin.volumes.target_path(&record.volume_id);
+            volumes.push(convert::volume_info(
+                plugin_type,
+                &record,
+                &target,
+                state.server.work_dir(),
+            ));
+        }
+    }
+    Ok(Json(api::VolumeList { volumes }))
+}
+
+async fn volume(
+    State(state): State<AppState>,
+    UrlPath((plugin_type, volume_id)): UrlPath<(String, String)>,
+) -> ApiResult<api::VolumeInfo> {
+    let plugin = state.server.plugin(&plugin_type).await?;
+    let record = plugin.volumes.get(&volume_id).await.ok_or_else(|| {
+        ApiFailure::new(
+            api::ErrorCode::NotFound,
+            format!("plugin {plugin_type} has no volume {volume_id:?} on this node"),
+        )
+    })?;
+    let target = plugin.volumes.target_path(&volume_id);
+    Ok(Json(convert::volume_info(
+        &plugin_type,
+        &record,
+        &target,
+        state.server.work_dir(),
+    )))
+}
+
+async fn create_volume(
+    State(state): State<AppState>,
+    body: Bytes,
+) -> Result<(StatusCode, Json<api::CreateVolumeResponse>), ApiFailure> {
+    let request: api::CreateVolumeRequest = parse_body("POST /v1/volumes", &body)?;
+    let capability = convert::capability(&request.capability)?;
+    let plugin = state.server.plugin(&request.plugin).await?;
+    let created = plugin
+        .volumes
+        .create_volume(
+            &request.name,
+            request.capacity_bytes,
+            &capability,
+            request.parameters,
+            BTreeMap::new(),
+        )
+        .await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(api::CreateVolumeResponse {
+            volume_id: created.volume_id,
+            capacity_bytes: created.capacity_bytes,
+            volume_context: created.volume_context,
+        }),
+    ))
+}
+
+async fn delete_volume(
+    State(state): State<AppState>,
+    UrlPath((plugin_type, volume_id)): UrlPath<(String, String)>,
+) -> ApiResult<api::DeleteVolumeResponse> {
+    let plugin = state.server.plugin(&plugin_type).await?;
+    plugin
+        .volumes
+        .delete_volume(&volume_id, BTreeMap::new())
+        .await?;
+    Ok(Json(api::DeleteVolumeResponse { deleted: true }))
+}
+
+async fn validate(State(state): State<AppState>, body: Bytes) -> ApiResult<api::ValidateResponse> {
+    let request: api::ValidateRequest = parse_body("POST /v1/volumes/validate", &body)?;
+    let capabilities = request
+        .capabilities
+        .iter()
+        .map(convert::capability)
+        .collect::<Result<Vec<_>, _>>()?;
+    let plugin = state.server.plugin(&request.plugin).await?;
+    let validation = plugin
+        .volumes
+        .validate_volume_capabilities(
+            &request.volume_id,
+            &capabilities,
+            request.volume_context,
+            request.parameters,
+        )
+        .await?;
+    Ok(Json(api::ValidateResponse {
+        confirmed: validation.confirmed,
+        message: validation.message,
+    }))
+}
+
+#[derive(Debug, serde::Deserialize)]
+struct PageQuery {
+    #[serde(default)]
+    max_entries: i32,
+    #[serde(default)]
+    starting_token: String,
+}
+
+async fn backend_volumes(
+    State(state): State<AppState>,
+    UrlPath(plugin_type): UrlPath<String>,
+    query: Result<Query<PageQuery>, axum::extract::rejection::QueryRejection>,
+) -> ApiResult<api::BackendVolumePage> {
+    let Query(query) = query.map_err(|e| {
+        ApiFailure::invalid(format!(
+            "query of GET /v1/plugins/{{type}}/backend-volumes is not valid: {e}; use max_entries=<number>&starting_token=<token>"
+        ))
+    })?;
+    let plugin = state.server.plugin(&plugin_type).await?;
+    let page = plugin
+        .volumes
+        .list_backend_volumes(query.max_entries, &query.starting_token)
+        .await?;
+    Ok(Json(api::BackendVolumePage {
+        volumes: page
+            .volumes
+            .into_iter()
+            .map(|v| api::BackendVolume {
+                volume_id: v.volume_id,
+                capacity_bytes: v.capacity_bytes,
+                volume_context: v.volume_context,
+            })
+            .collect(),
+        next_token: page.next_token,
+    }))
+}
+
+async fn capacity(State(state): State<AppState>, body: Bytes) -> ApiResult<api::CapacityResponse> {
+    let request: api::CapacityRequest = parse_body("POST /v1/capacity", &body)?;
+    let capabilities = request
+        .capabilities
+        .iter()
+        .map(convert::capability)
+        .collect::<Result<Vec<_>, _>>()?;
+    let plugin = state.server.plugin(&request.plugin).await?;
+    let available = plugin
+        .volumes
+        .get_capacity(&capabilities, request.parameters)
+        .await?;
+    Ok(Json(api::CapacityResponse {
+        available_capacity: available,
+    }))
+}

@@ -1,0 +1,202 @@
+//! Conversions between the API's JSON types (`csi_agent_api`) and the engine's types, and the
+//! mapping of engine errors onto the one API error shape. Pure functions; no I/O.
+
+use std::path::Path;
+
+use csi_agent::client::code_name;
+use csi_agent::server::ServerError;
+use csi_agent::volume::{AccessMode, AccessType, Capability, Origin, VolumeError, VolumeRecord};
+use csi_agent_api as api;
+
+/// An API error: status from its code, the one JSON shape.
+#[derive(Debug)]
+pub struct ApiFailure(pub api::ErrorBody);
+
+impl ApiFailure {
+    pub fn new(code: api::ErrorCode, message: impl Into<String>) -> Self {
+        Self(api::ErrorBody {
+            code,
+            message: message.into(),
+            grpc_code: None,
+        })
+    }
+
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::new(api::ErrorCode::InvalidRequest, message)
+    }
+}
+
+impl From<VolumeError> for ApiFailure {
+    fn from(err: VolumeError) -> Self {
+        let message = err.to_string();
+        match &err {
+            VolumeError::InvalidRequest(_) => Self::new(api::ErrorCode::InvalidRequest, message),
+            VolumeError::Conflict(_) => Self::new(api::ErrorCode::Conflict, message),
+            VolumeError::Plugin(rpc) => {
+                let code = if rpc.is_transient() {
+                    api::ErrorCode::Unavailable
+                } else {
+                    api::ErrorCode::PluginError
+                };
+                Self(api::ErrorBody {
+                    code,
+                    message,
+                    grpc_code: Some(code_name(rpc.code()).to_owned()),
+                })
+            }
+            VolumeError::Protocol(_) => Self::new(api::ErrorCode::PluginProtocol, message),
+            VolumeError::Store(_) | VolumeError::Io { .. } | VolumeError::Failpoint(_) => {
+                Self::new(api::ErrorCode::Internal, message)
+            }
+        }
+    }
+}
+
+impl From<ServerError> for ApiFailure {
+    fn from(err: ServerError) -> Self {
+        match err {
+            ServerError::Volume(v) => v.into(),
+            ServerError::UnknownPlugin { .. } => Self::new(api::ErrorCode::NotFound, err.to_string()),
+            ServerError::PluginConfig { .. } => {
+                Self::new(api::ErrorCode::InvalidRequest, err.to_string())
+            }
+            ServerError::PluginInit { .. } => {
+                Self::new(api::ErrorCode::Unavailable, err.to_string())
+            }
+            ServerError::Store(_) => Self::new(api::ErrorCode::Internal, err.to_string()),
+        }
+    }
+}
+
+const ACCESS_MODES: [(&str, AccessMode); 7] = [
+    ("SINGLE_NODE_WRITER", AccessMode::SingleNodeWriter),
+    ("SINGLE_NODE_READER_ONLY", AccessMode::SingleNodeReaderOnly),
+    ("MULTI_NODE_READER_ONLY", AccessMode::MultiNodeReaderOnly),
+    ("MULTI_NODE_SINGLE_WRITER", AccessMode::MultiNodeSingleWriter),
+    ("MULTI_NODE_MULTI_WRITER", AccessMode::MultiNodeMultiWriter),
+    ("SINGLE_NODE_SINGLE_WRITER", AccessMode::SingleNodeSingleWriter),
+    ("SINGLE_NODE_MULTI_WRITER", AccessMode::SingleNodeMultiWriter),
+];
+
+pub fn access_mode(name: &str) -> Result<AccessMode, ApiFailure> {
+    ACCESS_MODES
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, m)| *m)
+        .ok_or_else(|| {
+            let valid: Vec<&str> = ACCESS_MODES.iter().map(|(n, _)| *n).collect();
+            ApiFailure::invalid(format!(
+                "capability.access_mode {name:?} is not a CSI access mode; use one of {}",
+                valid.join(", ")
+            ))
+        })
+}
+
+pub fn access_mode_name(mode: AccessMode) -> &'static str {
+    ACCESS_MODES
+        .iter()
+        .find(|(_, m)| *m == mode)
+        .map(|(n, _)| *n)
+        .unwrap_or("UNKNOWN")
+}
+
+pub fn capability(spec: &api::CapabilitySpec) -> Result<Capability, ApiFailure> {
+    let access_type = match (&spec.mount, &spec.block) {
+        (Some(mount), None) => AccessType::Mount {
+            fs_type: mount.fs_type.clone(),
+            mount_flags: mount.mount_flags.clone(),
+        },
+        (None, Some(_)) => AccessType::Block {},
+        _ => {
+            return Err(ApiFailure::invalid(
+                "capability needs exactly one of \"mount\": {...} or \"block\": {}",
+            ));
+        }
+    };
+    Ok(Capability {
+        access_type,
+        access_mode: access_mode(&spec.access_mode)?,
+    })
+}
+
+pub fn capability_spec(capability: &Capability) -> api::CapabilitySpec {
+    let (mount, block) = match &capability.access_type {
+        AccessType::Mount {
+            fs_type,
+            mount_flags,
+        } => (
+            Some(api::MountSpec {
+                fs_type: fs_type.clone(),
+                mount_flags: mount_flags.clone(),
+            }),
+            None,
+        ),
+        AccessType::Block {} => (None, Some(api::BlockSpec {})),
+    };
+    api::CapabilitySpec {
+        mount,
+        block,
+        access_mode: access_mode_name(capability.access_mode).to_owned(),
+    }
+}
+
+/// `path` relative to the work dir (what an agent with another work dir can resolve).
+pub fn relative(work_dir: &Path, path: &Path) -> String {
+    path.strip_prefix(work_dir)
+        .unwrap_or(path)
+        .to_string_lossy()
+        .into_owned()
+}
+
+pub fn volume_info(
+    plugin: &str,
+    record: &VolumeRecord,
+    target_path: &Path,
+    work_dir: &Path,
+) -> api::VolumeInfo {
+    api::VolumeInfo {
+        plugin: plugin.to_owned(),
+        volume_id: record.volume_id.clone(),
+        state: record.state.as_str().to_owned(),
+        claims: record.claims.iter().cloned().collect(),
+        capability: record.capability.as_ref().map(capability_spec),
+        readonly: record.readonly,
+        volume_context: record.volume_context.clone(),
+        target_path: target_path.to_string_lossy().into_owned(),
+        target_path_relative: relative(work_dir, target_path),
+        origin: match record.origin {
+            Origin::Created => "created",
+            Origin::PreProvisioned => "pre_provisioned",
+        }
+        .to_owned(),
+        has_secrets: record.has_secrets,
+        last_error: record.last_error.clone(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn capability_needs_exactly_one_access_type() {
+        let both = api::CapabilitySpec {
+            mount: Some(api::MountSpec::default()),
+            block: Some(api::BlockSpec {}),
+            access_mode: "SINGLE_NODE_WRITER".into(),
+        };
+        assert!(capability(&both).is_err());
+        let mount = api::CapabilitySpec {
+            block: None,
+            ..both.clone()
+        };
+        let parsed = capability(&mount).map_err(|e| e.0.message).unwrap_or_else(|m| panic!("{m}"));
+        assert_eq!(capability_spec(&parsed), mount);
+    }
+
+    #[test]
+    fn unknown_access_mode_lists_the_valid_ones() {
+        let err = access_mode("WRITER").err().map(|e| e.0.message).unwrap_or_default();
+        assert!(err.contains("\"WRITER\"") && err.contains("SINGLE_NODE_WRITER"), "{err}");
+    }
+}

@@ -1,0 +1,284 @@
+//! `csi-agentd serve`: flags and the optional TOML file, logging, listeners and signals.
+//!
+//! Shutdown (SIGTERM, SIGINT) stops serving and leaves plugins and mounts in place, so running
+//! workloads keep their volumes; SIGHUP reloads the plugin configs.
+
+use std::net::SocketAddr;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{Context, bail};
+use csi_agent::metrics::Metrics;
+use csi_agent::server::{CsiServer, ServerOptions};
+use serde::Deserialize;
+use tokio::signal::unix::{SignalKind, signal};
+
+use crate::api::{self, AppState};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum StartMode {
+    /// Open the start gate at once.
+    Immediate,
+    /// Wait for `POST /v1/start` before launching plugins or making CSI calls.
+    OnRequest,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Human,
+    Json,
+}
+
+/// Flags of `serve`; each may also come from the TOML file (flags win).
+#[derive(Debug, clap::Args)]
+pub struct ServeArgs {
+    /// A TOML file with any of the settings below (same names, with underscores).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Root of all durable state.
+    #[arg(long)]
+    work_dir: Option<PathBuf>,
+    /// Directory of plugin configs (`*.json`, Mesos `CSIPluginInfo`).
+    #[arg(long)]
+    plugin_config_dir: Option<PathBuf>,
+    /// The API's unix socket (mode 0600). Default: `<work-dir>/api.sock`.
+    #[arg(long)]
+    api_socket: Option<PathBuf>,
+    /// Also listen on TCP at this address (requires --token-file).
+    #[arg(long)]
+    listen: Option<SocketAddr>,
+    /// File holding the bearer token required on the TCP listener.
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+    /// When to open the start gate.
+    #[arg(long, value_enum)]
+    start: Option<StartMode>,
+    /// Log format on stderr.
+    #[arg(long, value_enum)]
+    log_format: Option<LogFormat>,
+    /// Node id given to plugins (default: the host name).
+    #[arg(long)]
+    node_id: Option<String>,
+    /// Where the short socket dirs of managed plugins are created.
+    #[arg(long)]
+    socket_root: Option<PathBuf>,
+}
+
+/// The TOML file: the same settings as the flags.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileSettings {
+    work_dir: Option<PathBuf>,
+    plugin_config_dir: Option<PathBuf>,
+    api_socket: Option<PathBuf>,
+    listen: Option<SocketAddr>,
+    token_file: Option<PathBuf>,
+    start: Option<StartMode>,
+    log_format: Option<LogFormat>,
+    node_id: Option<String>,
+    socket_root: Option<PathBuf>,
+}
+
+/// The effective settings.
+#[derive(Debug)]
+pub struct Settings {
+    pub work_dir: PathBuf,
+    pub plugin_config_dir: Option<PathBuf>,
+    pub api_socket: PathBuf,
+    pub listen: Option<SocketAddr>,
+    pub token_file: Option<PathBuf>,
+    pub start: StartMode,
+    pub log_format: LogFormat,
+    pub node_id: String,
+    pub socket_root: PathBuf,
+}
+
+pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
+    let file = match &args.config {
+        None => FileSettings::default(),
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("cannot read the config file {}", path.display()))?;
+            toml::from_str(&text).with_context(|| {
+                format!("config file {} is not valid TOML for csi-agentd", path.display())
+            })?
+        }
+    };
+    let work_dir = args
+        .work_dir
+        .or(file.work_dir)
+        .unwrap_or_else(|| PathBuf::from("/var/lib/csi-agent"));
+    let work_dir = absolute(&work_dir)?;
+    let api_socket = args
+        .api_socket
+        .or(file.api_socket)
+        .unwrap_or_else(|| work_dir.join("api.sock"));
+    let listen = args.listen.or(file.listen);
+    let token_file = args.token_file.or(file.token_file);
+    if listen.is_some() && token_file.is_none() {
+        bail!("--listen needs --token-file: the TCP listener only serves requests with the bearer token");
+    }
+    let node_id = match args.node_id.or(file.node_id) {
+        Some(id) => id,
+        None => rustix::system::uname()
+            .nodename()
+            .to_string_lossy()
+            .into_owned(),
+    };
+    Ok(Settings {
+        work_dir,
+        plugin_config_dir: args
+            .plugin_config_dir
+            .or(file.plugin_config_dir)
+            .map(|d| absolute(&d))
+            .transpose()?,
+        api_socket,
+        listen,
+        token_file,
+        start: args.start.or(file.start).unwrap_or(StartMode::Immediate),
+        log_format: args.log_format.or(file.log_format).unwrap_or(LogFormat::Human),
+        node_id,
+        socket_root: args
+            .socket_root
+            .or(file.socket_root)
+            .unwrap_or_else(csi_agent::service_manager::default_socket_root),
+    })
+}
+
+fn absolute(path: &Path) -> anyhow::Result<PathBuf> {
+    std::path::absolute(path).with_context(|| format!("cannot resolve {}", path.display()))
+}
+
+pub fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("CSI_AGENT_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Human => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+pub async fn run(settings: Settings) -> anyhow::Result<()> {
+    if let Err(err) = csi_agent::failpoint::init_from_env() {
+        bail!("{}: {err}", csi_agent::failpoint::ENV_VAR);
+    }
+    std::fs::create_dir_all(&settings.work_dir)
+        .with_context(|| format!("cannot create the work dir {}", settings.work_dir.display()))?;
+    std::fs::set_permissions(&settings.work_dir, std::fs::Permissions::from_mode(0o700))
+        .with_context(|| format!("cannot make {} private", settings.work_dir.display()))?;
+    let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_owned())
+        .context("cannot read /proc/sys/kernel/random/boot_id")?;
+    let metrics = Arc::new(Metrics::new());
+    let server = CsiServer::new(
+        ServerOptions {
+            work_dir: settings.work_dir.clone(),
+            plugin_config_dir: settings.plugin_config_dir.clone(),
+            socket_root: settings.socket_root.clone(),
+            node_id: settings.node_id.clone(),
+            boot_id,
+        },
+        metrics,
+    )
+    .context("cannot open the work dir")?;
+    let state = AppState {
+        server: server.clone(),
+    };
+
+    let socket = &settings.api_socket;
+    match std::fs::remove_file(socket) {
+        Ok(()) => {}
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
+        Err(err) => {
+            return Err(err).with_context(|| format!("cannot remove the stale API socket {}", socket.display()));
+        }
+    }
+    let unix = tokio::net::UnixListener::bind(socket)
+        .with_context(|| format!("cannot listen on {}", socket.display()))?;
+    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))
+        .with_context(|| format!("cannot set mode 0600 on {}", socket.display()))?;
+    let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
+    let mut servers = tokio::task::JoinSet::new();
+    {
+        let app = api::router(state.clone());
+        let mut rx = shutdown_rx.clone();
+        servers.spawn(async move {
+            axum::serve(unix, app)
+                .with_graceful_shutdown(async move {
+                    let _ = rx.wait_for(|stop| *stop).await;
+                })
+                .await
+        });
+    }
+    if let (Some(addr), Some(token_file)) = (settings.listen, &settings.token_file) {
+        let token = std::fs::read_to_string(token_file)
+            .with_context(|| format!("cannot read the token file {}", token_file.display()))?
+            .trim()
+            .to_owned();
+        if token.is_empty() {
+            bail!("token file {} is empty: put the bearer token in it", token_file.display());
+        }
+        let tcp = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("cannot listen on {addr}"))?;
+        let app = api::router(state.clone()).layer(axum::middleware::from_fn_with_state(
+            Arc::new(token),
+            api::require_token,
+        ));
+        let mut rx = shutdown_rx.clone();
+        servers.spawn(async move {
+            axum::serve(tcp, app)
+                .with_graceful_shutdown(async move {
+                    let _ = rx.wait_for(|stop| *stop).await;
+                })
+                .await
+        });
+        tracing::info!(%addr, "listening on TCP (bearer token required)");
+    }
+    tracing::info!(socket = %socket.display(), work_dir = %settings.work_dir.display(), "csi-agentd serving");
+
+    match settings.start {
+        StartMode::Immediate => {
+            let server = server.clone();
+            tokio::spawn(async move {
+                server.start().await;
+            });
+        }
+        StartMode::OnRequest => {
+            server.load_configs().await;
+            tracing::info!("waiting for POST /v1/start before launching plugins");
+        }
+    }
+
+    let mut terminate = signal(SignalKind::terminate()).context("cannot watch SIGTERM")?;
+    let mut interrupt = signal(SignalKind::interrupt()).context("cannot watch SIGINT")?;
+    let mut hangup = signal(SignalKind::hangup()).context("cannot watch SIGHUP")?;
+    loop {
+        tokio::select! {
+            _ = terminate.recv() => break,
+            _ = interrupt.recv() => break,
+            _ = hangup.recv() => {
+                let (diff, errors) = server.reload().await;
+                tracing::info!(added = ?diff.added, changed = ?diff.changed, removed = ?diff.removed, errors = errors.len(), "plugin configs reloaded (SIGHUP)");
+            }
+            Some(done) = servers.join_next() => {
+                match done {
+                    Ok(Ok(())) => bail!("an API listener stopped unexpectedly"),
+                    Ok(Err(err)) => bail!("an API listener failed: {err}"),
+                    Err(err) => bail!("an API listener task failed: {err}"),
+                }
+            }
+        }
+    }
+    tracing::info!("shutting down; plugins and mounts stay in place");
+    let _ = shutdown_tx.send(true);
+    while servers.join_next().await.is_some() {}
+    let _ = std::fs::remove_file(socket);
+    Ok(())
+}

@@ -1,0 +1,349 @@
+//! Command-line flags and their validation into a [`Config`].
+//!
+//! Owns: the flag surface (names, defaults, environment fallbacks) and
+//! turning it into a checked, typed configuration with clear errors.
+//!
+//! Must not: touch the file system beyond reading the host name, or start
+//! anything.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::{Parser, ValueEnum};
+
+use crate::faults::Quirks;
+use crate::model::{ApiVersion, validate_volume_name};
+use crate::mounts::MountMode;
+
+/// A real CSI plugin for tests, demos and benchmarks: volumes are
+/// directories, node publication is a bind mount, and faults can be injected
+/// through a JSON control file. See the crate README.
+#[derive(Debug, Parser)]
+#[command(name = "csi-testplugin", version)]
+pub struct Args {
+    /// The socket to serve on: `unix:///abs/path` or `/abs/path`. A stale
+    /// socket file is removed before binding.
+    #[arg(long, env = "CSI_ENDPOINT")]
+    pub endpoint: String,
+
+    /// Root of the plugin's state: `volumes/`, `state.json`, and by default
+    /// the fault file and the call log.
+    #[arg(long, env = "CSI_TESTPLUGIN_WORK_DIR")]
+    pub work_dir: PathBuf,
+
+    /// The node id answered by NodeGetInfo/NodeGetId (default: host name).
+    #[arg(long, env = "CSI_NODE_ID")]
+    pub node_id: Option<String>,
+
+    /// CSI versions to serve on the socket, comma-separated: `v1`, `v0.3`,
+    /// `v0.2` (at most one v0 flavour).
+    #[arg(long, default_value = "v1,v0.3")]
+    pub api_versions: String,
+
+    /// Pre-provisioned volumes created at start if absent: `name:size,...`
+    /// (size in bytes, or with a K/M/G/T suffix, binary units).
+    #[arg(long, value_delimiter = ',')]
+    pub volumes: Vec<String>,
+
+    /// Total capacity of the pool in bytes (suffixes as for --volumes).
+    #[arg(long, default_value = "1T")]
+    pub capacity: String,
+
+    /// Advertise and serve STAGE_UNSTAGE_VOLUME (default).
+    #[arg(long, overrides_with = "no_stage_unstage")]
+    pub stage_unstage: bool,
+    /// Do not advertise STAGE_UNSTAGE_VOLUME; NodeStage/NodeUnstage answer
+    /// UNIMPLEMENTED.
+    #[arg(long, overrides_with = "stage_unstage")]
+    pub no_stage_unstage: bool,
+
+    /// Advertise and serve PUBLISH_UNPUBLISH_VOLUME (default).
+    #[arg(long, overrides_with = "no_controller_publish")]
+    pub controller_publish: bool,
+    /// Do not advertise PUBLISH_UNPUBLISH_VOLUME; ControllerPublish and
+    /// ControllerUnpublish answer UNIMPLEMENTED.
+    #[arg(long, overrides_with = "controller_publish")]
+    pub no_controller_publish: bool,
+
+    /// `bind`: real bind mounts; `none`: bookkeeping only (no mount
+    /// syscalls; target directories are still created/removed per spec).
+    #[arg(long, value_enum, default_value_t = MountModeArg::Bind)]
+    pub mount_mode: MountModeArg,
+
+    /// The plugin name answered by GetPluginInfo.
+    #[arg(long, default_value = "org.example.test")]
+    pub plugin_name: String,
+
+    /// A different plugin name for the v0 services (a real-world quirk).
+    #[arg(long)]
+    pub v0_plugin_name: Option<String>,
+
+    /// Fault-injection control file (default `<work-dir>/faults.json`).
+    #[arg(long)]
+    pub faults: Option<PathBuf>,
+
+    /// Call log, one JSON line per RPC (default `<work-dir>/calls.jsonl`).
+    #[arg(long)]
+    pub call_log: Option<PathBuf>,
+
+    /// Record each request's secrets in the call log (tests only!).
+    #[arg(long)]
+    pub record_secrets: bool,
+
+    /// On SIGTERM/SIGINT, keep serving this long before exiting (a slow exit).
+    #[arg(long, default_value_t = 0)]
+    pub exit_delay_ms: u64,
+
+    /// Wait this long before creating the socket (a slow start).
+    #[arg(long, default_value_t = 0)]
+    pub startup_delay_ms: u64,
+
+    /// Quirk: answer `ready=false` to the first N probes.
+    #[arg(long, default_value_t = 0)]
+    pub probe_not_ready: u64,
+
+    /// Quirk: answer Probe with an empty message (no `ready`).
+    #[arg(long)]
+    pub empty_probe: bool,
+
+    /// Quirk: duplicate capability entries plus an UNKNOWN one.
+    #[arg(long)]
+    pub duplicate_capabilities: bool,
+
+    /// Quirk: report an empty vendor_version.
+    #[arg(long)]
+    pub empty_vendor_version: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum MountModeArg {
+    Bind,
+    None,
+}
+
+/// The validated configuration.
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub socket: PathBuf,
+    pub work_dir: PathBuf,
+    pub node_id: String,
+    pub serve_v1: bool,
+    pub v0: Option<ApiVersion>,
+    pub volumes: Vec<(String, i64)>,
+    pub capacity: i64,
+    pub stage_unstage: bool,
+    pub controller_publish: bool,
+    pub mount_mode: MountMode,
+    pub plugin_name: String,
+    pub v0_plugin_name: String,
+    pub faults_path: PathBuf,
+    pub call_log_path: PathBuf,
+    pub record_secrets: bool,
+    pub exit_delay: Duration,
+    pub startup_delay: Duration,
+    pub quirks: Quirks,
+}
+
+/// Parses `123`, `4K`, `1Gi`, `2T`... (binary units).
+pub fn parse_size(s: &str) -> anyhow::Result<i64> {
+    let s = s.trim();
+    let digits_end = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, suffix) = s.split_at(digits_end);
+    let n: i64 = num
+        .parse()
+        .with_context(|| format!("size {s:?} does not start with a number"))?;
+    let shift = match suffix
+        .trim_end_matches(['i', 'B'])
+        .to_ascii_uppercase()
+        .as_str()
+    {
+        "" => 0,
+        "K" => 10,
+        "M" => 20,
+        "G" => 30,
+        "T" => 40,
+        "P" => 50,
+        _ => bail!("size {s:?} has an unknown unit (use K, M, G, T, P)"),
+    };
+    n.checked_mul(1_i64 << shift)
+        .with_context(|| format!("size {s:?} is too large"))
+}
+
+/// Accepts `unix:///abs` or a bare absolute path (some plugins get a plain
+/// path in `CSI_ENDPOINT`).
+pub fn parse_endpoint(s: &str) -> anyhow::Result<PathBuf> {
+    let path = s.strip_prefix("unix://").unwrap_or(s);
+    if !path.starts_with('/') {
+        bail!("endpoint {s:?} must be unix:///absolute/path or an absolute path");
+    }
+    // sockaddr_un.sun_path is 108 bytes including the terminating NUL.
+    if path.len() > 107 {
+        bail!(
+            "endpoint path is {} bytes; unix socket paths are limited to 107",
+            path.len()
+        );
+    }
+    Ok(PathBuf::from(path))
+}
+
+fn hostname() -> String {
+    rustix::system::uname()
+        .nodename()
+        .to_string_lossy()
+        .into_owned()
+}
+
+impl Args {
+    pub fn into_config(self) -> anyhow::Result<Config> {
+        let socket = parse_endpoint(&self.endpoint)?;
+        let mut serve_v1 = false;
+        let mut v0: Option<ApiVersion> = None;
+        for part in self
+            .api_versions
+            .split(',')
+            .filter(|p| !p.trim().is_empty())
+        {
+            match ApiVersion::parse(part) {
+                Some(ApiVersion::V1) => serve_v1 = true,
+                Some(v) => match v0 {
+                    Some(prev) if prev != v => bail!(
+                        "--api-versions: at most one v0 flavour (both {} and {} given); \
+                         v0.2 and v0.3 share the csi.v0 package on one socket",
+                        prev.as_str(),
+                        v.as_str()
+                    ),
+                    _ => v0 = Some(v),
+                },
+                None => bail!("--api-versions: unknown version {part:?} (v1, v0.3, v0.2)"),
+            }
+        }
+        if !serve_v1 && v0.is_none() {
+            bail!("--api-versions: nothing to serve");
+        }
+
+        let node_id = self.node_id.unwrap_or_else(hostname);
+        if node_id.is_empty() || node_id.len() > 256 {
+            bail!("node id must be 1..=256 bytes (spec: NodeGetInfoResponse.node_id)");
+        }
+
+        let mut volumes = Vec::new();
+        for v in self.volumes.iter().filter(|v| !v.trim().is_empty()) {
+            let (name, size) = v
+                .rsplit_once(':')
+                .with_context(|| format!("--volumes entry {v:?} is not name:size"))?;
+            validate_volume_name(name).map_err(|e| anyhow::anyhow!("--volumes {v:?}: {e}"))?;
+            volumes.push((name.to_owned(), parse_size(size)?));
+        }
+        let capacity = parse_size(&self.capacity)?;
+
+        let work_dir = if self.work_dir.is_absolute() {
+            self.work_dir
+        } else {
+            std::env::current_dir()?.join(self.work_dir)
+        };
+        let faults_path = self.faults.unwrap_or_else(|| work_dir.join("faults.json"));
+        let call_log_path = self
+            .call_log
+            .unwrap_or_else(|| work_dir.join("calls.jsonl"));
+        Ok(Config {
+            socket,
+            node_id,
+            serve_v1,
+            v0,
+            volumes,
+            capacity,
+            // The positive flags exist so that a later flag can re-enable a
+            // default turned off earlier (clap keeps the last of the pair).
+            stage_unstage: !self.no_stage_unstage,
+            controller_publish: !self.no_controller_publish,
+            mount_mode: match self.mount_mode {
+                MountModeArg::Bind => MountMode::Bind,
+                MountModeArg::None => MountMode::None,
+            },
+            v0_plugin_name: self
+                .v0_plugin_name
+                .unwrap_or_else(|| self.plugin_name.clone()),
+            plugin_name: self.plugin_name,
+            faults_path,
+            call_log_path,
+            record_secrets: self.record_secrets,
+            exit_delay: Duration::from_millis(self.exit_delay_ms),
+            startup_delay: Duration::from_millis(self.startup_delay_ms),
+            quirks: Quirks {
+                probe_not_ready: self.probe_not_ready,
+                empty_probe: self.empty_probe,
+                duplicate_capabilities: self.duplicate_capabilities,
+                empty_vendor_version: self.empty_vendor_version,
+            },
+            work_dir,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(args: &[&str]) -> anyhow::Result<Config> {
+        let mut v = vec![
+            "csi-testplugin",
+            "--endpoint",
+            "/tmp/x.sock",
+            "--work-dir",
+            "/tmp/w",
+        ];
+        v.extend_from_slice(args);
+        Args::try_parse_from(v)?.into_config()
+    }
+
+    #[test]
+    fn sizes() -> anyhow::Result<()> {
+        assert_eq!(parse_size("10")?, 10);
+        assert_eq!(parse_size("1K")?, 1024);
+        assert_eq!(parse_size("1Gi")?, 1 << 30);
+        assert_eq!(parse_size("2TiB")?, 2 << 40);
+        assert!(parse_size("1X").is_err());
+        assert!(parse_size("x").is_err());
+        assert!(parse_size("99999999P").is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn endpoints() -> anyhow::Result<()> {
+        assert_eq!(parse_endpoint("unix:///a/b")?, PathBuf::from("/a/b"));
+        assert_eq!(parse_endpoint("/a/b")?, PathBuf::from("/a/b"));
+        assert!(parse_endpoint("unix://rel").is_err());
+        assert!(parse_endpoint(&format!("/{}", "x".repeat(200))).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn versions() -> anyhow::Result<()> {
+        let c = cfg(&[])?;
+        assert!(c.serve_v1);
+        assert_eq!(c.v0, Some(ApiVersion::V0_3));
+        let c = cfg(&["--api-versions", "v0.2"])?;
+        assert!(!c.serve_v1);
+        assert_eq!(c.v0, Some(ApiVersion::V0_2));
+        let e = cfg(&["--api-versions", "v1,v0.2,v0.3"])
+            .err()
+            .map(|e| e.to_string());
+        assert!(e.is_some_and(|e| e.contains("at most one v0 flavour")));
+        assert!(cfg(&["--api-versions", "v2"]).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn switches_and_volumes() -> anyhow::Result<()> {
+        let c = cfg(&["--no-stage-unstage", "--no-controller-publish"])?;
+        assert!(!c.stage_unstage && !c.controller_publish);
+        let c = cfg(&["--no-stage-unstage", "--stage-unstage"])?;
+        assert!(c.stage_unstage);
+        let c = cfg(&["--volumes", "a:1G,b:10"])?;
+        assert_eq!(c.volumes, vec![("a".into(), 1 << 30), ("b".into(), 10)]);
+        assert!(cfg(&["--volumes", "a/b:1"]).is_err());
+        assert_eq!(c.faults_path, PathBuf::from("/tmp/w/faults.json"));
+        Ok(())
+    }
+}

@@ -1,0 +1,1168 @@
+//! The version-neutral core: one [`Plugin`] whose operations implement the
+//! CSI semantics once, for the v1 and v0 adapters alike.
+//!
+//! Owns: volumes (directories under `<work-dir>/volumes/<id>`, the id being
+//! the name), validation order and error codes of every RPC, idempotency,
+//! the node-side rules (staging, target creation per version, read-only
+//! publication), and start-up reconciliation of `state.json` with the volume
+//! directories and the boot id.
+//!
+//! Must not: know protobuf types (the adapters convert), talk to the socket,
+//! or inject faults (that is `rpc.rs`). Every change is recorded in the store
+//! *before* the mount it describes (intent first), so that a plugin killed
+//! between the two finds the record and can finish or undo the mount; an
+//! unrecorded mount point is never adopted nor unmounted.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io;
+use std::ops::Bound;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::Context;
+use tonic::Status;
+
+use crate::calllog::CallLog;
+use crate::cli::Config;
+use crate::faults::Faults;
+use crate::model::{ApiVersion, CapArg, Capability, validate_volume_name};
+use crate::mounts::{self, MountMode};
+use crate::rpc::Inflight;
+use crate::state::{ControllerPublication, Publication, Staging, Store, VolumeRecord};
+
+/// Size of a volume created without a capacity range (capped by
+/// `limit_bytes` when only that is given).
+pub const DEFAULT_VOLUME_SIZE: i64 = 1 << 30;
+
+/// Controller capability numbers (identical in v1 and v0 for 1..=4).
+pub const CAP_CREATE_DELETE_VOLUME: i32 = 1;
+pub const CAP_PUBLISH_UNPUBLISH_VOLUME: i32 = 2;
+pub const CAP_LIST_VOLUMES: i32 = 3;
+pub const CAP_GET_CAPACITY: i32 = 4;
+/// v1 only.
+pub const CAP_PUBLISH_READONLY: i32 = 8;
+/// v1 only.
+pub const CAP_LIST_VOLUMES_PUBLISHED_NODES: i32 = 10;
+/// Node capability `STAGE_UNSTAGE_VOLUME` (v1 and v0).
+pub const NODE_CAP_STAGE_UNSTAGE_VOLUME: i32 = 1;
+/// Plugin capability `CONTROLLER_SERVICE` (v1 and v0).
+pub const PLUGIN_CAP_CONTROLLER_SERVICE: i32 = 1;
+
+/// A volume as the controller RPCs report it.
+#[derive(Clone, Debug)]
+pub struct VolumeInfo {
+    pub id: String,
+    pub capacity_bytes: i64,
+    pub context: HashMap<String, String>,
+}
+
+/// A ListVolumes entry.
+#[derive(Clone, Debug)]
+pub struct ListedVolume {
+    pub info: VolumeInfo,
+    pub published_nodes: Vec<String>,
+}
+
+/// CreateVolume, version-neutral.
+#[derive(Debug)]
+pub struct CreateArgs {
+    pub name: String,
+    pub required_bytes: i64,
+    pub limit_bytes: i64,
+    pub capabilities: Vec<CapArg>,
+    pub parameters: BTreeMap<String, String>,
+    pub has_content_source: bool,
+    pub has_mutable_parameters: bool,
+}
+
+/// NodePublishVolume, version-neutral.
+#[derive(Debug)]
+pub struct PublishArgs {
+    pub volume_id: String,
+    pub target_path: String,
+    /// Empty when not given.
+    pub staging_path: String,
+    pub capability: CapArg,
+    pub readonly: bool,
+    /// Decides who owns the target directory (v1: the plugin; v0: the CO).
+    pub version: ApiVersion,
+}
+
+fn invalid(msg: impl Into<String>) -> Status {
+    Status::invalid_argument(msg)
+}
+
+fn precondition(msg: impl Into<String>) -> Status {
+    Status::failed_precondition(msg)
+}
+
+fn internal(what: &str, e: impl std::fmt::Display) -> Status {
+    Status::internal(format!("{what}: {e}"))
+}
+
+/// The spec requires every path argument to be "an absolute path in the root
+/// filesystem of the process serving this request".
+fn check_absolute(path: &str, field: &str) -> Result<(), Status> {
+    if Path::new(path).is_absolute() {
+        Ok(())
+    } else {
+        Err(invalid(format!(
+            "{field} {path:?} must be an absolute path"
+        )))
+    }
+}
+
+/// Parses every capability argument; the first malformed one wins.
+fn parse_caps(caps: Vec<CapArg>) -> Result<Vec<Capability>, Status> {
+    caps.into_iter().collect()
+}
+
+fn is_mount_point(path: &Path) -> Result<bool, Status> {
+    mounts::is_mount_point(path).map_err(|e| internal("reading /proc/self/mountinfo", e))
+}
+
+/// Encodes a ListVolumes page token: the last id returned, hex-encoded
+/// behind a prefix, so that any other string (e.g. `invalid-token`) is
+/// recognisably invalid, and a token stays valid when its volume is deleted.
+fn encode_token(last_id: &str) -> String {
+    let mut s = String::from("after:");
+    for b in last_id.as_bytes() {
+        s.push_str(&format!("{b:02x}"));
+    }
+    s
+}
+
+fn decode_token(token: &str) -> Option<String> {
+    let hex = token.strip_prefix("after:")?;
+    if hex.is_empty() || hex.len() % 2 != 0 {
+        return None;
+    }
+    let bytes = (0..hex.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(hex.get(i..i + 2)?, 16).ok())
+        .collect::<Option<Vec<u8>>>()?;
+    String::from_utf8(bytes).ok()
+}
+
+fn read_boot_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_default()
+}
+
+/// Removes a target directory the plugin owns: a single `rmdir`, never a
+/// recursive delete (the directory may hide data if an unmount was missed).
+fn remove_target_dir(target: &Path) -> Result<(), Status> {
+    match std::fs::remove_dir(target) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(internal(
+            &format!("removing target_path {}", target.display()),
+            e,
+        )),
+    }
+}
+
+/// The core plugin.
+#[derive(Debug)]
+pub struct Plugin {
+    cfg: Config,
+    volumes_dir: PathBuf,
+    trash_dir: PathBuf,
+    store: Store,
+    faults: Faults,
+    calls: CallLog,
+    inflight: Inflight,
+}
+
+impl Plugin {
+    /// Opens the work dir: loads `state.json`, reconciles it with the volume
+    /// directories and the boot id, and creates the pre-provisioned volumes.
+    pub fn open(cfg: Config) -> anyhow::Result<Arc<Self>> {
+        let volumes_dir = cfg.work_dir.join("volumes");
+        let trash_dir = cfg.work_dir.join("trash");
+        std::fs::create_dir_all(&volumes_dir)
+            .with_context(|| format!("creating {}", volumes_dir.display()))?;
+        // Leftovers of deletions interrupted by a crash.
+        if trash_dir.exists() {
+            std::fs::remove_dir_all(&trash_dir)
+                .with_context(|| format!("emptying {}", trash_dir.display()))?;
+        }
+        std::fs::create_dir_all(&trash_dir)?;
+
+        for (name, _) in &cfg.volumes {
+            let dir = volumes_dir.join(name);
+            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        }
+        let mut dirs = Vec::new();
+        for entry in std::fs::read_dir(&volumes_dir)? {
+            let entry = entry?;
+            match entry.file_name().into_string() {
+                Ok(name) if entry.file_type()?.is_dir() && validate_volume_name(&name).is_ok() => {
+                    dirs.push(name)
+                }
+                other => {
+                    tracing::warn!(entry = ?other, "ignoring foreign entry in the volumes directory")
+                }
+            }
+        }
+
+        let store = Store::open(&cfg.work_dir.join("state.json"))?;
+        let boot_id = read_boot_id();
+        let preprovisioned: HashMap<&str, i64> =
+            cfg.volumes.iter().map(|(n, s)| (n.as_str(), *s)).collect();
+        store.update_now(|s| {
+            let mut changed = false;
+            if s.boot_id != boot_id {
+                if !s.boot_id.is_empty() {
+                    // Every mount vanished with the reboot: node-side
+                    // records describe nothing any more.
+                    tracing::warn!("boot id changed since the last run; forgetting staged and published volumes");
+                    for v in s.volumes.values_mut() {
+                        v.staged = None;
+                        v.published.clear();
+                    }
+                }
+                s.boot_id.clone_from(&boot_id);
+                changed = true;
+            }
+            for name in &dirs {
+                if !s.volumes.contains_key(name) {
+                    let size = preprovisioned.get(name.as_str()).copied();
+                    if size.is_none() {
+                        tracing::warn!(volume = %name, "adopting a volume directory without a record (size unknown)");
+                    }
+                    s.volumes.insert(
+                        name.clone(),
+                        VolumeRecord {
+                            capacity_bytes: size.unwrap_or(0),
+                            ..VolumeRecord::default()
+                        },
+                    );
+                    changed = true;
+                }
+            }
+            let gone: Vec<String> = s
+                .volumes
+                .keys()
+                .filter(|k| !dirs.contains(k))
+                .cloned()
+                .collect();
+            for name in gone {
+                tracing::warn!(volume = %name, "volume directory vanished; forgetting the volume");
+                s.volumes.remove(&name);
+                changed = true;
+            }
+            changed
+        })?;
+        let used: i64 = store.read(|s| s.volumes.values().map(|v| v.capacity_bytes).sum());
+        if used > cfg.capacity {
+            tracing::warn!(used, capacity = cfg.capacity, "volumes exceed --capacity");
+        }
+
+        let faults = Faults::new(&cfg.faults_path, cfg.quirks);
+        let calls = CallLog::open(&cfg.call_log_path)?;
+        Ok(Arc::new(Self {
+            cfg,
+            volumes_dir,
+            trash_dir,
+            store,
+            faults,
+            calls,
+            inflight: Inflight::default(),
+        }))
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    pub fn faults(&self) -> &Faults {
+        &self.faults
+    }
+
+    pub fn calls(&self) -> &CallLog {
+        &self.calls
+    }
+
+    pub fn inflight(&self) -> &Inflight {
+        &self.inflight
+    }
+
+    fn volume_dir(&self, id: &str) -> PathBuf {
+        self.volumes_dir.join(id)
+    }
+
+    fn record(&self, id: &str) -> Option<VolumeRecord> {
+        self.store.read(|s| s.volumes.get(id).cloned())
+    }
+
+    fn not_found(id: &str) -> Status {
+        Status::not_found(format!("volume {id:?} does not exist"))
+    }
+
+    fn bind_mode(&self) -> bool {
+        self.cfg.mount_mode == MountMode::Bind
+    }
+
+    // ----------------------------------------------------------------------
+    // Identity
+    // ----------------------------------------------------------------------
+
+    pub fn plugin_name(&self, version: ApiVersion) -> String {
+        if version.is_v0() {
+            self.cfg.v0_plugin_name.clone()
+        } else {
+            self.cfg.plugin_name.clone()
+        }
+    }
+
+    pub fn vendor_version(&self) -> String {
+        if self.faults.quirks().empty_vendor_version {
+            String::new()
+        } else {
+            env!("CARGO_PKG_VERSION").to_owned()
+        }
+    }
+
+    /// The `ready` field of a Probe answer: `None` for an empty answer (the
+    /// empty-probe quirk, and always in CSI 0.2, whose ProbeResponse had no
+    /// field).
+    pub fn probe(&self, version: ApiVersion) -> Option<bool> {
+        let not_ready = self.faults.probe_not_ready_now();
+        if version == ApiVersion::V0_2 || self.faults.quirks().empty_probe {
+            return None;
+        }
+        Some(!not_ready)
+    }
+
+    /// Applies the duplicate-capabilities quirk to a capability list.
+    fn quirk_caps(&self, caps: Vec<i32>) -> Vec<i32> {
+        if self.faults.quirks().duplicate_capabilities {
+            caps.iter()
+                .flat_map(|c| [*c, *c])
+                .chain(std::iter::once(0))
+                .collect()
+        } else {
+            caps
+        }
+    }
+
+    pub fn plugin_caps(&self) -> Vec<i32> {
+        self.quirk_caps(vec![PLUGIN_CAP_CONTROLLER_SERVICE])
+    }
+
+    pub fn controller_caps(&self, version: ApiVersion) -> Vec<i32> {
+        let mut caps = vec![CAP_CREATE_DELETE_VOLUME, CAP_LIST_VOLUMES, CAP_GET_CAPACITY];
+        if self.cfg.controller_publish {
+            caps.push(CAP_PUBLISH_UNPUBLISH_VOLUME);
+            if version == ApiVersion::V1 {
+                caps.push(CAP_PUBLISH_READONLY);
+                caps.push(CAP_LIST_VOLUMES_PUBLISHED_NODES);
+            }
+        }
+        self.quirk_caps(caps)
+    }
+
+    pub fn node_caps(&self) -> Vec<i32> {
+        let mut caps = Vec::new();
+        if self.cfg.stage_unstage {
+            caps.push(NODE_CAP_STAGE_UNSTAGE_VOLUME);
+        }
+        self.quirk_caps(caps)
+    }
+
+    pub fn node_id(&self) -> &str {
+        &self.cfg.node_id
+    }
+
+    // ----------------------------------------------------------------------
+    // Controller
+    // ----------------------------------------------------------------------
+
+    pub async fn create_volume(&self, a: CreateArgs) -> Result<VolumeInfo, Status> {
+        // Spec, CreateVolumeRequest.name: "This field is REQUIRED."
+        if a.name.is_empty() {
+            return Err(invalid("name is required"));
+        }
+        validate_volume_name(&a.name).map_err(invalid)?;
+        // "volume_capabilities ... This field is REQUIRED." and "A repeated
+        // or map field listed as REQUIRED MUST contain at least 1 element."
+        if a.capabilities.is_empty() {
+            return Err(invalid("volume_capabilities is required"));
+        }
+        let caps = parse_caps(a.capabilities)?;
+        // "If ANY of the specified volume capabilities are not supported by
+        // the SP, the call MUST return the appropriate gRPC error code."
+        if let Some(why) = caps.iter().find_map(Capability::unsupported_reason) {
+            return Err(invalid(why));
+        }
+        // CapacityRange: "The value of this field MUST NOT be negative."
+        if a.required_bytes < 0 || a.limit_bytes < 0 {
+            return Err(invalid("capacity_range values must not be negative"));
+        }
+        // "Unsupported capacity_range | 11 OUT_OF_RANGE".
+        if a.limit_bytes > 0 && a.required_bytes > a.limit_bytes {
+            return Err(Status::out_of_range(format!(
+                "capacity_range: required_bytes {} exceeds limit_bytes {}",
+                a.required_bytes, a.limit_bytes
+            )));
+        }
+        // "Source incompatible or not supported | 3 INVALID_ARGUMENT".
+        if a.has_content_source {
+            return Err(invalid(
+                "volume_content_source is not supported (no CREATE_DELETE_SNAPSHOT or CLONE_VOLUME)",
+            ));
+        }
+        if a.has_mutable_parameters {
+            return Err(invalid(
+                "mutable_parameters given but MODIFY_VOLUME is not supported",
+            ));
+        }
+        let size = if a.required_bytes > 0 {
+            a.required_bytes
+        } else if a.limit_bytes > 0 {
+            a.limit_bytes.min(DEFAULT_VOLUME_SIZE)
+        } else {
+            DEFAULT_VOLUME_SIZE
+        };
+        let total = self.cfg.capacity;
+        let dir = self.volume_dir(&a.name);
+        let (name, required, limit, parameters) =
+            (a.name, a.required_bytes, a.limit_bytes, a.parameters);
+        self.store
+            .update(|s| {
+                if let Some(v) = s.volumes.get(&name) {
+                    // Spec: "If a volume corresponding to the specified volume
+                    // name already exists, ... and is compatible with the
+                    // specified capacity_range, volume_capabilities,
+                    // parameters ..., the Plugin MUST reply 0 OK".
+                    let fits = v.capacity_bytes >= required
+                        && (limit == 0 || v.capacity_bytes <= limit);
+                    if fits && v.parameters == parameters {
+                        let info = VolumeInfo {
+                            id: name.clone(),
+                            capacity_bytes: v.capacity_bytes,
+                            context: HashMap::new(),
+                        };
+                        return Ok((info, false));
+                    }
+                    return Err(Status::already_exists(format!(
+                        "volume {name:?} exists with {} bytes and parameters {:?}, incompatible with the request",
+                        v.capacity_bytes, v.parameters
+                    )));
+                }
+                // A volume larger than the whole pool can never be made:
+                // the capacity range is not allowed. One that only exceeds
+                // what is free now may succeed after deletions.
+                if size > total {
+                    return Err(Status::out_of_range(format!(
+                        "{size} bytes exceeds the plugin's total capacity of {total} bytes"
+                    )));
+                }
+                let used: i64 = s.volumes.values().map(|v| v.capacity_bytes).sum();
+                if used.saturating_add(size) > total {
+                    return Err(Status::resource_exhausted(format!(
+                        "not enough free capacity: {} of {total} bytes free, {size} requested",
+                        total - used
+                    )));
+                }
+                match std::fs::create_dir(&dir) {
+                    Ok(()) => {}
+                    // Left by a crash before the record was written.
+                    Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+                    Err(e) => return Err(internal(&format!("creating {}", dir.display()), e)),
+                }
+                s.volumes.insert(
+                    name.clone(),
+                    VolumeRecord {
+                        capacity_bytes: size,
+                        parameters,
+                        ..VolumeRecord::default()
+                    },
+                );
+                let info = VolumeInfo {
+                    id: name,
+                    capacity_bytes: size,
+                    context: HashMap::new(),
+                };
+                Ok((info, true))
+            })
+            .await
+    }
+
+    pub async fn delete_volume(&self, id: &str) -> Result<(), Status> {
+        if id.is_empty() {
+            return Err(invalid("volume_id is required"));
+        }
+        // An id that cannot name a volume directory names no volume, and the
+        // spec says: "If a volume corresponding to the specified volume_id
+        // does not exist ... the Plugin MUST reply 0 OK."
+        if validate_volume_name(id).is_err() {
+            return Ok(());
+        }
+        let dir = self.volume_dir(id);
+        // Never delete across a mount point.
+        let under = mounts::mount_points_under(&dir)
+            .map_err(|e| internal("reading /proc/self/mountinfo", e))?;
+        if let Some(m) = under.first() {
+            return Err(precondition(format!(
+                "volume {id:?} is in use: {} is mounted inside it",
+                m.display()
+            )));
+        }
+        let trash = self
+            .trash_dir
+            .join(format!("{id}.{}", crate::calllog::now_ns()));
+        let trashed = self
+            .store
+            .update(|s| {
+                let Some(v) = s.volumes.get(id) else {
+                    return Ok((false, false));
+                };
+                // "Volume in use | 9 FAILED_PRECONDITION".
+                if let Some(why) = v.in_use() {
+                    return Err(precondition(format!("volume {id:?} is in use: {why}")));
+                }
+                // Renamed away under the lock, deleted after it: a large
+                // volume does not hold up the other RPCs.
+                let moved = match std::fs::rename(&dir, &trash) {
+                    Ok(()) => true,
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => false,
+                    Err(e) => return Err(internal(&format!("removing {}", dir.display()), e)),
+                };
+                s.volumes.remove(id);
+                Ok((moved, true))
+            })
+            .await?;
+        if trashed {
+            let result = tokio::task::spawn_blocking(move || std::fs::remove_dir_all(&trash)).await;
+            if let Err(e) | Ok(Err(e)) = result.map_err(io::Error::other) {
+                tracing::warn!(volume = id, "deleting the volume's data: {e}");
+            }
+        }
+        Ok(())
+    }
+
+    pub async fn controller_publish(
+        &self,
+        id: &str,
+        node_id: &str,
+        cap: CapArg,
+        readonly: bool,
+    ) -> Result<HashMap<String, String>, Status> {
+        if !self.cfg.controller_publish {
+            return Err(Status::unimplemented(
+                "ControllerPublishVolume: PUBLISH_UNPUBLISH_VOLUME is disabled",
+            ));
+        }
+        if id.is_empty() {
+            return Err(invalid("volume_id is required"));
+        }
+        if node_id.is_empty() {
+            return Err(invalid("node_id is required"));
+        }
+        let cap = cap?;
+        if self.record(id).is_none() {
+            return Err(Self::not_found(id));
+        }
+        // "Node does not exist | 5 NOT_FOUND": this plugin knows one node.
+        if node_id != self.cfg.node_id {
+            return Err(Status::not_found(format!(
+                "node {node_id:?} does not exist (this plugin's node is {:?})",
+                self.cfg.node_id
+            )));
+        }
+        if let Some(why) = cap.unsupported_reason() {
+            return Err(invalid(why));
+        }
+        let context = HashMap::from([(
+            "device".to_owned(),
+            self.volume_dir(id).display().to_string(),
+        )]);
+        self.store
+            .update(|s| {
+                let v = s.volumes.get_mut(id).ok_or_else(|| Self::not_found(id))?;
+                let wanted = ControllerPublication {
+                    capability: cap,
+                    readonly,
+                };
+                match v.controller_published.get(node_id) {
+                    // "If the volume ... has already been published at the
+                    // node ..., and is compatible with the specified
+                    // volume_capability and readonly flag, the Plugin MUST
+                    // reply 0 OK."
+                    Some(p) if *p == wanted => Ok((context, false)),
+                    // "Volume published but is incompatible | 6 ALREADY_EXISTS"
+                    Some(_) => Err(Status::already_exists(format!(
+                        "volume {id:?} is already published to node {node_id:?} with another capability or readonly flag"
+                    ))),
+                    None => {
+                        // "Volume published to another node | 9
+                        // FAILED_PRECONDITION" (for non-MULTI_NODE volumes).
+                        if let Some(other) = v.controller_published.keys().next()
+                            && !wanted.capability.mode.is_multi_node()
+                        {
+                            return Err(precondition(format!(
+                                "volume {id:?} is already published to node {other:?}"
+                            )));
+                        }
+                        v.controller_published.insert(node_id.to_owned(), wanted);
+                        Ok((context, true))
+                    }
+                }
+            })
+            .await
+    }
+
+    pub async fn controller_unpublish(&self, id: &str, node_id: &str) -> Result<(), Status> {
+        if !self.cfg.controller_publish {
+            return Err(Status::unimplemented(
+                "ControllerUnpublishVolume: PUBLISH_UNPUBLISH_VOLUME is disabled",
+            ));
+        }
+        if id.is_empty() {
+            return Err(invalid("volume_id is required"));
+        }
+        let me = self.cfg.node_id.clone();
+        self.store
+            .update(|s| {
+                // "If the volume corresponding to the volume_id or the node
+                // corresponding to node_id cannot be found by the Plugin and
+                // the volume can be safely regarded as ControllerUnpublished
+                // from the node, the plugin SHOULD return 0 OK."
+                let Some(v) = s.volumes.get_mut(id) else {
+                    return Ok(((), false));
+                };
+                // "If the value is unset, the SP MUST unpublish the volume
+                // from all nodes it is published to."
+                let nodes: Vec<String> = if node_id.is_empty() {
+                    v.controller_published.keys().cloned().collect()
+                } else if v.controller_published.contains_key(node_id) {
+                    vec![node_id.to_owned()]
+                } else {
+                    Vec::new()
+                };
+                if nodes.is_empty() {
+                    return Ok(((), false));
+                }
+                // The spec makes the CO call this only after every
+                // NodeUnpublish/NodeUnstage; detaching a volume still mounted
+                // would fail on real storage, so it fails here too.
+                if nodes.contains(&me) {
+                    if let Some(st) = &v.staged {
+                        return Err(precondition(format!(
+                            "volume {id:?} is still staged at {:?} on node {me:?}; NodeUnstageVolume first",
+                            st.path
+                        )));
+                    }
+                    if let Some(t) = v.published.keys().next() {
+                        return Err(precondition(format!(
+                            "volume {id:?} is still published at {t:?} on node {me:?}; NodeUnpublishVolume first"
+                        )));
+                    }
+                }
+                for n in nodes {
+                    v.controller_published.remove(&n);
+                }
+                Ok(((), true))
+            })
+            .await
+    }
+
+    /// `Ok(Ok(caps))`: confirmed; `Ok(Err(reason))`: not supported.
+    pub fn validate_capabilities(
+        &self,
+        id: &str,
+        caps: Vec<CapArg>,
+    ) -> Result<Result<Vec<Capability>, String>, Status> {
+        if id.is_empty() {
+            return Err(invalid("volume_id is required"));
+        }
+        if caps.is_empty() {
+            return Err(invalid("volume_capabilities is required"));
+        }
+        let caps = parse_caps(caps)?;
+        // "Volume does not exist | 5 NOT_FOUND".
+        if self.record(id).is_none() {
+            return Err(Self::not_found(id));
+        }
+        // "This RPC call SHALL return confirmed only if all the volume
+        // capabilities specified in the request are supported."
+        Ok(match caps.iter().find_map(Capability::unsupported_reason) {
+            Some(why) => Err(why),
+            None => Ok(caps),
+        })
+    }
+
+    pub fn list_volumes(
+        &self,
+        max_entries: i32,
+        starting_token: &str,
+    ) -> Result<(Vec<ListedVolume>, String), Status> {
+        // ListVolumesRequest.max_entries: "The value of this field MUST NOT
+        // be negative."
+        if max_entries < 0 {
+            return Err(invalid("max_entries must not be negative"));
+        }
+        // "Invalid starting_token | 10 ABORTED".
+        let after = if starting_token.is_empty() {
+            None
+        } else {
+            Some(decode_token(starting_token).ok_or_else(|| {
+                Status::aborted(format!("invalid starting_token {starting_token:?}"))
+            })?)
+        };
+        let limit = usize::try_from(max_entries)
+            .ok()
+            .filter(|n| *n > 0)
+            .unwrap_or(usize::MAX);
+        self.store.read(|s| {
+            let lower = match &after {
+                Some(a) => Bound::Excluded(a.clone()),
+                None => Bound::Unbounded,
+            };
+            let mut iter = s.volumes.range((lower, Bound::Unbounded));
+            let page: Vec<ListedVolume> = iter
+                .by_ref()
+                .take(limit)
+                .map(|(id, v)| ListedVolume {
+                    info: VolumeInfo {
+                        id: id.clone(),
+                        capacity_bytes: v.capacity_bytes,
+                        context: HashMap::new(),
+                    },
+                    published_nodes: v.controller_published.keys().cloned().collect(),
+                })
+                .collect();
+            // "If the actual number of entries is more than this number, the
+            // Plugin MUST set next_token".
+            let next = match (iter.next(), page.last()) {
+                (Some(_), Some(last)) => encode_token(&last.info.id),
+                _ => String::new(),
+            };
+            Ok((page, next))
+        })
+    }
+
+    pub fn get_capacity(&self, caps: Vec<CapArg>) -> Result<i64, Status> {
+        let caps = parse_caps(caps)?;
+        // "If specified, the Plugin SHALL report the capacity of the storage
+        // that can be used to provision volumes that satisfy ALL of the
+        // specified volume_capabilities": none, for an unsupported one.
+        if caps.iter().any(|c| c.unsupported_reason().is_some()) {
+            return Ok(0);
+        }
+        let used: i64 = self
+            .store
+            .read(|s| s.volumes.values().map(|v| v.capacity_bytes).sum());
+        Ok((self.cfg.capacity - used).max(0))
+    }
+
+    // ----------------------------------------------------------------------
+    // Node
+    // ----------------------------------------------------------------------
+
+    fn check_controller_published(&self, id: &str, rec: &VolumeRecord) -> Result<(), Status> {
+        if self.cfg.controller_publish && !rec.controller_published.contains_key(&self.cfg.node_id)
+        {
+            return Err(precondition(format!(
+                "volume {id:?} is not controller-published to node {:?}; ControllerPublishVolume must succeed first",
+                self.cfg.node_id
+            )));
+        }
+        Ok(())
+    }
+
+    pub async fn node_stage(&self, id: &str, staging: &str, cap: CapArg) -> Result<(), Status> {
+        if !self.cfg.stage_unstage {
+            return Err(Status::unimplemented(
+                "NodeStageVolume: STAGE_UNSTAGE_VOLUME is disabled",
+            ));
+        }
+        if id.is_empty() {
+            return Err(invalid("volume_id is required"));
+        }
+        if staging.is_empty() {
+            return Err(invalid("staging_target_path is required"));
+        }
+        let cap = cap?;
+        check_absolute(staging, "staging_target_path")?;
+        let rec = self.record(id).ok_or_else(|| Self::not_found(id))?;
+        // "Exceeds capabilities | 9 FAILED_PRECONDITION".
+        if let Some(why) = cap.unsupported_reason() {
+            return Err(precondition(why));
+        }
+        self.check_controller_published(id, &rec)?;
+        let staging_path = Path::new(staging);
+        let dir = self.volume_dir(id);
+        if let Some(st) = &rec.staged {
+            if st.path != staging {
+                // "The CO SHALL ensure that there is only one
+                // staging_target_path per volume."
+                return Err(precondition(format!(
+                    "volume {id:?} is already staged at {:?}",
+                    st.path
+                )));
+            }
+            // "If the volume corresponding to the volume_id is already staged
+            // to the staging_target_path, and is identical to the specified
+            // volume_capability the Plugin MUST reply 0 OK."
+            if st.capability != cap {
+                return Err(Status::already_exists(format!(
+                    "volume {id:?} is already staged at {staging:?} with another capability"
+                )));
+            }
+            // Recorded but not mounted (killed between the two): finish.
+            if self.bind_mode() && !is_mount_point(staging_path)? {
+                mounts::bind(&dir, staging_path, false)
+                    .map_err(|e| internal(&format!("bind-mounting on {staging}"), e))?;
+            }
+            return Ok(());
+        }
+        let taken = self.store.read(|s| {
+            s.volumes
+                .iter()
+                .find(|(other, v)| {
+                    *other != id && v.staged.as_ref().is_some_and(|st| st.path == staging)
+                })
+                .map(|(other, _)| other.clone())
+        });
+        if let Some(other) = taken {
+            return Err(precondition(format!(
+                "staging_target_path {staging:?} is in use by volume {other:?}"
+            )));
+        }
+        // "The CO SHALL be responsible for creating the directory if it does
+        // not exist."
+        match std::fs::metadata(staging_path) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => {
+                return Err(precondition(format!(
+                    "staging_target_path {staging:?} is not a directory"
+                )));
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                return Err(precondition(format!(
+                    "staging_target_path {staging:?} does not exist; the CO must create it"
+                )));
+            }
+            Err(e) => return Err(internal(&format!("checking {staging}"), e)),
+        }
+        if self.bind_mode() && is_mount_point(staging_path)? {
+            return Err(precondition(format!(
+                "staging_target_path {staging:?} is already a mount point"
+            )));
+        }
+        let staged = Staging {
+            path: staging.to_owned(),
+            capability: cap,
+        };
+        self.store
+            .update(|s| {
+                let v = s.volumes.get_mut(id).ok_or_else(|| Self::not_found(id))?;
+                v.staged = Some(staged);
+                Ok(((), true))
+            })
+            .await?;
+        if self.bind_mode()
+            && let Err(e) = mounts::bind(&dir, staging_path, false)
+        {
+            self.store
+                .update(|s| {
+                    if let Some(v) = s.volumes.get_mut(id) {
+                        v.staged = None;
+                    }
+                    Ok(((), true))
+                })
+                .await?;
+            return Err(internal(&format!("bind-mounting on {staging}"), e));
+        }
+        Ok(())
+    }
+
+    pub async fn node_unstage(&self, id: &str, staging: &str) -> Result<(), Status> {
+        if !self.cfg.stage_unstage {
+            return Err(Status::unimplemented(
+                "NodeUnstageVolume: STAGE_UNSTAGE_VOLUME is disabled",
+            ));
+        }
+        if id.is_empty() {
+            return Err(invalid("volume_id is required"));
+        }
+        if staging.is_empty() {
+            return Err(invalid("staging_target_path is required"));
+        }
+        check_absolute(staging, "staging_target_path")?;
+        // "Volume does not exist | 5 NOT_FOUND".
+        let rec = self.record(id).ok_or_else(|| Self::not_found(id))?;
+        // "If the volume corresponding to the volume_id is not staged to the
+        // staging_target_path, the Plugin MUST reply 0 OK."
+        if rec.staged.as_ref().is_none_or(|st| st.path != staging) {
+            return Ok(());
+        }
+        // "The CO MUST guarantee that this RPC is called after all
+        // NodeUnpublishVolume have been called and returned success".
+        if let Some(t) = rec.published.keys().next() {
+            return Err(precondition(format!(
+                "volume {id:?} is still published at {t:?}; NodeUnpublishVolume first"
+            )));
+        }
+        if self.bind_mode() {
+            mounts::unmount_all(Path::new(staging))
+                .map_err(|e| internal(&format!("unmounting {staging}"), e))?;
+        }
+        self.store
+            .update(|s| {
+                if let Some(v) = s.volumes.get_mut(id) {
+                    v.staged = None;
+                }
+                Ok(((), true))
+            })
+            .await
+    }
+
+    /// Makes sure the target directory is there, per the version's rule.
+    /// Returns whether this call created it.
+    fn prepare_target(&self, target: &Path, version: ApiVersion) -> Result<bool, Status> {
+        let shown = target.display();
+        let created = if version == ApiVersion::V1 {
+            // CSI v1: "The CO SHALL ensure that the parent directory of this
+            // path exists ... Creation of target_path is the responsibility
+            // of the SP." One mkdir: the parent must exist.
+            match std::fs::create_dir(target) {
+                Ok(()) => true,
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => false,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                    return Err(precondition(format!(
+                        "the parent of target_path {shown} does not exist; the CO must create it"
+                    )));
+                }
+                Err(e) => return Err(internal(&format!("creating target_path {shown}"), e)),
+            }
+        } else {
+            // CSI 0.x: the CO creates the target; the plugin must not.
+            false
+        };
+        match std::fs::metadata(target) {
+            Ok(m) if m.is_dir() => Ok(created),
+            Ok(_) => Err(precondition(format!(
+                "target_path {shown} exists and is not a directory"
+            ))),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Err(precondition(format!(
+                "target_path {shown} does not exist; in CSI 0.x the CO must create it"
+            ))),
+            Err(e) => Err(internal(&format!("checking target_path {shown}"), e)),
+        }
+    }
+
+    pub async fn node_publish(&self, a: PublishArgs) -> Result<(), Status> {
+        let id = a.volume_id.as_str();
+        if id.is_empty() {
+            return Err(invalid("volume_id is required"));
+        }
+        if a.target_path.is_empty() {
+            return Err(invalid("target_path is required"));
+        }
+        let cap = a.capability?;
+        check_absolute(&a.target_path, "target_path")?;
+        if !a.staging_path.is_empty() {
+            check_absolute(&a.staging_path, "staging_target_path")?;
+        }
+        let rec = self.record(id).ok_or_else(|| Self::not_found(id))?;
+        // "Exceeds capabilities | 9 FAILED_PRECONDITION".
+        if let Some(why) = cap.unsupported_reason() {
+            return Err(precondition(why));
+        }
+        let target = Path::new(&a.target_path);
+        let (source, staging) = if self.cfg.stage_unstage {
+            // "Staging target path not set | 9 FAILED_PRECONDITION".
+            if a.staging_path.is_empty() {
+                return Err(precondition(
+                    "staging_target_path is not set but the plugin has STAGE_UNSTAGE_VOLUME",
+                ));
+            }
+            if rec
+                .staged
+                .as_ref()
+                .is_none_or(|st| st.path != a.staging_path)
+            {
+                return Err(precondition(format!(
+                    "volume {id:?} is not staged at {:?}; NodeStageVolume must succeed first",
+                    a.staging_path
+                )));
+            }
+            if self.bind_mode() && !is_mount_point(Path::new(&a.staging_path))? {
+                return Err(precondition(format!(
+                    "volume {id:?} is recorded as staged at {:?} but nothing is mounted there; NodeStageVolume again",
+                    a.staging_path
+                )));
+            }
+            (PathBuf::from(&a.staging_path), Some(a.staging_path.clone()))
+        } else {
+            self.check_controller_published(id, &rec)?;
+            (self.volume_dir(id), None)
+        };
+        let ro = a.readonly || cap.mode.is_read_only();
+
+        if let Some(p) = rec.published.get(&a.target_path) {
+            // "If the volume ... has already been published at the specified
+            // target_path, and is compatible with the specified
+            // volume_capability and readonly flag, the Plugin MUST reply 0 OK."
+            if p.capability != cap || p.readonly != a.readonly {
+                // "Volume published but is incompatible | 6 ALREADY_EXISTS".
+                return Err(Status::already_exists(format!(
+                    "volume {id:?} is already published at {:?} with another capability or readonly flag",
+                    a.target_path
+                )));
+            }
+            // Recorded but not (or no longer) mounted: finish the job.
+            let version = if p.remove_target {
+                ApiVersion::V1
+            } else {
+                a.version
+            };
+            self.prepare_target(target, version)?;
+            if self.bind_mode() && !is_mount_point(target)? {
+                mounts::bind(&source, target, ro)
+                    .map_err(|e| internal(&format!("bind-mounting on {}", a.target_path), e))?;
+            }
+            return Ok(());
+        }
+        // Second publication at another target: the spec's table says OK for
+        // MULTI_NODE_... volumes and FAILED_PRECONDITION otherwise.
+        if let Some((t, p)) = rec.published.iter().next()
+            && !(cap.mode.is_multi_node() && p.capability.mode.is_multi_node())
+        {
+            return Err(precondition(format!(
+                "volume {id:?} is already published at {t:?} and its access mode is not MULTI_NODE"
+            )));
+        }
+        let taken = self.store.read(|s| {
+            s.volumes
+                .iter()
+                .find(|(other, v)| *other != id && v.published.contains_key(&a.target_path))
+                .map(|(other, _)| other.clone())
+        });
+        if let Some(other) = taken {
+            return Err(precondition(format!(
+                "target_path {:?} is in use by volume {other:?}",
+                a.target_path
+            )));
+        }
+
+        let created = self.prepare_target(target, a.version)?;
+        let undo_mkdir = |created: bool| {
+            if created {
+                let _ = std::fs::remove_dir(target);
+            }
+        };
+        if self.bind_mode() && is_mount_point(target)? {
+            undo_mkdir(created);
+            return Err(precondition(format!(
+                "target_path {:?} is already a mount point",
+                a.target_path
+            )));
+        }
+        let publication = Publication {
+            capability: cap,
+            readonly: a.readonly,
+            staging_path: staging,
+            remove_target: a.version == ApiVersion::V1,
+        };
+        if let Err(e) = self
+            .store
+            .update(|s| {
+                let v = s.volumes.get_mut(id).ok_or_else(|| Self::not_found(id))?;
+                v.published.insert(a.target_path.clone(), publication);
+                Ok(((), true))
+            })
+            .await
+        {
+            undo_mkdir(created);
+            return Err(e);
+        }
+        if self.bind_mode()
+            && let Err(e) = mounts::bind(&source, target, ro)
+        {
+            undo_mkdir(created);
+            self.store
+                .update(|s| {
+                    if let Some(v) = s.volumes.get_mut(id) {
+                        v.published.remove(&a.target_path);
+                    }
+                    Ok(((), true))
+                })
+                .await?;
+            return Err(internal(&format!("bind-mounting on {}", a.target_path), e));
+        }
+        Ok(())
+    }
+
+    pub async fn node_unpublish(
+        &self,
+        id: &str,
+        target: &str,
+        version: ApiVersion,
+    ) -> Result<(), Status> {
+        if id.is_empty() {
+            return Err(invalid("volume_id is required"));
+        }
+        if target.is_empty() {
+            return Err(invalid("target_path is required"));
+        }
+        check_absolute(target, "target_path")?;
+        // "Volume does not exist | 5 NOT_FOUND".
+        let rec = self.record(id).ok_or_else(|| Self::not_found(id))?;
+        let target_path = Path::new(target);
+        let Some(p) = rec.published.get(target) else {
+            // Not published there: nothing to undo, "0 OK" (idempotent). For
+            // CSI v1 a leftover empty target no volume claims (e.g. a crash
+            // between unmount and rmdir) is removed, as the SP owns it.
+            if version == ApiVersion::V1 && target_path.is_dir() {
+                let claimed = self
+                    .store
+                    .read(|s| s.volumes.values().any(|v| v.published.contains_key(target)));
+                let mounted = self.bind_mode() && is_mount_point(target_path)?;
+                if !claimed && !mounted {
+                    // Best effort: a non-empty directory is not ours to judge.
+                    let _ = std::fs::remove_dir(target_path);
+                }
+            }
+            return Ok(());
+        };
+        if self.bind_mode() {
+            mounts::unmount_all(target_path)
+                .map_err(|e| internal(&format!("unmounting {target}"), e))?;
+        }
+        // CSI v1, NodeUnpublishVolumeRequest.target_path: "The SP MUST delete
+        // the file or directory it created at this path." CSI 0.x: the CO
+        // owns the target and it stays.
+        if p.remove_target {
+            remove_target_dir(target_path)?;
+        }
+        self.store
+            .update(|s| {
+                if let Some(v) = s.volumes.get_mut(id) {
+                    v.published.remove(target);
+                }
+                Ok(((), true))
+            })
+            .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_round_trip_and_reject_garbage() {
+        for id in ["a", "sanity-123", "ünï", &"z".repeat(128)] {
+            assert_eq!(decode_token(&encode_token(id)).as_deref(), Some(id));
+        }
+        for bad in ["invalid-token", "after:", "after:0", "after:zz", "after:ff"] {
+            assert_eq!(decode_token(bad), None, "{bad}");
+        }
+    }
+}

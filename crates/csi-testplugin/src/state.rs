@@ -1,0 +1,308 @@
+//! The plugin's durable bookkeeping: `<work-dir>/state.json`.
+//!
+//! Owns: the record of every volume (size, parameters, controller
+//! publications, staging and node publications with their capability and
+//! readonly flag), loading it at start, and writing it atomically (temp file,
+//! fsync, rename, fsync of the directory) with group commit so that concurrent
+//! RPCs share one write. A caller is answered only after its change is
+//! durable, so a plugin killed at any moment and restarted keeps its truth.
+//!
+//! Must not: mount, create volume directories or decide CSI semantics; the
+//! closures passed to [`Store::update`] (in `plugin.rs`) do that.
+
+use std::collections::BTreeMap;
+use std::fs::{self, File, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+use anyhow::Context;
+use serde::{Deserialize, Serialize};
+use tonic::Status;
+
+use crate::model::Capability;
+
+/// Bumped when the layout of `state.json` changes incompatibly.
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// The whole content of `state.json`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct StateFile {
+    pub schema_version: u32,
+    /// Boot id when the node-side records were last written; a different boot
+    /// id at start means every mount vanished with a reboot.
+    #[serde(default)]
+    pub boot_id: String,
+    #[serde(default)]
+    pub volumes: BTreeMap<String, VolumeRecord>,
+}
+
+/// One volume. Its id is the key in [`StateFile::volumes`] and the name of
+/// its directory under `<work-dir>/volumes`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct VolumeRecord {
+    /// 0 means unknown (e.g. a directory adopted without a record).
+    pub capacity_bytes: i64,
+    #[serde(default)]
+    pub parameters: BTreeMap<String, String>,
+    /// Controller publications by node id.
+    #[serde(default)]
+    pub controller_published: BTreeMap<String, ControllerPublication>,
+    /// The staging of this volume; the CO ensures one staging path per volume.
+    #[serde(default)]
+    pub staged: Option<Staging>,
+    /// Node publications by target path.
+    #[serde(default)]
+    pub published: BTreeMap<String, Publication>,
+}
+
+impl VolumeRecord {
+    /// Whether anything still uses the volume (controller- or node-side).
+    pub fn in_use(&self) -> Option<String> {
+        if let Some(node) = self.controller_published.keys().next() {
+            return Some(format!("it is controller-published to node {node:?}"));
+        }
+        if let Some(s) = &self.staged {
+            return Some(format!("it is staged at {:?}", s.path));
+        }
+        if let Some(t) = self.published.keys().next() {
+            return Some(format!("it is published at {t:?}"));
+        }
+        None
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ControllerPublication {
+    pub capability: Capability,
+    pub readonly: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Staging {
+    pub path: String,
+    pub capability: Capability,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Publication {
+    pub capability: Capability,
+    pub readonly: bool,
+    /// The staging path the target was bound from, if staged.
+    #[serde(default)]
+    pub staging_path: Option<String>,
+    /// CSI v1: the plugin created the target and removes it on unpublish.
+    /// CSI v0: the CO owns the target, the plugin leaves it.
+    pub remove_target: bool,
+}
+
+struct Inner {
+    data: StateFile,
+    /// Incremented by every change to `data`.
+    generation: u64,
+}
+
+/// The durable store. Cheap to share behind the plugin's `Arc`.
+pub struct Store {
+    path: PathBuf,
+    tmp_path: PathBuf,
+    inner: Mutex<Inner>,
+    /// Serialises writers; the one holding it writes everything changed so far.
+    writer: tokio::sync::Mutex<()>,
+    /// The highest generation known to be on disk.
+    durable: AtomicU64,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store").field("path", &self.path).finish()
+    }
+}
+
+impl Store {
+    /// Loads `path`, or starts empty if it does not exist. A file that cannot
+    /// be parsed is moved aside (`state.json.corrupt-<ns>`) and reported, so
+    /// that the plugin still starts; its volume directories are re-adopted by
+    /// the caller.
+    pub fn open(path: &Path) -> anyhow::Result<Self> {
+        let data = match fs::read(path) {
+            Ok(bytes) => match serde_json::from_slice::<StateFile>(&bytes) {
+                Ok(d) if d.schema_version == SCHEMA_VERSION => d,
+                Ok(d) => move_aside(
+                    path,
+                    &format!("unknown schema_version {}", d.schema_version),
+                )?,
+                Err(e) => move_aside(path, &e.to_string())?,
+            },
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => StateFile {
+                schema_version: SCHEMA_VERSION,
+                ..StateFile::default()
+            },
+            Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+        };
+        let mut tmp = path.as_os_str().to_owned();
+        tmp.push(".tmp");
+        Ok(Self {
+            path: path.to_owned(),
+            tmp_path: PathBuf::from(tmp),
+            inner: Mutex::new(Inner {
+                data,
+                generation: 0,
+            }),
+            writer: tokio::sync::Mutex::new(()),
+            durable: AtomicU64::new(0),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic while holding the lock leaves a consistent-enough map for a
+        // test plugin; keep serving rather than poisoning every later call.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Reads the current state.
+    pub fn read<R>(&self, f: impl FnOnce(&StateFile) -> R) -> R {
+        f(&self.lock().data)
+    }
+
+    /// Runs `f` on the state under the lock; `f` returns its result and
+    /// whether it changed anything. A change is made durable before this
+    /// returns. `f` must leave the state untouched when it returns an error.
+    pub async fn update<R>(
+        &self,
+        f: impl FnOnce(&mut StateFile) -> Result<(R, bool), Status>,
+    ) -> Result<R, Status> {
+        let (value, generation) = {
+            let mut inner = self.lock();
+            let (value, changed) = f(&mut inner.data)?;
+            if !changed {
+                return Ok(value);
+            }
+            inner.generation += 1;
+            (value, inner.generation)
+        };
+        self.commit(generation)
+            .await
+            .map_err(|e| Status::internal(format!("persisting plugin state: {e:#}")))?;
+        Ok(value)
+    }
+
+    /// Synchronous variant of [`Store::update`] for start-up, before the
+    /// runtime serves anything.
+    pub fn update_now(&self, f: impl FnOnce(&mut StateFile) -> bool) -> anyhow::Result<()> {
+        let bytes = {
+            let mut inner = self.lock();
+            if !f(&mut inner.data) {
+                return Ok(());
+            }
+            inner.generation += 1;
+            self.durable.store(inner.generation, Ordering::SeqCst);
+            serde_json::to_vec_pretty(&inner.data)?
+        };
+        write_atomic(&self.path, &self.tmp_path, &bytes)
+    }
+
+    /// Group commit: waits for the writer slot; if another writer already
+    /// made `generation` durable meanwhile, there is nothing left to do,
+    /// otherwise writes a snapshot of everything changed so far.
+    async fn commit(&self, generation: u64) -> anyhow::Result<()> {
+        let _slot = self.writer.lock().await;
+        if self.durable.load(Ordering::SeqCst) >= generation {
+            return Ok(());
+        }
+        let (bytes, snapshot_gen) = {
+            let inner = self.lock();
+            (serde_json::to_vec_pretty(&inner.data)?, inner.generation)
+        };
+        let (path, tmp) = (self.path.clone(), self.tmp_path.clone());
+        tokio::task::spawn_blocking(move || write_atomic(&path, &tmp, &bytes))
+            .await
+            .context("state writer task")??;
+        self.durable.store(snapshot_gen, Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+/// Writes `bytes` to `path` atomically and durably: a temp file in the same
+/// directory (mode 0600: the state holds mount flags), fsync, rename over the
+/// old file, fsync the directory.
+pub fn write_atomic(path: &Path, tmp: &Path, bytes: &[u8]) -> anyhow::Result<()> {
+    let mut f = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(tmp)
+        .with_context(|| format!("creating {}", tmp.display()))?;
+    f.write_all(bytes)
+        .and_then(|()| f.sync_all())
+        .with_context(|| format!("writing {}", tmp.display()))?;
+    drop(f);
+    fs::rename(tmp, path).with_context(|| format!("renaming onto {}", path.display()))?;
+    let dir = path.parent().unwrap_or_else(|| Path::new("."));
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .with_context(|| format!("fsync of {}", dir.display()))?;
+    Ok(())
+}
+
+fn move_aside(path: &Path, why: &str) -> anyhow::Result<StateFile> {
+    let ns = crate::calllog::now_ns();
+    let mut aside = path.as_os_str().to_owned();
+    aside.push(format!(".corrupt-{ns}"));
+    tracing::error!(
+        path = %path.display(),
+        moved_to = ?aside,
+        "unreadable plugin state ({why}); starting from the volume directories"
+    );
+    fs::rename(path, &aside).with_context(|| format!("moving {} aside", path.display()))?;
+    Ok(StateFile {
+        schema_version: SCHEMA_VERSION,
+        ..StateFile::default()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn update_persists_and_reloads() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("state.json");
+        let store = Store::open(&path)?;
+        store
+            .update(|s| {
+                s.volumes.insert(
+                    "a".into(),
+                    VolumeRecord {
+                        capacity_bytes: 5,
+                        ..VolumeRecord::default()
+                    },
+                );
+                Ok(((), true))
+            })
+            .await
+            .map_err(|s| anyhow::anyhow!("{s}"))?;
+        let again = Store::open(&path)?;
+        assert_eq!(again.read(|s| s.volumes["a"].capacity_bytes), 5);
+        Ok(())
+    }
+
+    #[test]
+    fn corrupt_file_is_moved_aside() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("state.json");
+        fs::write(&path, b"{not json")?;
+        let store = Store::open(&path)?;
+        assert!(store.read(|s| s.volumes.is_empty()));
+        assert!(!path.exists());
+        let moved = fs::read_dir(dir.path())?
+            .filter_map(Result::ok)
+            .any(|e| e.file_name().to_string_lossy().contains(".corrupt-"));
+        assert!(moved);
+        Ok(())
+    }
+}
