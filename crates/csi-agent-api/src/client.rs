@@ -174,7 +174,7 @@ impl ApiClient {
         self.call_json(Method::POST, routes::START, None).await
     }
 
-    /// `GET /metrics`: the Prometheus text exposition, as is.
+    /// `GET /metrics`: the metrics text (OpenMetrics format, which Prometheus scrapes), as is.
     pub async fn metrics(&self) -> Result<String, ApiError> {
         let (status, body) = self.send(Method::GET, routes::METRICS, None).await?;
         if !is_success(status) {
@@ -282,9 +282,8 @@ impl ApiClient {
     ) -> Result<T, ApiError> {
         // The API's request types serialize infallibly (string-keyed maps, no custom
         // serializers); should that ever change, report it rather than panic.
-        let body = serde_json::to_vec(body).map_err(|err| {
-            ApiError::decode(0, format!("cannot encode the request: {err}"), b"")
-        })?;
+        let body = serde_json::to_vec(body)
+            .map_err(|err| ApiError::decode(0, format!("cannot encode the request: {err}"), b""))?;
         self.call_json(Method::POST, path, Some(body)).await
     }
 
@@ -313,12 +312,14 @@ impl ApiClient {
         let exchange = self.send_untimed(method, path, body);
         match self.timeout {
             None => exchange.await,
-            Some(after) => tokio::time::timeout(after, exchange)
-                .await
-                .map_err(|_| ApiError::Timeout {
-                    endpoint: self.endpoint(),
-                    after,
-                })?,
+            Some(after) => {
+                tokio::time::timeout(after, exchange)
+                    .await
+                    .map_err(|_| ApiError::Timeout {
+                        endpoint: self.endpoint(),
+                        after,
+                    })?
+            }
         }
     }
 
@@ -379,12 +380,13 @@ impl ApiClient {
             Endpoint::Tcp {
                 url, host, port, ..
             } => {
-                let stream = TcpStream::connect((host.as_str(), *port))
-                    .await
-                    .map_err(|source| ApiError::ConnectTcp {
-                        url: url.clone(),
-                        source,
-                    })?;
+                let stream =
+                    TcpStream::connect((host.as_str(), *port))
+                        .await
+                        .map_err(|source| ApiError::ConnectTcp {
+                            url: url.clone(),
+                            source,
+                        })?;
                 // Requests are small and answered at once; Nagle would only add latency.
                 // Failing to set it changes nothing but speed, so it is not an error.
                 let _ = stream.set_nodelay(true);
@@ -474,14 +476,13 @@ fn bearer(token: &str) -> Result<HeaderValue, ApiError> {
         });
     }
     // The token itself must never appear in the message.
-    let mut value = HeaderValue::from_str(&format!("Bearer {token}")).map_err(|_| {
-        ApiError::InvalidUrl {
+    let mut value =
+        HeaderValue::from_str(&format!("Bearer {token}")).map_err(|_| ApiError::InvalidUrl {
             url: "(token)".to_owned(),
             reason: "the bearer token holds characters that cannot be sent in an HTTP header \
                      (control characters or non-ASCII)"
                 .to_owned(),
-        }
-    })?;
+        })?;
     value.set_sensitive(true);
     Ok(value)
 }

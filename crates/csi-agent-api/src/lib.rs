@@ -14,4 +14,3 @@ pub mod types;
 pub use client::ApiClient;
 pub use error::ApiError;
 pub use types::*;
-

@@ -163,7 +163,10 @@ mod tests {
     fn query_skips_absent_values_and_encodes_present_ones() {
         assert_eq!(query(&[("a", None)]), "");
         assert_eq!(
-            query(&[("max_entries", Some("10")), ("starting_token", Some("a b&c"))]),
+            query(&[
+                ("max_entries", Some("10")),
+                ("starting_token", Some("a b&c"))
+            ]),
             "?max_entries=10&starting_token=a%20b%26c"
         );
         assert_eq!(query(&[("a", None), ("b", Some(""))]), "?b=");

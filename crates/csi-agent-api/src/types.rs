@@ -169,7 +169,10 @@ pub struct SecretsSpec {
 impl fmt::Debug for SecretsSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("SecretsSpec")
-            .field("node_stage", &format_args!("<redacted {} entries>", self.node_stage.len()))
+            .field(
+                "node_stage",
+                &format_args!("<redacted {} entries>", self.node_stage.len()),
+            )
             .field(
                 "node_publish",
                 &format_args!("<redacted {} entries>", self.node_publish.len()),

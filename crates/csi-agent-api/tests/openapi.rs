@@ -311,8 +311,8 @@ fn routes_are_exactly_all_routes() -> Result<()> {
         .collect();
     ensure!(
         described == expected,
-        "openapi.yaml describes {:?} but routes::ALL_ROUTES lists {:?}",
-        described.symmetric_difference(&expected).collect::<Vec<_>>(),
+        "only in openapi.yaml: {:?}; only in routes::ALL_ROUTES: {:?}",
+        described.difference(&expected).collect::<Vec<_>>(),
         expected.difference(&described).collect::<Vec<_>>()
     );
     Ok(())
@@ -399,7 +399,7 @@ fn schema_properties_are_the_serde_fields() -> Result<()> {
     Ok(())
 }
 
-/// (method, path, request body schema, 200 response schema; `None` = text/plain).
+/// (method, path, request body schema, success response schema; `None` = OpenMetrics text).
 const BODIES: &[(&str, &str, Option<&str>, Option<&str>)] = &[
     ("GET", routes::HEALTH, None, Some("Health")),
     ("POST", routes::START, None, Some("StartResponse")),
@@ -407,7 +407,12 @@ const BODIES: &[(&str, &str, Option<&str>, Option<&str>)] = &[
     ("GET", routes::PLUGINS, None, Some("PluginList")),
     ("GET", routes::PLUGIN, None, Some("PluginInfo")),
     ("POST", routes::PLUGINS_RELOAD, None, Some("ReloadReport")),
-    ("GET", routes::BACKEND_VOLUMES, None, Some("BackendVolumePage")),
+    (
+        "GET",
+        routes::BACKEND_VOLUMES,
+        None,
+        Some("BackendVolumePage"),
+    ),
     (
         "POST",
         routes::PUBLISH,
@@ -457,20 +462,41 @@ fn each_route_carries_its_rust_types() -> Result<()> {
         match request {
             None => ensure!(body.is_null(), "{method} {path} takes no body"),
             Some(schema) => {
-                ensure!(body["required"] == json!(true), "{method} {path}: body required");
+                ensure!(
+                    body["required"] == json!(true),
+                    "{method} {path}: body required"
+                );
                 let got = schema_ref(&body["content"]["application/json"]["schema"]);
-                ensure!(got == Some(*schema), "{method} {path}: request {got:?} != {schema}");
+                ensure!(
+                    got == Some(*schema),
+                    "{method} {path}: request {got:?} != {schema}"
+                );
             }
         }
-        let ok = &op["responses"]["200"]["content"];
+        // Exactly one success status: 201 for a creation, 200 for everything else.
+        let success = if (*method, *path) == ("POST", routes::VOLUMES) {
+            "201"
+        } else {
+            "200"
+        };
+        let statuses = keys(&op["responses"], "responses")?;
+        let successes: Vec<&String> = statuses.iter().filter(|s| s.starts_with('2')).collect();
+        ensure!(
+            successes == [success],
+            "{method} {path}: success statuses {successes:?}, expected [{success}]"
+        );
+        let ok = &op["responses"][success]["content"];
         match response {
             None => ensure!(
-                ok["text/plain"]["schema"]["type"] == json!("string"),
-                "{method} {path}: text/plain answer"
+                ok["application/openmetrics-text"]["schema"]["type"] == json!("string"),
+                "{method} {path}: OpenMetrics text answer"
             ),
             Some(schema) => {
                 let got = schema_ref(&ok["application/json"]["schema"]);
-                ensure!(got == Some(*schema), "{method} {path}: response {got:?} != {schema}");
+                ensure!(
+                    got == Some(*schema),
+                    "{method} {path}: response {got:?} != {schema}"
+                );
             }
         }
         // Every route may be refused for a bad token (TCP) or fail internally.
@@ -489,7 +515,7 @@ fn error_responses_use_the_error_shape_and_statuses() -> Result<()> {
     let spec = spec()?;
     let codes: Vec<Value> = ErrorCode::ALL
         .iter()
-        .map(|code| serde_json::to_value(code))
+        .map(serde_json::to_value)
         .collect::<Result<_, _>>()?;
     ensure!(
         spec["components"]["schemas"]["ErrorCode"]["enum"] == Value::Array(codes),
@@ -538,7 +564,10 @@ fn error_responses_use_the_error_shape_and_statuses() -> Result<()> {
         }
     }
     let all: BTreeSet<u16> = ErrorCode::ALL.iter().map(|c| c.http_status()).collect();
-    ensure!(statuses_used == all, "statuses used {statuses_used:?} != {all:?}");
+    ensure!(
+        statuses_used == all,
+        "statuses used {statuses_used:?} != {all:?}"
+    );
     Ok(())
 }
 

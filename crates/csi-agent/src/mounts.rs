@@ -324,6 +324,16 @@ fn canonical_nofollow(path: &Path) -> PathBuf {
     }
 }
 
+/// Whether `path` is a mount point right now: asks the kernel (statx, one syscall) and falls
+/// back to reading the mount table on kernels that cannot say. A missing path is not one.
+pub fn is_mount_point(path: &Path) -> Result<bool, MountError> {
+    match statx_mount_root(path) {
+        Some(answer) => Ok(answer),
+        None if !path.exists() => Ok(false),
+        None => Ok(MountTable::read()?.is_mount_point(path)),
+    }
+}
+
 /// Asks the kernel whether `path` itself (not following a final symlink) is the root of a
 /// mount. `None` when it cannot say (kernel before 5.8, or the path cannot be stat'ed).
 fn statx_mount_root(path: &Path) -> Option<bool> {
@@ -676,6 +686,72 @@ fn walk(dir: &Path, table: &MountTable, depth: usize, report: &mut CleanupReport
     }
 }
 
+/// True when this process runs in a mount namespace other than the host's: PID 1's, or, where
+/// a sandbox hides PID 1's namespace even from root, some ancestor's.
+pub fn in_own_mount_namespace() -> bool {
+    let Ok(own) = fs::read_link("/proc/self/ns/mnt") else {
+        return false;
+    };
+    match fs::read_link("/proc/1/ns/mnt") {
+        Ok(init) => init != own,
+        Err(_) => ancestor_in_other_mount_ns(&own),
+    }
+}
+
+fn ancestor_in_other_mount_ns(own: &Path) -> bool {
+    let mut pid = std::process::id();
+    for _ in 0..64 {
+        let Ok(status) = fs::read_to_string(format!("/proc/{pid}/status")) else {
+            return false;
+        };
+        let Some(parent) = status
+            .lines()
+            .find_map(|line| line.strip_prefix("PPid:"))
+            .and_then(|ppid| ppid.trim().parse::<u32>().ok())
+        else {
+            return false;
+        };
+        if parent <= 1 {
+            return false;
+        }
+        if let Ok(ns) = fs::read_link(format!("/proc/{parent}/ns/mnt"))
+            && ns != own
+        {
+            return true;
+        }
+        pid = parent;
+    }
+    false
+}
+
+/// For tests that mount: they must never touch the host's mount table, so they run only as
+/// root in a mount namespace of their own (the suite runs under `unshare -m --propagation
+/// private`) and panic otherwise rather than silently skip. Makes `/` recursively private
+/// in that namespace so nothing mounted propagates anywhere.
+///
+/// # Panics
+/// When not root or not in a private mount namespace: that is the point.
+pub fn require_private_mount_namespace() {
+    assert!(
+        rustix::process::geteuid().is_root(),
+        "this test mounts: run as root under unshare -m --propagation private"
+    );
+    assert!(
+        in_own_mount_namespace(),
+        "this test mounts and this process is in the host's mount namespace \
+         (or that cannot be ruled out): run under unshare -m --propagation private"
+    );
+    static PRIVATE: std::sync::Once = std::sync::Once::new();
+    PRIVATE.call_once(|| {
+        if let Err(err) = rustix::mount::mount_change(
+            "/",
+            rustix::mount::MountPropagationFlags::PRIVATE | rustix::mount::MountPropagationFlags::REC,
+        ) {
+            panic!("cannot make / rprivate in the test namespace: {err}");
+        }
+    });
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 pub(crate) mod tests {
@@ -686,58 +762,7 @@ pub(crate) mod tests {
     /// run only in a mount namespace of their own (the CI runs the suite under
     /// `unshare -m --propagation private`) and panic otherwise, rather than silently skip.
     pub(crate) fn require_private_mount_ns() {
-        assert!(
-            rustix::process::geteuid().is_root(),
-            "this test mounts: run as root under unshare -m --propagation private"
-        );
-        let own = fs::read_link("/proc/self/ns/mnt").expect("readlink /proc/self/ns/mnt");
-        // PID 1 is the reference. Where it cannot be read (a sandbox may hide it even from
-        // root), an ancestor that is in another namespace proves we are in a child one.
-        let separate = match fs::read_link("/proc/1/ns/mnt") {
-            Ok(init) => init != own,
-            Err(_) => ancestor_in_other_mount_ns(&own),
-        };
-        assert!(
-            separate,
-            "this test mounts and this process is in the host's mount namespace \
-             (or that cannot be ruled out): run under unshare -m --propagation private"
-        );
-        // In our own namespace: make sure nothing we mount propagates anywhere.
-        static PRIVATE: Once = Once::new();
-        PRIVATE.call_once(|| {
-            rustix::mount::mount_change(
-                "/",
-                rustix::mount::MountPropagationFlags::PRIVATE
-                    | rustix::mount::MountPropagationFlags::REC,
-            )
-            .expect("make / rprivate in the test namespace");
-        });
-    }
-
-    fn ancestor_in_other_mount_ns(own: &Path) -> bool {
-        let mut pid = std::process::id();
-        for _ in 0..64 {
-            let Ok(status) = fs::read_to_string(format!("/proc/{pid}/status")) else {
-                return false;
-            };
-            let Some(parent) = status
-                .lines()
-                .find_map(|line| line.strip_prefix("PPid:"))
-                .and_then(|ppid| ppid.trim().parse::<u32>().ok())
-            else {
-                return false;
-            };
-            if parent <= 1 {
-                return false;
-            }
-            if let Ok(ns) = fs::read_link(format!("/proc/{parent}/ns/mnt"))
-                && ns != own
-            {
-                return true;
-            }
-            pid = parent;
-        }
-        false
+        super::require_private_mount_namespace();
     }
 
     const SAMPLE: &str = "\

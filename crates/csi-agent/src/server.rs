@@ -19,7 +19,7 @@ use crate::client::{CsiClient, RpcError};
 use crate::config::{self, ConfigDiff, ConfigError, ConfigSet, LoadedConfig, PluginConfig, Service};
 use crate::layout::Layout;
 use crate::metrics::Metrics;
-use crate::service_manager::{ComponentStatus, ManagerError, ManagerOptions, ServiceManager};
+use crate::service_manager::{ComponentStatus, ManagerOptions, ServiceManager};
 use crate::store::{Store, StoreError};
 use crate::volume::recovery::RecoveryReport;
 use crate::volume::{PluginEndpoints, VolumeConfig, VolumeError, VolumeManager};
@@ -97,7 +97,7 @@ impl PluginEndpoints for ManagedEndpoints {
                 Ok(ready) => Ok(ready.client),
                 // Not ready (starting, restarting, backing off): transient, so the caller
                 // retries with backoff and waits through the restart.
-                Err(err @ ManagerError::NotReady { .. }) => Err(RpcError::transport("connect", err)),
+                Err(err) if err.is_transient() => Err(RpcError::transport("connect", err)),
                 Err(err) => Err(RpcError::protocol("connect", err.to_string())),
             }
         })
@@ -367,7 +367,14 @@ impl CsiServer {
                 table.plugins.remove(plugin_type);
                 continue;
             }
-            match ServiceManager::new(loaded.config.clone(), self.manager_options()).await {
+            // The old manager's supervision must stop before the new one looks at the
+            // components: otherwise the old one relaunches what the new one kills.
+            let replaced = plugin
+                .endpoints
+                .manager()
+                .replace_with(loaded.config.clone())
+                .await;
+            match replaced {
                 Ok(manager) => {
                     let old = plugin.endpoints.replace(Arc::new(manager));
                     drop(old);

@@ -20,8 +20,10 @@
 //!   `CSI_ENDPOINT=unix://<socket>`. A stale socket is removed before every launch and after
 //!   every stop (MESOS-8429).
 //! - **Launch is lazy**: nothing is launched until [`ServiceManager::endpoint`] first needs a
-//!   service, or until [`ServiceManager::start`] launches every component eagerly. Creating a
-//!   manager only recovers (below); it makes no CSI call.
+//!   service, or until [`ServiceManager::start`] launches every component eagerly. What was
+//!   running when the manager is created keeps running: adopted components are supervised at
+//!   once (watched, probed, restarted), and components replaced because their configuration
+//!   changed are relaunched at once. Create managers only after the start gate opened.
 //! - **Readiness**: wait for the socket with inotify (no polling interval), connect (which
 //!   detects the CSI version), then `Probe` until ready, all within the plugin's
 //!   `startup_timeout`. The version is detected once per plugin; a plugin that later answers
@@ -40,7 +42,6 @@
 //! - Dropping a manager leaves its components running (they outlive csi-agent, DESIGN §6).
 
 use std::collections::BTreeMap;
-use std::ffi::OsStr;
 use std::io;
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
@@ -253,6 +254,8 @@ struct Slot {
     supervised: AtomicBool,
     /// Wakes an unmanaged supervisor to re-probe (a caller saw its endpoint fail).
     recheck: Notify,
+    /// Why the last attempt failed, for "not ready" answers while the next one starts.
+    last_error: Mutex<Option<String>>,
 }
 
 #[derive(Debug)]
@@ -294,7 +297,9 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl ServiceManager {
     /// Creates the manager of one plugin, with the runtime its config names, and recovers
-    /// what an earlier csi-agent left in its `containers/` dir. Launches nothing.
+    /// what an earlier csi-agent left in its `containers/` dir (see the module doc). At most
+    /// one manager may supervise a plugin at a time: to reconfigure a plugin whose manager is
+    /// still referenced, use [`ServiceManager::replace_with`].
     pub async fn new(config: PluginConfig, options: ManagerOptions) -> Result<Self, ManagerError> {
         let runtime = runtime::for_config(&config.runtime);
         Self::with_runtime(config, options, runtime).await
@@ -372,11 +377,17 @@ impl ServiceManager {
             detached: AtomicBool::new(false),
         });
         inner.update_ready_gauge();
-        inner.recover().await?;
-        Ok(Self {
+        let resume = inner.recover().await?;
+        let manager = Self {
             inner,
             tasks: Mutex::new(Vec::new()),
-        })
+        };
+        // What was running keeps running under supervision: adopted components are watched
+        // (and restarted if they end) and replaced ones relaunched at once, not on next need.
+        for index in resume {
+            manager.supervise(index);
+        }
+        Ok(manager)
     }
 
     pub fn config(&self) -> &PluginConfig {
@@ -449,7 +460,7 @@ impl ServiceManager {
                 plugin: plugin(),
                 service,
                 waited: wait,
-                status: slot.state.borrow().describe(),
+                status: slot.describe(),
             }),
         }
     }
@@ -554,6 +565,20 @@ impl ServiceManager {
 }
 
 impl Slot {
+    fn describe(&self) -> String {
+        let state = self.state.borrow();
+        match (&*state, &*lock(&self.last_error)) {
+            (ComponentState::Starting { .. }, Some(err)) => {
+                format!("starting again after: {err}")
+            }
+            (state, _) => state.describe(),
+        }
+    }
+
+    fn note_error(&self, err: &str) {
+        *lock(&self.last_error) = Some(err.to_owned());
+    }
+
     fn new(id: String, serves: Vec<Service>, kind: SlotKind) -> Self {
         Self {
             id,
@@ -563,6 +588,7 @@ impl Slot {
             adopted: Mutex::new(None),
             supervised: AtomicBool::new(false),
             recheck: Notify::new(),
+            last_error: Mutex::new(None),
         }
     }
 }
@@ -620,12 +646,14 @@ impl Inner {
         let _ = rx.wait_for(|stopping| *stopping).await;
     }
 
-    /// Adopts, stops or cleans what an earlier csi-agent left (see the module doc).
-    async fn recover(&self) -> Result<(), ManagerError> {
+    /// Adopts, stops or cleans what an earlier csi-agent left (see the module doc). Returns
+    /// the slots that were running: adopted, or stopped because their config changed.
+    async fn recover(&self) -> Result<Vec<usize>, ManagerError> {
+        let mut resume = Vec::new();
         let dir = self.containers_dir();
         let entries = match std::fs::read_dir(&dir) {
             Ok(entries) => entries,
-            Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(()),
+            Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(resume),
             Err(err) => return Err(self.io_error(dir, err)),
         };
         for entry in entries {
@@ -653,7 +681,8 @@ impl Inner {
                 }
                 None => None,
             };
-            let configured = self.slots.iter().find(|slot| slot.id == id);
+            let index = self.slots.iter().position(|slot| slot.id == id);
+            let configured = index.and_then(|i| self.slots.get(i));
             let current_hash = configured.and_then(|slot| match &slot.kind {
                 SlotKind::Managed { spec_hash, .. } => Some(spec_hash.as_str()),
                 SlotKind::Unmanaged { .. } => None,
@@ -664,11 +693,13 @@ impl Inner {
                 {
                     tracing::info!(plugin = self.plugin(), component = %id, handle = %component.handle(), "adopted running component");
                     *lock(&slot.adopted) = Some(component);
+                    resume.extend(index);
                 }
                 (Some(_), Some(component)) => {
                     tracing::info!(plugin = self.plugin(), component = %id, "configuration changed: stopping the outdated component");
                     component.stop(self.config.stop_grace).await;
                     clean_runtime_files(&container_dir);
+                    resume.extend(index);
                 }
                 (Some(_), None) => clean_runtime_files(&container_dir),
                 (None, running) => {
@@ -682,7 +713,7 @@ impl Inner {
                 }
             }
         }
-        Ok(())
+        Ok(resume)
     }
 
     /// Supervision loop of a managed component; runs until the manager stops.
@@ -736,6 +767,7 @@ impl Inner {
                         Err(err) => {
                             failures = failures.saturating_add(1);
                             last_error = err.to_string();
+                            slot.note_error(&last_error);
                             tracing::warn!(plugin = self.plugin(), component = %slot.id, "launch failed: {err}");
                             continue;
                         }
@@ -759,7 +791,10 @@ impl Inner {
                         socket_to_ready_us = endpoint.socket_to_ready.as_micros() as u64, "component ready");
                     self.set_state(slot, ComponentState::Ready(endpoint));
                     tokio::select! {
-                        exit = component.wait() => { last_error = exit.to_string(); }
+                        exit = component.wait() => {
+                            last_error = exit.to_string();
+                            slot.note_error(&last_error);
+                        }
                         () = self.stopped() => return self.finish(slot, Some(component), &container_dir).await,
                     }
                     if ready_at.elapsed() >= backoff.reset_after {
@@ -769,6 +804,7 @@ impl Inner {
                 }
                 Err(err) => {
                     tracing::warn!(plugin = self.plugin(), component = %slot.id, "component failed to start: {err}");
+                    slot.note_error(&err);
                     // Stop it if it still runs (timeout, version change); a no-op otherwise.
                     component.stop(self.config.stop_grace).await;
                     last_error = err;
@@ -886,6 +922,7 @@ impl Inner {
                     failures = failures.saturating_add(1);
                     let delay = backoff.delay(failures).max(backoff.initial);
                     tracing::warn!(plugin = self.plugin(), socket = %socket.display(), "unmanaged plugin not ready: {err}");
+                    slot.note_error(&err.to_string());
                     self.set_state(
                         slot,
                         ComponentState::BackingOff {
@@ -1173,8 +1210,20 @@ fn clean_runtime_files(container_dir: &Path) {
 /// (never recursively: a plugin might have mounted something in its working dir).
 fn remove_container_dir(container_dir: &Path) -> Result<(), (PathBuf, io::Error)> {
     clean_runtime_files(container_dir);
-    for name in ["stdout", "stderr", "endpoint.tmp", "component.json.tmp"] {
-        remove_file_if_exists(&container_dir.join(name));
+    // Only names csi-agent creates: logs, and leftovers of an interrupted record or link
+    // write (`component.json.*`, `endpoint.*`).
+    if let Ok(entries) = std::fs::read_dir(container_dir) {
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            let ours = name == "stdout"
+                || name == "stderr"
+                || name.starts_with(&format!("{COMPONENT_RECORD}."))
+                || name.starts_with(&format!("{ENDPOINT_LINK}."));
+            if ours && entry.file_type().is_ok_and(|t| !t.is_dir()) {
+                remove_file_if_exists(&entry.path());
+            }
+        }
     }
     match std::fs::remove_dir(container_dir) {
         Ok(()) => Ok(()),
@@ -1232,22 +1281,10 @@ fn read_record(container_dir: &Path) -> Option<ComponentRecord> {
 
 fn write_record(container_dir: &Path, record: &ComponentRecord) -> io::Result<()> {
     let bytes = serde_json::to_vec_pretty(record).map_err(io::Error::other)?;
-    write_atomic(&container_dir.join(COMPONENT_RECORD), &bytes)
-}
-
-/// temp file + fsync + rename + fsync dir (DESIGN §4).
-// TODO: switch to `crate::store::write_atomic` once its signature settles.
-fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
-    use std::io::Write;
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let name = path.file_name().unwrap_or(OsStr::new("record"));
-    let tmp = dir.join(format!("{}.tmp", name.to_string_lossy()));
-    let mut file = std::fs::File::create(&tmp)?;
-    file.write_all(bytes)?;
-    file.sync_all()?;
-    drop(file);
-    std::fs::rename(&tmp, path)?;
-    std::fs::File::open(dir)?.sync_all()
+    // Durable like every record (temp + fsync + rename + fsync dir). Not counted in
+    // `checkpoint_writes`, which measures the volume records' writes per publish (DESIGN §9).
+    crate::store::write_atomic(&container_dir.join(COMPONENT_RECORD), &bytes, None)
+        .map_err(io::Error::other)
 }
 
 /// The `(type, name)` of every plugin that has a `containers/` dir in the work dir: the

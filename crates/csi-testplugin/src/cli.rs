@@ -99,6 +99,10 @@ pub struct Args {
     #[arg(long, default_value_t = 0)]
     pub startup_delay_ms: u64,
 
+    /// Quirk: leave the socket file behind on SIGTERM/SIGINT.
+    #[arg(long)]
+    pub leave_socket: bool,
+
     /// Quirk: answer `ready=false` to the first N probes.
     #[arg(long, default_value_t = 0)]
     pub probe_not_ready: u64,
@@ -142,6 +146,7 @@ pub struct Config {
     pub record_secrets: bool,
     pub exit_delay: Duration,
     pub startup_delay: Duration,
+    pub leave_socket: bool,
     pub quirks: Quirks,
 }
 
@@ -270,6 +275,7 @@ impl Args {
             record_secrets: self.record_secrets,
             exit_delay: Duration::from_millis(self.exit_delay_ms),
             startup_delay: Duration::from_millis(self.startup_delay_ms),
+            leave_socket: self.leave_socket,
             quirks: Quirks {
                 probe_not_ready: self.probe_not_ready,
                 empty_probe: self.empty_probe,

@@ -13,7 +13,7 @@
 //! between the two finds the record and can finish or undo the mount; an
 //! unrecorded mount point is never adopted nor unmounted.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io;
 use std::ops::Bound;
 use std::path::{Path, PathBuf};
@@ -194,12 +194,12 @@ impl Plugin {
             let dir = volumes_dir.join(name);
             std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
         }
-        let mut dirs = Vec::new();
+        let mut dirs = HashSet::new();
         for entry in std::fs::read_dir(&volumes_dir)? {
             let entry = entry?;
             match entry.file_name().into_string() {
                 Ok(name) if entry.file_type()?.is_dir() && validate_volume_name(&name).is_ok() => {
-                    dirs.push(name)
+                    dirs.insert(name);
                 }
                 other => {
                     tracing::warn!(entry = ?other, "ignoring foreign entry in the volumes directory")
@@ -245,7 +245,7 @@ impl Plugin {
             let gone: Vec<String> = s
                 .volumes
                 .keys()
-                .filter(|k| !dirs.contains(k))
+                .filter(|k| !dirs.contains(*k))
                 .cloned()
                 .collect();
             for name in gone {
@@ -327,13 +327,21 @@ impl Plugin {
 
     /// The `ready` field of a Probe answer: `None` for an empty answer (the
     /// empty-probe quirk, and always in CSI 0.2, whose ProbeResponse had no
-    /// field).
-    pub fn probe(&self, version: ApiVersion) -> Option<bool> {
+    /// field). CSI 0.2 can only say "not ready" with an error, so the
+    /// not-ready quirk answers FAILED_PRECONDITION there (the 0.x Probe
+    /// error table: "Plugin not healthy | 9 FAILED_PRECONDITION").
+    pub fn probe(&self, version: ApiVersion) -> Result<Option<bool>, Status> {
         let not_ready = self.faults.probe_not_ready_now();
-        if version == ApiVersion::V0_2 || self.faults.quirks().empty_probe {
-            return None;
+        if version == ApiVersion::V0_2 {
+            if not_ready {
+                return Err(precondition("not ready yet (injected)"));
+            }
+            return Ok(None);
         }
-        Some(!not_ready)
+        if self.faults.quirks().empty_probe {
+            return Ok(None);
+        }
+        Ok(Some(!not_ready))
     }
 
     /// Applies the duplicate-capabilities quirk to a capability list.

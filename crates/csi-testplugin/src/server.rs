@@ -119,7 +119,9 @@ pub async fn serve(cfg: Config) -> anyhow::Result<()> {
         Ok(Err(e)) => tracing::warn!("server task failed: {e}"),
         Err(_) => tracing::warn!("in-flight calls did not finish within {DRAIN_TIMEOUT:?}"),
     }
-    if let Err(e) = std::fs::remove_file(&cfg.socket) {
+    if cfg.leave_socket {
+        tracing::info!(socket = %cfg.socket.display(), "leaving the socket behind (--leave-socket)");
+    } else if let Err(e) = std::fs::remove_file(&cfg.socket) {
         tracing::warn!(socket = %cfg.socket.display(), "removing the socket: {e}");
     }
     tracing::info!("stopped");

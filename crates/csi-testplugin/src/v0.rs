@@ -135,7 +135,7 @@ impl Identity for V0 {
     ) -> Result<Response<pb::ProbeResponse>, Status> {
         let v = self.v;
         rpc::run(&self.p, self.ctx("Probe"), move |p| async move {
-            Ok(pb::ProbeResponse { ready: p.probe(v) })
+            Ok(pb::ProbeResponse { ready: p.probe(v)? })
         })
         .await
         .map(Response::new)

@@ -136,7 +136,7 @@ impl Identity for V1 {
         _req: Request<pb::ProbeRequest>,
     ) -> Result<Response<pb::ProbeResponse>, Status> {
         rpc::run(&self.p, self.ctx("Probe"), |p| async move {
-            Ok(pb::ProbeResponse { ready: p.probe(V) })
+            Ok(pb::ProbeResponse { ready: p.probe(V)? })
         })
         .await
         .map(Response::new)

@@ -206,6 +206,17 @@ impl CsiClient {
             Ok(Err(status)) if is_transport_failure(&status) => {
                 Err(RpcError::transport(method, transport_detail(&status)))
             }
+            // The plugin gave up when our `grpc-timeout` ran out (tonic servers answer
+            // CANCELLED then): that is our deadline, not a cancellation, and the call's
+            // outcome is just as uncertain.
+            Ok(Err(status))
+                if status.code() == tonic::Code::Cancelled && started.elapsed() >= deadline / 2 =>
+            {
+                Err(RpcError {
+                    method,
+                    kind: RpcErrorKind::DeadlineExceeded,
+                })
+            }
             Ok(Err(status)) => Err(RpcError::status(method, &status)),
         };
         if let Some(metrics) = &self.options.metrics {

@@ -407,8 +407,9 @@ mod tests {
     fn reads_own_stat() {
         let me = rustix::process::getpid();
         let stat = read_stat(me);
+        // The main thread may sleep while a test thread reads: any live state will do.
         assert!(
-            stat.is_some_and(|s| s.start_time > 0 && s.state == 'R'),
+            stat.is_some_and(|s| s.start_time > 0 && s.state != 'Z' && s.state != 'X'),
             "{stat:?}"
         );
     }

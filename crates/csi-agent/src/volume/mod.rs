@@ -461,10 +461,9 @@ impl VolumeManager {
         if record.bind_mounts.is_empty() {
             return Ok(());
         }
-        let table = mount_table()?;
         let target = self.target_path(&record.volume_id);
         for bind_to in record.bind_mounts.values() {
-            if table.is_mount_point(bind_to) {
+            if is_mount_point(bind_to)? {
                 continue;
             }
             create_dir_all(bind_to)?;
@@ -533,6 +532,16 @@ impl VolumeManager {
             } else {
                 self.caps(deadline).await?
             };
+            if up
+                && record.node_state_lost
+                && caps.stage
+                && record.state.level() > VolumeState::NodeStage.level()
+            {
+                // The staging mount vanished with a reboot: publishing now would bind an
+                // empty staging dir (nomad#20424). Stage again first.
+                record.state = VolumeState::NodeStage;
+                dirty = true;
+            }
             match next_step(record.state, up, caps) {
                 Step::Done => break,
                 Step::Skip(to) => {
@@ -566,6 +575,11 @@ impl VolumeManager {
                     }
                     record.state = rpc.result();
                     record.last_error = None;
+                    if matches!(rpc, LifecycleRpc::NodeStage | LifecycleRpc::NodeUnstage)
+                        || !record.state.is_node_side() && record.state != VolumeState::VolReady
+                    {
+                        record.node_state_lost = false;
+                    }
                     if rpc == LifecycleRpc::ControllerUnpublish {
                         record.publish_context.clear();
                         record.node_id = None;
@@ -641,6 +655,26 @@ impl VolumeManager {
             };
             match attempt {
                 Ok(()) => return Ok(()),
+                // An undo RPC answered NOT_FOUND: the plugin has no such volume (any more), so
+                // nothing of it is left on this node to undo. Treating that as done keeps a
+                // volume deleted behind our back from blocking its own cleanup forever.
+                Err(VolumeError::Plugin(err))
+                    if err.code() == tonic::Code::NotFound
+                        && matches!(
+                            rpc,
+                            LifecycleRpc::NodeUnpublish
+                                | LifecycleRpc::NodeUnstage
+                                | LifecycleRpc::ControllerUnpublish
+                        ) =>
+                {
+                    tracing::warn!(
+                        plugin = %self.inner.config.plugin_type,
+                        volume_id = %record.volume_id,
+                        step = rpc.name(),
+                        "plugin does not know the volume; taking the undo as done"
+                    );
+                    return Ok(());
+                }
                 Err(VolumeError::Plugin(err)) if err.is_transient() => {
                     let delay = backoff.next_delay();
                     if Instant::now() + delay >= deadline {
@@ -714,8 +748,7 @@ impl VolumeManager {
                         staging_target_path: path_string(staging),
                     })
                     .await?;
-                let table = mount_table()?;
-                if table.is_mount_point(staging) {
+                if is_mount_point(staging)? {
                     return Err(VolumeError::Protocol(format!(
                         "NodeUnstageVolume succeeded but {} is still mounted",
                         staging.display()
@@ -762,8 +795,7 @@ impl VolumeManager {
                         target_path: path_string(target),
                     })
                     .await?;
-                let table = mount_table()?;
-                if table.is_mount_point(target) {
+                if is_mount_point(target)? {
                     return Err(VolumeError::Protocol(format!(
                         "NodeUnpublishVolume succeeded but {} is still mounted",
                         target.display()
@@ -1009,6 +1041,13 @@ fn lock<T>(mutex: &StdMutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn is_mount_point(path: &Path) -> Result<bool, VolumeError> {
+    crate::mounts::is_mount_point(path).map_err(|err| VolumeError::Io {
+        path: path.to_path_buf(),
+        source: std::io::Error::other(err.to_string()),
+    })
 }
 
 fn mount_table() -> Result<MountTable, VolumeError> {

@@ -211,6 +211,11 @@ pub struct VolumeRecord {
     /// True when a secrets file exists beside the record.
     #[serde(default)]
     pub has_secrets: bool,
+    /// Set when a reboot wiped the node-side state this record describes: the plugin's own
+    /// bookkeeping may still say "staged"/"published", so going down still unpublishes and
+    /// unstages (to clear it), and going up stages again before publishing.
+    #[serde(default)]
+    pub node_state_lost: bool,
     /// Paths where csi-agent bind-mounts the target for a workload (`bind_to`), by workload.
     /// Recorded with the claim, before the mount, so that a crash never leaks one.
     #[serde(default)]
@@ -235,6 +240,7 @@ impl VolumeRecord {
             boot_id: None,
             capacity_bytes: 0,
             has_secrets: false,
+            node_state_lost: false,
             bind_mounts: BTreeMap::new(),
             last_error: None,
         }

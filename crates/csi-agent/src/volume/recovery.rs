@@ -59,9 +59,16 @@ impl VolumeManager {
                 .is_some_and(|boot| boot != self.inner.boot_id);
             if rebooted && record.state.is_node_side() {
                 // Every mount vanished with the reboot; the controller side (an attachment
-                // to this node) did not.
-                record.state = VolumeState::NodeReady;
-                record.boot_id = None;
+                // to this node) did not, and the plugin's bookkeeping may not have either.
+                // Make the node steps uncertain: going down they are undone (clearing the
+                // plugin's bookkeeping), going up the volume is staged again first.
+                record.state = if record.state.level() >= VolumeState::NodePublish.level() {
+                    VolumeState::NodeUnpublish
+                } else {
+                    VolumeState::NodeUnstage
+                };
+                record.node_state_lost = true;
+                record.boot_id = Some(self.inner.boot_id.clone());
                 report.reset_by_reboot += 1;
                 changed = true;
             }

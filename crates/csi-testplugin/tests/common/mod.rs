@@ -191,10 +191,13 @@ impl Plugin {
             .collect())
     }
 
-    /// A directory inside the test's temp dir (created).
+    /// A directory inside the test's temp dir (created; world-writable so
+    /// that a plugin running unprivileged can create targets in it).
     pub fn mkdir(&self, name: &str) -> anyhow::Result<PathBuf> {
+        use std::os::unix::fs::PermissionsExt;
         let p = self.dir.path().join(name);
         std::fs::create_dir_all(&p)?;
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o777))?;
         Ok(p)
     }
 

@@ -1,0 +1,419 @@
+//! The volume lifecycle against the real `csi-testplugin`, with real bind mounts (run under
+//! `unshare -m --propagation private`, as `scripts/test` does): publish and unpublish in v1
+//! and v0, shared volumes, retries of transient codes, final codes, secrets, plugin crashes
+//! during node RPCs, a simulated reboot, and many volumes at once.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod volume_support;
+
+use std::time::Duration;
+
+use csi_agent::client::RpcErrorKind;
+use csi_agent::mounts::require_private_mount_namespace;
+use csi_agent::volume::{VolumeError, VolumeSecrets, VolumeState};
+use serde_json::json;
+use volume_support::*;
+
+async fn publish_write_unpublish(versions: &str) {
+    require_private_mount_namespace();
+    let dir = tempfile::tempdir().unwrap();
+    let plugin = TestPlugin::start(dir.path(), &["--api-versions", versions, "--volumes", "vol1:1M"]);
+    let work = dir.path().join("agent");
+    let manager = manager(&work, &plugin.socket, "boot-a");
+
+    let published = manager.publish(publish_request("vol1", "w1")).await.unwrap();
+    assert_eq!(published.state, VolumeState::Published);
+    assert_eq!(published.target_path, manager.target_path("vol1"));
+    let mounted = mounts_under(&work);
+    assert!(mounted.contains(&published.target_path), "{mounted:?}");
+    // Writing through the target lands in the plugin's volume.
+    std::fs::write(published.target_path.join("hello"), b"world").unwrap();
+    assert_eq!(
+        std::fs::read(plugin.volume_dir("vol1").join("hello")).unwrap(),
+        b"world"
+    );
+    let record = manager.get("vol1").await.unwrap();
+    assert_eq!(record.claims.iter().collect::<Vec<_>>(), vec!["w1"]);
+
+    manager.unpublish("vol1", "w1").await.unwrap();
+    assert_eq!(mounts_under(&work), Vec::<std::path::PathBuf>::new());
+    assert!(records(&work).is_empty(), "{:?}", records(&work));
+    assert!(!published.target_path.exists());
+    assert!(manager.get("vol1").await.is_none());
+    // The plugin saw the whole sequence, in order.
+    let methods: Vec<String> = plugin
+        .calls()
+        .iter()
+        .map(|c| c["method"].as_str().unwrap_or("").to_owned())
+        .filter(|m| m.starts_with("Node") && m.ends_with("Volume") || m.starts_with("Controller") && m.ends_with("Volume"))
+        .collect();
+    assert_eq!(
+        methods,
+        [
+            "ControllerPublishVolume",
+            "NodeStageVolume",
+            "NodePublishVolume",
+            "NodeUnpublishVolume",
+            "NodeUnstageVolume",
+            "ControllerUnpublishVolume"
+        ]
+    );
+}
+
+#[tokio::test]
+async fn v1_publish_write_unpublish_leaves_nothing() {
+    publish_write_unpublish("v1").await;
+}
+
+#[tokio::test]
+async fn v0_3_publish_write_unpublish_leaves_nothing() {
+    publish_write_unpublish("v0.3").await;
+}
+
+#[tokio::test]
+async fn v0_2_publish_write_unpublish_leaves_nothing() {
+    publish_write_unpublish("v0.2").await;
+}
+
+#[tokio::test]
+async fn readonly_publish_refuses_writes() {
+    require_private_mount_namespace();
+    let dir = tempfile::tempdir().unwrap();
+    let plugin = TestPlugin::start(dir.path(), &["--volumes", "ro:1M"]);
+    let work = dir.path().join("agent");
+    let manager = manager(&work, &plugin.socket, "boot-a");
+    let mut request = publish_request("ro", "w1");
+    request.readonly = true;
+    let published = manager.publish(request).await.unwrap();
+    let err = std::fs::write(published.target_path.join("x"), b"x").unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(30), "expected EROFS, got {err}");
+    manager.unpublish("ro", "w1").await.unwrap();
+    assert!(mounts_under(&work).is_empty());
+}
+
+#[tokio::test]
+async fn shared_volume_stays_until_the_last_claim_goes() {
+    require_private_mount_namespace();
+    let dir = tempfile::tempdir().unwrap();
+    let plugin = TestPlugin::start(dir.path(), &["--volumes", "shared:1M"]);
+    let work = dir.path().join("agent");
+    let manager = manager(&work, &plugin.socket, "boot-a");
+    let first = manager.publish(publish_request("shared", "w1")).await.unwrap();
+    let second = manager.publish(publish_request("shared", "w2")).await.unwrap();
+    assert_eq!(first.target_path, second.target_path);
+    // The second publish only added a claim: no node RPC was repeated.
+    assert_eq!(plugin.count("NodePublishVolume"), 1);
+    assert_eq!(plugin.count("NodeStageVolume"), 1);
+
+    manager.unpublish("shared", "w1").await.unwrap();
+    assert!(mounts_under(&work).contains(&first.target_path));
+    assert_eq!(plugin.count("NodeUnpublishVolume"), 0);
+    // Unpublishing an unknown claim or an unknown volume succeeds and changes nothing.
+    manager.unpublish("shared", "nobody").await.unwrap();
+    manager.unpublish("never-seen", "w1").await.unwrap();
+    assert!(mounts_under(&work).contains(&first.target_path));
+
+    manager.unpublish("shared", "w2").await.unwrap();
+    assert!(mounts_under(&work).is_empty());
+    assert!(records(&work).is_empty());
+}
+
+#[tokio::test]
+async fn a_conflicting_second_publish_is_refused_and_changes_nothing() {
+    require_private_mount_namespace();
+    let dir = tempfile::tempdir().unwrap();
+    let plugin = TestPlugin::start(dir.path(), &["--volumes", "v:1M"]);
+    let work = dir.path().join("agent");
+    let manager = manager(&work, &plugin.socket, "boot-a");
+    manager.publish(publish_request("v", "w1")).await.unwrap();
+    let before = manager.get("v").await.unwrap();
+    let mut readonly = publish_request("v", "w2");
+    readonly.readonly = true;
+    let err = manager.publish(readonly).await.unwrap_err();
+    assert!(matches!(err, VolumeError::Conflict(_)), "{err}");
+    assert_eq!(manager.get("v").await.unwrap(), before);
+    manager.unpublish("v", "w1").await.unwrap();
+}
+
+#[tokio::test]
+async fn transient_codes_are_retried_until_success() {
+    require_private_mount_namespace();
+    let dir = tempfile::tempdir().unwrap();
+    let plugin = TestPlugin::start(dir.path(), &["--volumes", "v:1M"]);
+    plugin.set_faults(json!({"rules": [
+        {"method": "NodeStageVolume", "fail": {"code": "UNAVAILABLE", "message": "busy"}, "times": 2},
+        {"method": "NodePublishVolume", "fail": {"code": "ABORTED", "message": "pending"}, "times": 1},
+        {"method": "NodeUnpublishVolume", "fail": {"code": "RESOURCE_EXHAUSTED", "message": "later"}, "times": 1},
+        {"method": "NodeUnstageVolume", "fail": {"code": "DEADLINE_EXCEEDED", "message": "slow"}, "times": 1}
+    ]}));
+    let work = dir.path().join("agent");
+    let manager = manager(&work, &plugin.socket, "boot-a");
+    manager.publish(publish_request("v", "w1")).await.unwrap();
+    assert_eq!(plugin.count("NodeStageVolume"), 3);
+    assert_eq!(plugin.count("NodePublishVolume"), 2);
+    manager.unpublish("v", "w1").await.unwrap();
+    assert_eq!(plugin.count("NodeUnpublishVolume"), 2);
+    assert_eq!(plugin.count("NodeUnstageVolume"), 2);
+    assert!(mounts_under(&work).is_empty());
+}
+
+#[tokio::test]
+async fn final_codes_surface_unchanged_and_the_volume_is_wound_back() {
+    require_private_mount_namespace();
+    let dir = tempfile::tempdir().unwrap();
+    let plugin = TestPlugin::start(dir.path(), &["--volumes", "v:1M"]);
+    plugin.set_faults(json!({"rules": [
+        {"method": "NodePublishVolume", "fail": {"code": "FAILED_PRECONDITION", "message": "disk on fire"}, "times": 1}
+    ]}));
+    let work = dir.path().join("agent");
+    let manager = manager(&work, &plugin.socket, "boot-a");
+    let err = manager.publish(publish_request("v", "w1")).await.unwrap_err();
+    match &err {
+        VolumeError::Plugin(rpc) => match &rpc.kind {
+            RpcErrorKind::Status { code, message } => {
+                assert_eq!(*code, tonic::Code::FailedPrecondition);
+                assert_eq!(message, "disk on fire");
+            }
+            other => panic!("unexpected {other:?}"),
+        },
+        other => panic!("unexpected {other}"),
+    }
+    assert_eq!(plugin.count("NodePublishVolume"), 1, "final codes are not retried");
+    // The failed publish withdrew its claim; the reconciler unstages and forgets the volume.
+    eventually("the staged volume is cleaned", || {
+        mounts_under(&work).is_empty() && records(&work).is_empty()
+    })
+    .await;
+    assert_eq!(plugin.count("NodeUnstageVolume"), 1);
+}
+
+#[tokio::test]
+async fn stage_and_publish_secrets_reach_the_plugin_and_nowhere_else() {
+    require_private_mount_namespace();
+    let dir = tempfile::tempdir().unwrap();
+    let plugin = TestPlugin::start(dir.path(), &["--volumes", "v:1M", "--record-secrets"]);
+    let work = dir.path().join("agent");
+    let manager = manager(&work, &plugin.socket, "boot-a");
+    let mut request = publish_request("v", "w1");
+    request.secrets = VolumeSecrets {
+        node_stage: secrets(&[("stage-key", "stage-s3cret")]),
+        node_publish: secrets(&[("publish-key", "publish-s3cret")]),
+    };
+    assert!(!format!("{request:?}").contains("s3cret"));
+    manager.publish(request).await.unwrap();
+    let calls = plugin.calls();
+    let stage = calls.iter().find(|c| c["method"] == "NodeStageVolume").unwrap();
+    assert_eq!(stage["secrets"]["stage-key"], "stage-s3cret");
+    let publish = calls.iter().find(|c| c["method"] == "NodePublishVolume").unwrap();
+    assert_eq!(publish["secrets"]["publish-key"], "publish-s3cret");
+    // Only the 0600 secrets file holds them.
+    let record_dir = &records(&work)[0];
+    let record = std::fs::read_to_string(record_dir.join("volume.json")).unwrap();
+    assert!(!record.contains("s3cret"), "{record}");
+    let secrets_file = record_dir.join("secrets.json");
+    assert!(std::fs::read_to_string(&secrets_file).unwrap().contains("stage-s3cret"));
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(
+        std::fs::metadata(&secrets_file).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    let record_debug = format!("{:?}", manager.get("v").await.unwrap());
+    assert!(!record_debug.contains("s3cret"));
+    manager.unpublish("v", "w1").await.unwrap();
+    assert!(!secrets_file.exists());
+}
+
+/// The plugin exits when the RPC arrives (as a crash would); the test's supervisor restarts
+/// it, and the operation completes after the restart.
+async fn plugin_dies_during(method: &str) {
+    require_private_mount_namespace();
+    let dir = tempfile::tempdir().unwrap();
+    let plugin = TestPlugin::start(dir.path(), &["--volumes", "v:1M"]);
+    plugin.keep_restarting();
+    plugin.set_faults(json!({"rules": [{"method": method, "exit": true, "times": 1}]}));
+    let work = dir.path().join("agent");
+    let manager = manager(&work, &plugin.socket, "boot-a");
+    let first_pid = plugin.pid();
+    manager.publish(publish_request("v", "w1")).await.unwrap();
+    manager.unpublish("v", "w1").await.unwrap();
+    assert_ne!(plugin.pid(), first_pid, "the plugin was not restarted");
+    assert!(mounts_under(&work).is_empty());
+    assert!(records(&work).is_empty());
+    // The dying call and its successful repeat.
+    assert_eq!(plugin.count(method), 2, "{method}");
+}
+
+#[tokio::test]
+async fn plugin_killed_during_node_stage() {
+    plugin_dies_during("NodeStageVolume").await;
+}
+
+#[tokio::test]
+async fn plugin_killed_during_node_publish() {
+    plugin_dies_during("NodePublishVolume").await;
+}
+
+#[tokio::test]
+async fn plugin_killed_during_node_unpublish() {
+    plugin_dies_during("NodeUnpublishVolume").await;
+}
+
+#[tokio::test]
+async fn plugin_killed_during_node_unstage() {
+    plugin_dies_during("NodeUnstageVolume").await;
+}
+
+#[tokio::test]
+async fn plugin_killed_during_controller_publish() {
+    plugin_dies_during("ControllerPublishVolume").await;
+}
+
+#[tokio::test]
+async fn reboot_restages_claimed_volumes_and_cleans_unclaimed_ones() {
+    require_private_mount_namespace();
+    let dir = tempfile::tempdir().unwrap();
+    let plugin = TestPlugin::start(dir.path(), &["--volumes", "kept:1M,dropped:1M"]);
+    let work = dir.path().join("agent");
+    {
+        let manager = manager(&work, &plugin.socket, "boot-a");
+        manager.publish(publish_request("kept", "w1")).await.unwrap();
+        manager.publish(publish_request("dropped", "w2")).await.unwrap();
+    }
+    // The "reboot": every mount vanishes, the plugin restarts; w2's claim is withdrawn by
+    // editing nothing — instead, unpublish it after the reboot below.
+    for mount in mounts_under(&work).into_iter().rev() {
+        rustix::mount::unmount(&mount, rustix::mount::UnmountFlags::DETACH).unwrap();
+    }
+    for mount in mounts_under(&plugin.work).into_iter().rev() {
+        rustix::mount::unmount(&mount, rustix::mount::UnmountFlags::DETACH).unwrap();
+    }
+    assert!(mounts_under(&work).is_empty());
+    plugin.restart();
+    let manager = manager(&work, &plugin.socket, "boot-b");
+    let report = manager.recover().await.unwrap();
+    assert_eq!(report.records, 2);
+    assert_eq!(report.reset_by_reboot, 2);
+    let kept_target = manager.target_path("kept");
+    eventually("claimed volumes are published again", || {
+        let mounted = mounts_under(&work);
+        mounted.contains(&kept_target) && mounted.contains(&manager.target_path("dropped"))
+    })
+    .await;
+    // Now the workload of "dropped" ends: unpublish cleans it completely.
+    manager.unpublish("dropped", "w2").await.unwrap();
+    assert!(!mounts_under(&work).contains(&manager.target_path("dropped")));
+    assert_eq!(manager.get("kept").await.unwrap().state, VolumeState::Published);
+    manager.unpublish("kept", "w1").await.unwrap();
+    assert!(mounts_under(&work).is_empty());
+    assert!(records(&work).is_empty());
+}
+
+#[tokio::test]
+async fn reboot_forgets_volumes_without_claims() {
+    require_private_mount_namespace();
+    let dir = tempfile::tempdir().unwrap();
+    let plugin = TestPlugin::start(dir.path(), &["--volumes", "v:1M"]);
+    let work = dir.path().join("agent");
+    {
+        let manager = manager(&work, &plugin.socket, "boot-a");
+        manager.publish(publish_request("v", "w1")).await.unwrap();
+        // A crash after the claim was withdrawn but before the unpublish ran: simulate by
+        // editing the durable record directly.
+        let record_path = records(&work)[0].join("volume.json");
+        let mut record: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&record_path).unwrap()).unwrap();
+        record["record"]["claims"] = json!([]);
+        std::fs::write(&record_path, serde_json::to_vec(&record).unwrap()).unwrap();
+    }
+    for mount in mounts_under(&work).into_iter().rev() {
+        rustix::mount::unmount(&mount, rustix::mount::UnmountFlags::DETACH).unwrap();
+    }
+    plugin.restart();
+    let manager = manager(&work, &plugin.socket, "boot-b");
+    let report = manager.recover().await.unwrap();
+    assert_eq!(report.reconciling, vec!["v".to_owned()], "{report:?}");
+    eventually("the unclaimed volume is forgotten", || records(&work).is_empty()).await;
+    assert!(mounts_under(&work).is_empty());
+    // Controller side undone too.
+    assert!(plugin.count("ControllerUnpublishVolume") >= 1);
+}
+
+#[tokio::test]
+async fn concurrent_operations_on_one_volume_never_interleave() {
+    require_private_mount_namespace();
+    let dir = tempfile::tempdir().unwrap();
+    let plugin = TestPlugin::start(dir.path(), &["--volumes", "v:1M"]);
+    // Slow node calls make any interleaving visible to the plugin.
+    plugin.set_faults(json!({"rules": [
+        {"method": "NodeStageVolume", "delay_ms": 20},
+        {"method": "NodePublishVolume", "delay_ms": 20},
+        {"method": "NodeUnpublishVolume", "delay_ms": 20}
+    ]}));
+    let work = dir.path().join("agent");
+    let manager = manager(&work, &plugin.socket, "boot-a");
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..8 {
+        let manager = manager.clone();
+        tasks.spawn(async move {
+            let workload = format!("w{i}");
+            for _ in 0..3 {
+                manager.publish(publish_request("v", &workload)).await.unwrap();
+                manager.unpublish("v", &workload).await.unwrap();
+            }
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done.unwrap();
+    }
+    let overlaps: Vec<_> = plugin
+        .calls()
+        .into_iter()
+        .filter(|c| c["overlap"] == true)
+        .collect();
+    assert!(overlaps.is_empty(), "{overlaps:?}");
+    assert!(plugin.count("NodePublishVolume") >= 1);
+    assert!(mounts_under(&work).is_empty());
+    assert!(records(&work).is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_volumes_published_and_unpublished_concurrently_leave_nothing() {
+    require_private_mount_namespace();
+    let dir = tempfile::tempdir().unwrap();
+    let names: Vec<String> = (0..1000).map(|i| format!("vol{i}")).collect();
+    let spec: Vec<String> = names.iter().map(|n| format!("{n}:1K")).collect();
+    let plugin = TestPlugin::start(dir.path(), &["--volumes", &spec.join(",")]);
+    let work = dir.path().join("agent");
+    let manager = manager(&work, &plugin.socket, "boot-a");
+    let semaphore = std::sync::Arc::new(tokio::sync::Semaphore::new(64));
+    let started = std::time::Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for name in names.clone() {
+        let manager = manager.clone();
+        let semaphore = semaphore.clone();
+        tasks.spawn(async move {
+            let _permit = semaphore.acquire().await.unwrap();
+            manager.publish(publish_request(&name, "w")).await.unwrap();
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done.unwrap();
+    }
+    eprintln!("published 1000 volumes in {:?}", started.elapsed());
+    assert_eq!(mounts_under(&work).len(), 2000, "1000 staged + 1000 published");
+    let started = std::time::Instant::now();
+    for name in names {
+        let manager = manager.clone();
+        let semaphore = semaphore.clone();
+        tasks.spawn(async move {
+            let _permit = semaphore.acquire().await.unwrap();
+            manager.unpublish(&name, "w").await.unwrap();
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done.unwrap();
+    }
+    eprintln!("unpublished 1000 volumes in {:?}", started.elapsed());
+    assert!(mounts_under(&work).is_empty());
+    assert!(records(&work).is_empty());
+}

@@ -1,0 +1,259 @@
+//! Real bind mounts (`--mount-mode bind`, the default). These need root and
+//! MUST run in a private mount namespace so that the host's mount table is
+//! never touched:
+//!
+//! ```text
+//! cd /work/main && unshare -m --propagation private cargo test -p csi-testplugin
+//! ```
+//!
+//! Each test checks the namespace first and panics otherwise.
+
+mod common;
+
+use std::path::Path;
+
+use common::*;
+use csi_proto::{v0, v1};
+use tonic::Code;
+
+fn mnt_ns(pid: &str) -> Option<std::path::PathBuf> {
+    std::fs::read_link(format!("/proc/{pid}/ns/mnt")).ok()
+}
+
+fn parent_of(pid: &str) -> Option<String> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("PPid:"))
+        .map(|p| p.trim().to_owned())
+}
+
+/// Panics unless this process runs in a mount namespace of its own.
+///
+/// The primary check is `/proc/self/ns/mnt != /proc/1/ns/mnt`. Where pid 1's
+/// namespace cannot be read (containers often deny it), the evidence is an
+/// ancestor process (e.g. the shell that ran `unshare`) whose namespace is
+/// readable and differs. No evidence means no mounting.
+fn require_private_mount_namespace() {
+    let mine = mnt_ns("self");
+    let private = match (&mine, mnt_ns("1")) {
+        (Some(m), Some(init)) => *m != init,
+        (Some(m), None) => {
+            let mut pid = parent_of("self");
+            let mut found = false;
+            while let Some(p) = pid.filter(|p| p != "0" && p != "1") {
+                if mnt_ns(&p).is_some_and(|ns| ns != *m) {
+                    found = true;
+                    break;
+                }
+                pid = parent_of(&p);
+            }
+            found
+        }
+        (None, _) => false,
+    };
+    if !private {
+        panic!(
+            "bind-mount tests must not touch the host mount table: \
+             run under `unshare -m --propagation private` (e.g. \
+             `unshare -m --propagation private cargo test -p csi-testplugin`)"
+        );
+    }
+}
+
+fn mounted(path: &Path) -> anyhow::Result<bool> {
+    let path = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_owned());
+    let text = std::fs::read_to_string("/proc/self/mountinfo")?;
+    Ok(text
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .any(|m| Path::new(m) == path))
+}
+
+#[tokio::test]
+async fn stage_and_publish_are_bind_mounts() -> anyhow::Result<()> {
+    require_private_mount_namespace();
+    let p = Plugin::start(&[]).await?;
+    let mut c = p.v1().await?;
+    let staging = create_and_stage(&p, &mut c, "v").await?;
+    assert!(mounted(&staging)?, "staging path is a mount point");
+    // Idempotent: no second mount stacked on the first.
+    c.node.node_stage_volume(stage_req("v", &staging)).await?;
+    let count = |path: &Path| -> anyhow::Result<usize> {
+        let path = std::fs::canonicalize(path)?;
+        let text = std::fs::read_to_string("/proc/self/mountinfo")?;
+        Ok(text
+            .lines()
+            .filter_map(|l| l.split(' ').nth(4))
+            .filter(|m| Path::new(m) == path)
+            .count())
+    };
+    assert_eq!(count(&staging)?, 1);
+
+    let target = p.mkdir("pods")?.join("t");
+    c.node
+        .node_publish_volume(publish_req("v", &staging, &target))
+        .await?;
+    c.node
+        .node_publish_volume(publish_req("v", &staging, &target))
+        .await?;
+    assert!(mounted(&target)?);
+    assert_eq!(count(&target)?, 1);
+
+    // Data written through the target lands in the volume directory.
+    std::fs::write(target.join("hello"), b"world")?;
+    assert_eq!(std::fs::read(p.work.join("volumes/v/hello"))?, b"world");
+
+    // A volume in use cannot be deleted.
+    expect_code(
+        c.ctl
+            .delete_volume(v1::DeleteVolumeRequest {
+                volume_id: "v".into(),
+                ..Default::default()
+            })
+            .await,
+        Code::FailedPrecondition,
+    )?;
+
+    c.node
+        .node_unpublish_volume(unpublish_req("v", &target))
+        .await?;
+    assert!(!mounted(&target)?);
+    assert!(!target.exists(), "v1 target removed");
+    c.node
+        .node_unpublish_volume(unpublish_req("v", &target))
+        .await?;
+    c.node
+        .node_unstage_volume(unstage_req("v", &staging))
+        .await?;
+    assert!(!mounted(&staging)?);
+    assert!(staging.is_dir());
+    assert!(
+        !staging.join("hello").exists(),
+        "nothing left in the staging dir"
+    );
+    c.node
+        .node_unstage_volume(unstage_req("v", &staging))
+        .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn readonly_publish_refuses_writes() -> anyhow::Result<()> {
+    require_private_mount_namespace();
+    let p = Plugin::start(&[]).await?;
+    let mut c = p.v1().await?;
+    let staging = create_and_stage(&p, &mut c, "v").await?;
+    std::fs::write(staging.join("existing"), b"data")?;
+    let target = p.mkdir("pods")?.join("ro");
+    let mut req = publish_req("v", &staging, &target);
+    req.readonly = true;
+    c.node.node_publish_volume(req).await?;
+    assert_eq!(std::fs::read(target.join("existing"))?, b"data");
+    let err = std::fs::write(target.join("new"), b"x").err();
+    assert_eq!(
+        err.and_then(|e| e.raw_os_error()),
+        Some(rustix::io::Errno::ROFS.raw_os_error()),
+        "writes must fail with EROFS"
+    );
+    // The staging mount itself stays writable.
+    std::fs::write(staging.join("still-writable"), b"y")?;
+    c.node
+        .node_unpublish_volume(unpublish_req("v", &target))
+        .await?;
+    assert!(!mounted(&target)?);
+    Ok(())
+}
+
+#[tokio::test]
+async fn restart_keeps_mounts_and_truth() -> anyhow::Result<()> {
+    require_private_mount_namespace();
+    let mut p = Plugin::start(&[]).await?;
+    let mut c = p.v1().await?;
+    let staging = create_and_stage(&p, &mut c, "v").await?;
+    let target = p.mkdir("pods")?.join("t");
+    c.node
+        .node_publish_volume(publish_req("v", &staging, &target))
+        .await?;
+    p.kill().await?;
+    assert!(mounted(&target)?, "mounts outlive the plugin");
+    p.spawn().await?;
+    let mut c = p.v1().await?;
+    c.node
+        .node_publish_volume(publish_req("v", &staging, &target))
+        .await?;
+    let mut ro = publish_req("v", &staging, &target);
+    ro.readonly = true;
+    expect_code(c.node.node_publish_volume(ro).await, Code::AlreadyExists)?;
+    c.node
+        .node_unpublish_volume(unpublish_req("v", &target))
+        .await?;
+    c.node
+        .node_unstage_volume(unstage_req("v", &staging))
+        .await?;
+    assert!(!mounted(&target)? && !mounted(&staging)?);
+    Ok(())
+}
+
+#[tokio::test]
+async fn stale_stage_record_is_repaired() -> anyhow::Result<()> {
+    require_private_mount_namespace();
+    let p = Plugin::start(&[]).await?;
+    let mut c = p.v1().await?;
+    let staging = create_and_stage(&p, &mut c, "v").await?;
+    // Someone unmounted the staging path behind the plugin's back: publish
+    // refuses (mountinfo is the truth), and staging again repairs it.
+    rustix::mount::unmount(&staging, rustix::mount::UnmountFlags::empty())?;
+    let target = p.mkdir("pods")?.join("t");
+    expect_code(
+        c.node
+            .node_publish_volume(publish_req("v", &staging, &target))
+            .await,
+        Code::FailedPrecondition,
+    )?;
+    c.node.node_stage_volume(stage_req("v", &staging)).await?;
+    assert!(mounted(&staging)?);
+    c.node
+        .node_publish_volume(publish_req("v", &staging, &target))
+        .await?;
+    assert!(mounted(&target)?);
+    c.node
+        .node_unpublish_volume(unpublish_req("v", &target))
+        .await?;
+    c.node
+        .node_unstage_volume(unstage_req("v", &staging))
+        .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn v0_bind_mount_keeps_the_co_target() -> anyhow::Result<()> {
+    require_private_mount_namespace();
+    let p = Plugin::start(&["--no-stage-unstage", "--no-controller-publish"]).await?;
+    let mut c = p.v0().await?;
+    c.ctl
+        .create_volume(v0::CreateVolumeRequest {
+            name: "v".into(),
+            volume_capabilities: vec![snw0()],
+            ..Default::default()
+        })
+        .await?;
+    let target = p.mkdir("co-target")?;
+    let req = v0::NodePublishVolumeRequest {
+        volume_id: "v".into(),
+        target_path: target.display().to_string(),
+        volume_capability: Some(snw0()),
+        ..Default::default()
+    };
+    c.node.node_publish_volume(req).await?;
+    assert!(mounted(&target)?);
+    c.node
+        .node_unpublish_volume(v0::NodeUnpublishVolumeRequest {
+            volume_id: "v".into(),
+            target_path: target.display().to_string(),
+        })
+        .await?;
+    assert!(!mounted(&target)?);
+    assert!(target.is_dir());
+    Ok(())
+}

@@ -1,0 +1,718 @@
+//! The command line: clap definitions, and the parsers for values clap cannot check alone
+//! (`KEY=VALUE` lists, sizes with suffixes, access modes).
+//!
+//! This module owns what the user may type and how it turns into API request values. It must
+//! not talk to the daemon or print anything, and it must never echo a secret value, not even in
+//! an error message or `{:?}`.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use csi_agent_api::CapabilitySpec;
+
+/// Where `--socket` points when neither the flag nor `CSI_AGENT_SOCKET` is given: the socket of
+/// a daemon started with `--work-dir ./csi-agent-state`, as in the README's demo.
+pub const DEFAULT_SOCKET: &str = "./csi-agent-state/api.sock";
+
+const DEFAULT_ACCESS_MODE: &str = "SINGLE_NODE_WRITER";
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "csictl",
+    version,
+    about = "Talk to csi-agentd: publish and unpublish volumes, inspect plugins and volumes, \
+             create and delete volumes",
+    after_help = "Exit status: 0 success, 1 the daemon refused or failed the request, 2 usage \
+                  error, 3 cannot reach the daemon."
+)]
+pub struct Cli {
+    #[command(flatten)]
+    pub global: Global,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Global options")]
+pub struct Global {
+    /// csi-agentd's API socket (`<work dir>/api.sock`).
+    #[arg(
+        long,
+        global = true,
+        env = "CSI_AGENT_SOCKET",
+        default_value = DEFAULT_SOCKET,
+        value_name = "PATH"
+    )]
+    pub socket: PathBuf,
+
+    /// Use csi-agentd's TCP listener at this URL (http://HOST:PORT) instead of the socket.
+    #[arg(long, global = true, env = "CSI_AGENT_URL", value_name = "URL")]
+    pub url: Option<String>,
+
+    /// A file holding the bearer token for --url (the socket needs none).
+    #[arg(long, global = true, env = "CSI_AGENT_TOKEN_FILE", value_name = "PATH")]
+    pub token_file: Option<PathBuf>,
+
+    /// How to print answers: aligned tables for people, or the API's JSON for programs.
+    #[arg(long, short = 'o', global = true, value_enum, default_value_t = OutputFormat::Table)]
+    pub output: OutputFormat,
+
+    /// Give up after this many seconds (default: wait as long as the daemon takes; a publish may
+    /// wait through a plugin restart).
+    #[arg(long, global = true, value_name = "SECONDS", value_parser = parse_seconds)]
+    pub timeout: Option<Duration>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OutputFormat {
+    Table,
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Is the daemon up, and is its start gate open?
+    Health,
+    /// Open the start gate: let the daemon launch plugins and serve volumes (idempotent).
+    Start,
+    /// Print the Prometheus metrics (always as text).
+    Metrics,
+    /// List the plugins and the configuration files that failed to load, or show one plugin.
+    Plugins {
+        /// Show this plugin type only.
+        #[arg(value_name = "TYPE")]
+        plugin_type: Option<String>,
+    },
+    /// Re-read the plugin configuration directory (as SIGHUP does).
+    Reload,
+    /// Publish a volume for a workload and print the host path to bind-mount.
+    Publish(PublishArgs),
+    /// Remove a workload's claim on a volume; the last claim's removal unpublishes it.
+    Unpublish(UnpublishArgs),
+    /// List the volumes csi-agent tracks, or show one.
+    Volumes {
+        /// With VOLUME_ID: show this volume only.
+        #[arg(requires = "volume_id")]
+        plugin: Option<String>,
+        volume_id: Option<String>,
+    },
+    /// Create a volume through the plugin's controller (CreateVolume).
+    Create(CreateArgs),
+    /// Delete a volume through the plugin's controller (DeleteVolume).
+    Delete(VolumeRef),
+    /// Ask the plugin whether a volume supports access modes (ValidateVolumeCapabilities).
+    Validate(ValidateArgs),
+    /// List one page of the plugin's own volumes (ListVolumes).
+    BackendVolumes(BackendVolumesArgs),
+    /// Ask the plugin how much capacity is available (GetCapacity).
+    Capacity(CapacityArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct VolumeRef {
+    /// The plugin's type, e.g. org.example.lvm.
+    #[arg(long, value_name = "TYPE")]
+    pub plugin: String,
+    /// The CSI volume id.
+    #[arg(long, value_name = "VOLUME_ID")]
+    pub volume: String,
+}
+
+/// How a volume is accessed: a filesystem (`--fs-type`, `--mount-flag`) or a raw device.
+#[derive(Debug, Args)]
+pub struct AccessType {
+    /// Access the volume as a raw block device instead of a filesystem.
+    #[arg(long, conflicts_with_all = ["fs_type", "mount_flags"])]
+    pub block: bool,
+    /// Filesystem type (default: the plugin's choice).
+    #[arg(long, value_name = "TYPE")]
+    pub fs_type: Option<String>,
+    /// A mount flag; repeat for several.
+    #[arg(long = "mount-flag", value_name = "FLAG")]
+    pub mount_flags: Vec<String>,
+}
+
+impl AccessType {
+    pub fn capability(&self, access_mode: &str) -> CapabilitySpec {
+        if self.block {
+            CapabilitySpec::block(access_mode)
+        } else {
+            CapabilitySpec::mount(
+                access_mode,
+                self.fs_type.as_deref().unwrap_or_default(),
+                self.mount_flags.clone(),
+            )
+        }
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct PublishArgs {
+    #[command(flatten)]
+    pub volume: VolumeRef,
+    /// The consumer, usually a container id.
+    #[arg(long, default_value = "default", value_name = "ID")]
+    pub workload: String,
+    /// CSI access mode, e.g. SINGLE_NODE_WRITER, SINGLE_NODE_READER_ONLY,
+    /// MULTI_NODE_MULTI_WRITER (case-insensitive, `-` for `_`).
+    #[arg(long, value_parser = parse_access_mode, default_value = DEFAULT_ACCESS_MODE, value_name = "MODE")]
+    pub access_mode: String,
+    #[command(flatten)]
+    pub access_type: AccessType,
+    /// Publish read-only.
+    #[arg(long)]
+    pub readonly: bool,
+    /// Volume context entry (default: the context returned when csi-agent created the volume).
+    #[arg(long = "context", value_name = "KEY=VALUE")]
+    pub context: Vec<String>,
+    /// Secret for NodeStageVolume; prefer --secrets-file, as the command line is visible to
+    /// other users of the host.
+    #[arg(long = "stage-secret", value_name = "KEY=VALUE", value_parser = secret_arg)]
+    pub stage_secrets: Vec<SecretArg>,
+    /// Secret for NodePublishVolume; prefer --secrets-file.
+    #[arg(long = "publish-secret", value_name = "KEY=VALUE", value_parser = secret_arg)]
+    pub publish_secrets: Vec<SecretArg>,
+    /// A JSON file `{"node_stage": {..}, "node_publish": {..}}` with the secrets; entries given
+    /// with --stage-secret/--publish-secret are added to it.
+    #[arg(long, value_name = "PATH")]
+    pub secrets_file: Option<PathBuf>,
+    /// An absolute path where csi-agent bind-mounts the published volume for the workload.
+    #[arg(long, value_name = "PATH")]
+    pub bind_to: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct UnpublishArgs {
+    #[command(flatten)]
+    pub volume: VolumeRef,
+    /// The consumer whose claim is removed.
+    #[arg(long, default_value = "default", value_name = "ID")]
+    pub workload: String,
+}
+
+#[derive(Debug, Args)]
+pub struct CreateArgs {
+    #[arg(long, value_name = "TYPE")]
+    pub plugin: String,
+    /// The volume's name: the idempotency key of the creation.
+    #[arg(long)]
+    pub name: String,
+    /// Requested size in bytes; suffixes k M G T P (powers of 1000) or Ki Mi Gi Ti Pi (powers
+    /// of 1024), e.g. 10Gi. Default: the plugin's choice.
+    #[arg(long, value_parser = parse_size, value_name = "BYTES")]
+    pub capacity: Option<i64>,
+    /// CSI access mode, e.g. SINGLE_NODE_WRITER, SINGLE_NODE_READER_ONLY,
+    /// MULTI_NODE_MULTI_WRITER (case-insensitive, `-` for `_`).
+    #[arg(long, value_parser = parse_access_mode, default_value = DEFAULT_ACCESS_MODE, value_name = "MODE")]
+    pub access_mode: String,
+    #[command(flatten)]
+    pub access_type: AccessType,
+    /// A CreateVolume parameter; repeat for several.
+    #[arg(long = "param", value_name = "KEY=VALUE")]
+    pub params: Vec<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct ValidateArgs {
+    #[command(flatten)]
+    pub volume: VolumeRef,
+    /// An access mode to validate; repeat for several (default SINGLE_NODE_WRITER).
+    #[arg(long = "access-mode", value_parser = parse_access_mode, value_name = "MODE")]
+    pub access_modes: Vec<String>,
+    #[command(flatten)]
+    pub access_type: AccessType,
+    #[arg(long = "context", value_name = "KEY=VALUE")]
+    pub context: Vec<String>,
+    #[arg(long = "param", value_name = "KEY=VALUE")]
+    pub params: Vec<String>,
+}
+
+impl ValidateArgs {
+    pub fn capabilities(&self) -> Vec<CapabilitySpec> {
+        if self.access_modes.is_empty() {
+            return vec![self.access_type.capability(DEFAULT_ACCESS_MODE)];
+        }
+        self.access_modes
+            .iter()
+            .map(|mode| self.access_type.capability(mode))
+            .collect()
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct BackendVolumesArgs {
+    #[arg(long, value_name = "TYPE")]
+    pub plugin: String,
+    /// At most this many volumes in the page (default: the plugin's choice).
+    #[arg(long, value_name = "N")]
+    pub max_entries: Option<u32>,
+    /// The token printed with the previous page.
+    #[arg(long, value_name = "TOKEN")]
+    pub starting_token: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct CapacityArgs {
+    #[arg(long, value_name = "TYPE")]
+    pub plugin: String,
+    /// Count only capacity usable with this access mode; repeat for several (default: any).
+    #[arg(long = "access-mode", value_parser = parse_access_mode, value_name = "MODE")]
+    pub access_modes: Vec<String>,
+    #[command(flatten)]
+    pub access_type: AccessType,
+    /// A GetCapacity parameter; repeat for several.
+    #[arg(long = "param", value_name = "KEY=VALUE")]
+    pub params: Vec<String>,
+}
+
+impl CapacityArgs {
+    pub fn capabilities(&self) -> Vec<CapabilitySpec> {
+        self.access_modes
+            .iter()
+            .map(|mode| self.access_type.capability(mode))
+            .collect()
+    }
+}
+
+/// A `KEY=VALUE` secret as typed; its `Debug` never shows the value.
+#[derive(Clone)]
+pub struct SecretArg(pub String);
+
+impl fmt::Debug for SecretArg {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("SecretArg(<redacted>)")
+    }
+}
+
+// Infallible: the split into key and value happens later, where the error message can name the
+// flag without quoting the secret.
+fn secret_arg(raw: &str) -> Result<SecretArg, std::convert::Infallible> {
+    Ok(SecretArg(raw.to_owned()))
+}
+
+/// A usage error found after clap: it exits 2 like clap's own.
+#[derive(Debug, PartialEq, Eq)]
+pub struct UsageError(pub String);
+
+impl fmt::Display for UsageError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// Parses the `KEY=VALUE` items of one flag into a map. The flag's name is in every message so
+/// the user knows which one to fix. Duplicate keys are refused rather than letting the last one
+/// win silently.
+pub fn parse_pairs(flag: &str, items: &[String]) -> Result<BTreeMap<String, String>, UsageError> {
+    parse_pairs_inner(flag, items.iter().map(String::as_str), false)
+}
+
+/// As [`parse_pairs`], for secrets: messages never contain the value, nor the item as typed
+/// (which may be the bare secret).
+pub fn parse_secret_pairs(
+    flag: &str,
+    items: &[SecretArg],
+) -> Result<BTreeMap<String, String>, UsageError> {
+    parse_pairs_inner(flag, items.iter().map(|s| s.0.as_str()), true)
+}
+
+fn parse_pairs_inner<'a>(
+    flag: &str,
+    items: impl Iterator<Item = &'a str>,
+    secret: bool,
+) -> Result<BTreeMap<String, String>, UsageError> {
+    let mut map = BTreeMap::new();
+    for item in items {
+        let Some((key, value)) = item.split_once('=') else {
+            return Err(UsageError(if secret {
+                format!("{flag} expects KEY=VALUE, got a value without '=' (not shown: secret)")
+            } else {
+                format!("{flag} expects KEY=VALUE, got '{item}'")
+            }));
+        };
+        if key.is_empty() {
+            return Err(UsageError(if secret {
+                format!("{flag} expects KEY=VALUE, got an empty KEY")
+            } else {
+                format!("{flag} expects KEY=VALUE, got an empty KEY in '{item}'")
+            }));
+        }
+        if map.insert(key.to_owned(), value.to_owned()).is_some() {
+            return Err(UsageError(format!("{flag} gives the key '{key}' twice")));
+        }
+    }
+    Ok(map)
+}
+
+/// An access mode, case-insensitive, with `-` accepted for `_` (`single-node-writer`).
+pub fn parse_access_mode(raw: &str) -> Result<String, String> {
+    let normal = raw.trim().to_ascii_uppercase().replace('-', "_");
+    if CapabilitySpec::ACCESS_MODES.contains(&normal.as_str()) {
+        Ok(normal)
+    } else {
+        Err(format!(
+            "unknown access mode; expected one of {}",
+            CapabilitySpec::ACCESS_MODES.join(", ")
+        ))
+    }
+}
+
+/// A byte count: an integer with an optional suffix, `k M G T P` (powers of 1000) or
+/// `Ki Mi Gi Ti Pi` (powers of 1024), optionally followed by `B` (`10GiB`, `500MB`).
+pub fn parse_size(raw: &str) -> Result<i64, String> {
+    const EXPECTED: &str = "expected a byte count with an optional suffix k, M, G, T, P (powers \
+                            of 1000) or Ki, Mi, Gi, Ti, Pi (powers of 1024), e.g. 10Gi";
+    let text = raw.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (digits, suffix) = text.split_at(split);
+    if digits.is_empty() {
+        return Err(EXPECTED.to_owned());
+    }
+    let suffix = suffix.strip_suffix('B').unwrap_or(suffix);
+    let multiplier: i64 = match suffix {
+        "" => 1,
+        "k" | "K" => 1_000,
+        "M" => 1_000_000,
+        "G" => 1_000_000_000,
+        "T" => 1_000_000_000_000,
+        "P" => 1_000_000_000_000_000,
+        "Ki" => 1 << 10,
+        "Mi" => 1 << 20,
+        "Gi" => 1 << 30,
+        "Ti" => 1 << 40,
+        "Pi" => 1 << 50,
+        _ => return Err(EXPECTED.to_owned()),
+    };
+    digits
+        .parse::<i64>()
+        .ok()
+        .and_then(|n| n.checked_mul(multiplier))
+        .ok_or_else(|| "too large: at most 2^63-1 bytes (8Ei)".to_owned())
+}
+
+fn parse_seconds(raw: &str) -> Result<Duration, String> {
+    match raw.trim().parse::<f64>() {
+        Ok(secs) if secs.is_finite() && secs > 0.0 && secs < 1e9 => {
+            Ok(Duration::from_secs_f64(secs))
+        }
+        _ => Err("expected a positive number of seconds, e.g. 30 or 0.5".to_owned()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        Cli::try_parse_from(std::iter::once("csictl").chain(args.iter().copied()))
+    }
+
+    fn strings(items: &[&str]) -> Vec<String> {
+        items.iter().map(|s| (*s).to_owned()).collect()
+    }
+
+    #[test]
+    fn clap_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn publish_defaults() -> Result<(), clap::Error> {
+        let cli = parse(&["publish", "--plugin", "p", "--volume", "v"])?;
+        let Command::Publish(args) = cli.command else {
+            panic!("not publish");
+        };
+        assert_eq!(args.volume.plugin, "p");
+        assert_eq!(args.volume.volume, "v");
+        assert_eq!(args.workload, "default");
+        assert_eq!(args.access_mode, "SINGLE_NODE_WRITER");
+        assert!(!args.readonly && !args.access_type.block);
+        assert_eq!(
+            args.access_type.capability(&args.access_mode),
+            CapabilitySpec::mount("SINGLE_NODE_WRITER", "", vec![])
+        );
+        assert_eq!(cli.global.output, OutputFormat::Table);
+        Ok(())
+    }
+
+    #[test]
+    fn publish_all_options() -> Result<(), clap::Error> {
+        let cli = parse(&[
+            "publish",
+            "--plugin",
+            "p",
+            "--volume",
+            "v",
+            "--workload",
+            "c1",
+            "--access-mode",
+            "multi-node-reader-only",
+            "--fs-type",
+            "xfs",
+            "--mount-flag",
+            "noatime",
+            "--mount-flag",
+            "nodev",
+            "--readonly",
+            "--context",
+            "a=b",
+            "--stage-secret",
+            "user=admin",
+            "--publish-secret",
+            "token=x",
+            "--bind-to",
+            "/run/c1/data",
+            "--output",
+            "json",
+        ])?;
+        let Command::Publish(args) = cli.command else {
+            panic!("not publish");
+        };
+        assert_eq!(args.workload, "c1");
+        assert_eq!(
+            args.access_type.capability(&args.access_mode),
+            CapabilitySpec::mount(
+                "MULTI_NODE_READER_ONLY",
+                "xfs",
+                strings(&["noatime", "nodev"])
+            )
+        );
+        assert!(args.readonly);
+        assert_eq!(args.context, strings(&["a=b"]));
+        assert_eq!(args.stage_secrets.len(), 1);
+        assert_eq!(args.publish_secrets.len(), 1);
+        assert_eq!(args.bind_to.as_deref(), Some("/run/c1/data"));
+        assert_eq!(cli.global.output, OutputFormat::Json);
+        Ok(())
+    }
+
+    #[test]
+    fn block_conflicts_with_fs_type() {
+        let err = parse(&[
+            "publish",
+            "--plugin",
+            "p",
+            "--volume",
+            "v",
+            "--block",
+            "--fs-type",
+            "ext4",
+        ]);
+        assert!(err.is_err());
+    }
+
+    #[test]
+    fn block_capability() -> Result<(), clap::Error> {
+        let cli = parse(&["create", "--plugin", "p", "--name", "n", "--block"])?;
+        let Command::Create(args) = cli.command else {
+            panic!("not create");
+        };
+        assert_eq!(
+            args.access_type.capability(&args.access_mode),
+            CapabilitySpec::block("SINGLE_NODE_WRITER")
+        );
+        assert_eq!(args.capacity, None);
+        Ok(())
+    }
+
+    #[test]
+    fn create_capacity_and_params() -> Result<(), clap::Error> {
+        let cli = parse(&[
+            "create",
+            "--plugin",
+            "p",
+            "--name",
+            "n",
+            "--capacity",
+            "1Gi",
+            "--param",
+            "pool=fast",
+        ])?;
+        let Command::Create(args) = cli.command else {
+            panic!("not create");
+        };
+        assert_eq!(args.capacity, Some(1 << 30));
+        assert_eq!(args.params, strings(&["pool=fast"]));
+        Ok(())
+    }
+
+    #[test]
+    fn volumes_takes_both_or_neither() -> Result<(), clap::Error> {
+        let cli = parse(&["volumes"])?;
+        assert!(matches!(
+            cli.command,
+            Command::Volumes {
+                plugin: None,
+                volume_id: None
+            }
+        ));
+        let cli = parse(&["volumes", "p", "a/b"])?;
+        let Command::Volumes {
+            plugin: Some(plugin),
+            volume_id: Some(id),
+        } = cli.command
+        else {
+            panic!("not volumes P ID");
+        };
+        assert_eq!((plugin.as_str(), id.as_str()), ("p", "a/b"));
+        assert!(parse(&["volumes", "p"]).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn global_flags_go_anywhere() -> Result<(), clap::Error> {
+        let cli = parse(&["health", "--socket", "/x/api.sock", "-o", "json"])?;
+        assert_eq!(cli.global.socket, PathBuf::from("/x/api.sock"));
+        assert_eq!(cli.global.output, OutputFormat::Json);
+        let cli = parse(&["--url", "http://h:1", "--token-file", "/t", "health"])?;
+        assert_eq!(cli.global.url.as_deref(), Some("http://h:1"));
+        assert_eq!(cli.global.token_file, Some(PathBuf::from("/t")));
+        let cli = parse(&["--timeout", "1.5", "health"])?;
+        assert_eq!(cli.global.timeout, Some(Duration::from_millis(1500)));
+        assert!(parse(&["--timeout", "0", "health"]).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn validate_and_capacity_capabilities() -> Result<(), clap::Error> {
+        let cli = parse(&["validate", "--plugin", "p", "--volume", "v"])?;
+        let Command::Validate(args) = cli.command else {
+            panic!("not validate");
+        };
+        assert_eq!(
+            args.capabilities(),
+            vec![CapabilitySpec::mount("SINGLE_NODE_WRITER", "", vec![])]
+        );
+        let cli = parse(&[
+            "validate",
+            "--plugin",
+            "p",
+            "--volume",
+            "v",
+            "--access-mode",
+            "SINGLE_NODE_WRITER",
+            "--access-mode",
+            "MULTI_NODE_MULTI_WRITER",
+            "--block",
+        ])?;
+        let Command::Validate(args) = cli.command else {
+            panic!("not validate");
+        };
+        assert_eq!(
+            args.capabilities(),
+            vec![
+                CapabilitySpec::block("SINGLE_NODE_WRITER"),
+                CapabilitySpec::block("MULTI_NODE_MULTI_WRITER")
+            ]
+        );
+
+        let cli = parse(&["capacity", "--plugin", "p"])?;
+        let Command::Capacity(args) = cli.command else {
+            panic!("not capacity");
+        };
+        assert!(args.capabilities().is_empty());
+        Ok(())
+    }
+
+    #[test]
+    fn pairs_parse() {
+        assert_eq!(
+            parse_pairs("--context", &strings(&["a=b", "c=d=e", "f="])),
+            Ok(BTreeMap::from([
+                ("a".to_owned(), "b".to_owned()),
+                ("c".to_owned(), "d=e".to_owned()),
+                ("f".to_owned(), String::new()),
+            ]))
+        );
+        assert_eq!(parse_pairs("--param", &[]), Ok(BTreeMap::new()));
+    }
+
+    #[test]
+    fn pair_errors_name_the_flag() {
+        assert_eq!(
+            parse_pairs("--context", &strings(&["x"])),
+            Err(UsageError(
+                "--context expects KEY=VALUE, got 'x'".to_owned()
+            ))
+        );
+        assert_eq!(
+            parse_pairs("--param", &strings(&["=v"])),
+            Err(UsageError(
+                "--param expects KEY=VALUE, got an empty KEY in '=v'".to_owned()
+            ))
+        );
+        assert_eq!(
+            parse_pairs("--param", &strings(&["a=1", "a=2"])),
+            Err(UsageError("--param gives the key 'a' twice".to_owned()))
+        );
+    }
+
+    #[test]
+    fn secret_errors_never_show_the_secret() {
+        for items in [&["hunter2"][..], &["=hunter2"], &["k=hunter2", "k=hunter2"]] {
+            let items: Vec<SecretArg> = items.iter().map(|s| SecretArg((*s).to_owned())).collect();
+            let Err(err) = parse_secret_pairs("--stage-secret", &items) else {
+                panic!("accepted {items:?}");
+            };
+            assert!(err.0.starts_with("--stage-secret"), "{err}");
+            assert!(!err.0.contains("hunter2"), "{err}");
+        }
+        assert!(!format!("{:?}", SecretArg("k=hunter2".to_owned())).contains("hunter2"));
+    }
+
+    #[test]
+    fn access_modes_parse() {
+        assert_eq!(
+            parse_access_mode("single-node-reader-only"),
+            Ok("SINGLE_NODE_READER_ONLY".to_owned())
+        );
+        assert_eq!(
+            parse_access_mode("MULTI_NODE_MULTI_WRITER"),
+            Ok("MULTI_NODE_MULTI_WRITER".to_owned())
+        );
+        let err = parse_access_mode("rw").err().unwrap_or_default();
+        assert!(err.contains("SINGLE_NODE_WRITER"), "{err}");
+    }
+
+    #[test]
+    fn sizes_parse() {
+        for (raw, bytes) in [
+            ("0", 0),
+            ("512", 512),
+            ("10k", 10_000),
+            ("10K", 10_000),
+            ("10M", 10_000_000),
+            ("10MB", 10_000_000),
+            ("1G", 1_000_000_000),
+            ("2T", 2_000_000_000_000),
+            ("1P", 1_000_000_000_000_000),
+            ("1Ki", 1024),
+            ("1Mi", 1 << 20),
+            ("1Gi", 1 << 30),
+            ("1GiB", 1 << 30),
+            ("3Ti", 3 << 40),
+            ("1Pi", 1 << 50),
+            (" 4Gi ", 4 << 30),
+        ] {
+            assert_eq!(parse_size(raw), Ok(bytes), "{raw}");
+        }
+    }
+
+    #[test]
+    fn bad_sizes_are_refused() {
+        for raw in ["", "Gi", "1.5Gi", "-1", "1X", "1gi", "1 Gi", "1iB"] {
+            let Err(err) = parse_size(raw) else {
+                panic!("accepted {raw:?}");
+            };
+            assert!(err.contains("e.g. 10Gi"), "{raw}: {err}");
+        }
+        assert!(parse_size("9999999Pi").is_err());
+        assert!(parse_size("99999999999999999999").is_err());
+    }
+}

@@ -1,0 +1,163 @@
+//! How csictl fails: the message, the hint of what to fix, and the exit status.
+//!
+//! This module owns the mapping from errors to exit statuses (1: the daemon refused or failed
+//! the request; 2: usage; 3: the daemon could not be reached) and the operator hints. It must
+//! not print: `main` does, once.
+
+use std::fmt;
+
+use csi_agent_api::{ApiError, ErrorCode};
+
+use crate::args::{DEFAULT_SOCKET, UsageError};
+
+pub const EXIT_API: u8 = 1;
+pub const EXIT_USAGE: u8 = 2;
+pub const EXIT_CONNECT: u8 = 3;
+
+#[derive(Debug)]
+pub enum Failure {
+    /// Bad input found after clap (clap reports its own and exits 2 by itself).
+    Usage(String),
+    /// The API call failed.
+    Api(ApiError),
+    /// Printing the answer failed (not a broken pipe, which is silent).
+    Output(String),
+}
+
+impl From<UsageError> for Failure {
+    fn from(err: UsageError) -> Failure {
+        Failure::Usage(err.0)
+    }
+}
+
+impl From<ApiError> for Failure {
+    fn from(err: ApiError) -> Failure {
+        Failure::Api(err)
+    }
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Failure::Usage(message) | Failure::Output(message) => f.write_str(message),
+            Failure::Api(err) => write!(f, "{err}"),
+        }
+    }
+}
+
+impl Failure {
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            Failure::Usage(_) => EXIT_USAGE,
+            Failure::Api(ApiError::InvalidUrl { .. }) => EXIT_USAGE,
+            Failure::Api(err) if err.is_connection() => EXIT_CONNECT,
+            Failure::Api(_) | Failure::Output(_) => EXIT_API,
+        }
+    }
+
+    /// What the operator should do next, when the message alone does not say it.
+    pub fn hint(&self) -> Option<String> {
+        let Failure::Api(err) = self else {
+            return match self {
+                Failure::Usage(_) => Some("see csictl COMMAND --help".to_owned()),
+                _ => None,
+            };
+        };
+        let hint = match err {
+            ApiError::Connect { .. } => format!(
+                "csictl uses --socket, else $CSI_AGENT_SOCKET, else {DEFAULT_SOCKET}; start \
+                 csi-agentd or point csictl at its <work dir>/api.sock"
+            ),
+            ApiError::ConnectTcp { .. } => {
+                "--url (or $CSI_AGENT_URL) must be the address of csi-agentd's TCP listener"
+                    .to_owned()
+            }
+            ApiError::Api { body, .. } => code_hint(body.code).to_owned(),
+            ApiError::InvalidUrl { .. }
+            | ApiError::Transport { .. }
+            | ApiError::Timeout { .. }
+            | ApiError::Decode { .. } => return None,
+        };
+        Some(hint)
+    }
+}
+
+fn code_hint(code: ErrorCode) -> &'static str {
+    match code {
+        ErrorCode::InvalidRequest => {
+            "fix the request as the message says; nothing was changed (csictl COMMAND --help \
+             lists the options)"
+        }
+        ErrorCode::Unauthorized => {
+            "--token-file (or $CSI_AGENT_TOKEN_FILE) must hold the token csi-agentd's TCP \
+             listener was started with"
+        }
+        ErrorCode::NotFound => "see what exists with `csictl plugins` and `csictl volumes`",
+        ErrorCode::Conflict => {
+            "see the volume's claims and state with `csictl volumes PLUGIN VOLUME_ID`"
+        }
+        ErrorCode::PluginError => {
+            "the plugin refused the request (see its gRPC code); the plugin's own logs say why \
+             (<work dir>/csi/<type>/<name>/containers/*/stderr for a managed plugin)"
+        }
+        ErrorCode::PluginProtocol => {
+            "the plugin does not follow the CSI specification; check its version and its logs \
+             (<work dir>/csi/<type>/<name>/containers/*/stderr)"
+        }
+        ErrorCode::Unavailable => {
+            "the plugin is not ready or kept failing transiently; check `csictl plugins TYPE` \
+             and retry (publish and unpublish are safe to repeat)"
+        }
+        ErrorCode::Internal => "csi-agentd could not do its own part; its log says why",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io;
+    use std::path::PathBuf;
+
+    use csi_agent_api::ErrorBody;
+
+    use super::*;
+
+    fn api(code: ErrorCode) -> Failure {
+        Failure::Api(ApiError::Api {
+            status: code.http_status(),
+            body: ErrorBody {
+                code,
+                message: "m".to_owned(),
+                grpc_code: None,
+            },
+        })
+    }
+
+    #[test]
+    fn exit_codes() {
+        assert_eq!(Failure::Usage("x".to_owned()).exit_code(), 2);
+        assert_eq!(api(ErrorCode::NotFound).exit_code(), 1);
+        let connect = Failure::Api(ApiError::Connect {
+            socket: PathBuf::from("/x"),
+            source: io::Error::from_raw_os_error(2),
+        });
+        assert_eq!(connect.exit_code(), 3);
+        assert!(
+            connect
+                .hint()
+                .unwrap_or_default()
+                .contains("CSI_AGENT_SOCKET")
+        );
+        let url = Failure::Api(ApiError::InvalidUrl {
+            url: "x".to_owned(),
+            reason: "y".to_owned(),
+        });
+        assert_eq!(url.exit_code(), 2);
+    }
+
+    #[test]
+    fn every_code_has_a_hint() {
+        for code in ErrorCode::ALL {
+            assert!(api(code).hint().is_some_and(|h| !h.is_empty()), "{code:?}");
+        }
+    }
+}
