@@ -756,7 +756,7 @@ pub fn require_private_mount_namespace() {
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 pub(crate) mod tests {
     use super::*;
-    use std::sync::Once;
+    
 
     /// Mounting tests call this first. They must never touch the host's mount table: they
     /// run only in a mount namespace of their own (the CI runs the suite under

@@ -242,7 +242,7 @@ impl CsiServer {
         if let Some(plugin) = table.plugins.get(plugin_type) {
             return Ok(plugin.clone());
         }
-        if table.configs.plugins.get(plugin_type).is_none() {
+        if !table.configs.plugins.contains_key(plugin_type) {
             // Configs added at run time work without a reload.
             drop(table);
             self.reload().await;

@@ -6,7 +6,6 @@
 
 mod volume_support;
 
-use std::time::Duration;
 
 use csi_agent::client::RpcErrorKind;
 use csi_agent::mounts::require_private_mount_namespace;

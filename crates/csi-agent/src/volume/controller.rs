@@ -129,15 +129,14 @@ impl VolumeManager {
         self.require_controller()?;
         let slot = self.slot(volume_id);
         let mut guard = slot.lock().await;
-        if let Some(record) = &guard.record {
-            if !record.claims.is_empty() || record.state != VolumeState::Created {
+        if let Some(record) = &guard.record
+            && (!record.claims.is_empty() || record.state != VolumeState::Created) {
                 return Err(VolumeError::Conflict(format!(
                     "volume {volume_id:?} is {} with {} claim(s): unpublish it before deleting it",
                     record.state.as_str(),
                     record.claims.len()
                 )));
             }
-        }
         let deadline = Instant::now() + self.inner.config.operation_timeout;
         let endpoints = &self.inner.endpoints;
         let request = v1::DeleteVolumeRequest {

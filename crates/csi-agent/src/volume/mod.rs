@@ -346,8 +346,8 @@ impl VolumeManager {
                     bind_to: request.bind_to.clone(),
                 });
             }
-            if let Some(existing) = record.bind_mounts.get(&request.workload) {
-                if request.bind_to.as_ref() != Some(existing) {
+            if let Some(existing) = record.bind_mounts.get(&request.workload)
+                && request.bind_to.as_ref() != Some(existing) {
                     return Err(VolumeError::Conflict(format!(
                         "workload {:?} already has volume {:?} bound at {}; unpublish it first to bind elsewhere",
                         request.workload,
@@ -355,7 +355,6 @@ impl VolumeManager {
                         existing.display()
                     )));
                 }
-            }
         } else {
             record.capability = Some(request.capability.clone());
             record.readonly = request.readonly;
@@ -395,8 +394,8 @@ impl VolumeManager {
                 })
             }
             Err(err) => {
-                if added_claim {
-                    if let Some(mut record) = guard.record.clone() {
+                if added_claim
+                    && let Some(mut record) = guard.record.clone() {
                         record.claims.remove(&request.workload);
                         if let Some(bind_to) = record.bind_mounts.remove(&request.workload) {
                             let _ = self.unbind(&bind_to);
@@ -408,7 +407,6 @@ impl VolumeManager {
                             self.spawn_reconcile(&request.volume_id);
                         }
                     }
-                }
                 Err(err)
             }
         }
