@@ -281,7 +281,9 @@ pub struct PluginInfo {
     pub plugin_type: String,
     pub name: String,
     pub managed: bool,
-    /// `not_started` (gate closed or not used yet), `ready`, `failed`.
+    /// `not_started` (gate closed), `idle` (launched lazily, not needed yet), `starting`,
+    /// `ready`, `restarting` (a component is backing off after crashes), `failed` (bad config
+    /// or probe; see `error`).
     pub state: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub csi_version: Option<String>,

@@ -170,14 +170,27 @@ async fn plugin_infos(state: &AppState) -> api::PluginList {
                 (components, volumes, version, ready)
             }
         };
-        let state_name = if report.error.is_some() {
-            "failed"
-        } else if ready {
-            "ready"
-        } else if report.plugin.is_some() {
-            "starting"
-        } else {
-            "not_started"
+        let state_name = match (&report.error, &report.plugin) {
+            (Some(_), _) => "failed",
+            (None, None) => "not_started",
+            (None, Some(_)) if ready => "ready",
+            (None, Some(plugin)) => {
+                let statuses = plugin.components();
+                if statuses
+                    .iter()
+                    .any(|s| matches!(s.state, ComponentState::BackingOff { .. }))
+                {
+                    "restarting"
+                } else if statuses
+                    .iter()
+                    .all(|s| matches!(s.state, ComponentState::Idle))
+                {
+                    // Launched lazily, on first need.
+                    "idle"
+                } else {
+                    "starting"
+                }
+            }
         };
         plugins.push(api::PluginInfo {
             plugin_type: config.plugin_type.clone(),

@@ -1,0 +1,510 @@
+//! End to end: the real `csi-agentd` process, the real `csi-testplugin` (launched by the
+//! daemon, or started by the test for unmanaged plugins), the real API over its unix socket
+//! (and TCP), and `csictl`. Real bind mounts: run under `unshare -m --propagation private`.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use csi_agent::mounts::{MountTable, require_private_mount_namespace};
+use csi_agent_api::{
+    ApiClient, ApiError, CapabilitySpec, ErrorCode, MountSpec, PublishRequest, UnpublishRequest,
+};
+use serde_json::json;
+
+const PLUGIN: &str = "org.example.test";
+
+fn target_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/debug")
+}
+
+fn binary(name: &str) -> PathBuf {
+    let path = target_dir().join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: build the workspace first (cargo build --workspace)",
+        path.display()
+    );
+    path
+}
+
+/// A managed plugin config launching the test plugin with its state in `plugin_dir`.
+fn managed_config(plugin_type: &str, plugin_dir: &Path, volumes: &str) -> serde_json::Value {
+    json!({
+        "type": plugin_type,
+        "containers": [{
+            "services": ["CONTROLLER_SERVICE", "NODE_SERVICE"],
+            "command": {
+                "shell": false,
+                "value": binary("csi-testplugin"),
+                "arguments": ["csi-testplugin", "--endpoint", "$CSI_ENDPOINT",
+                              "--work-dir", plugin_dir, "--volumes", volumes,
+                              "--node-id", "node-1"]
+            }
+        }],
+        "startup_timeout_ms": 20000
+    })
+}
+
+struct Daemon {
+    work: PathBuf,
+    configs: PathBuf,
+    socket: PathBuf,
+    socket_root: PathBuf,
+    child: Option<Child>,
+    extra: Vec<String>,
+}
+
+impl Daemon {
+    fn new(dir: &Path, extra: &[&str]) -> Self {
+        let configs = dir.join("configs");
+        std::fs::create_dir_all(&configs).unwrap();
+        let work = dir.join("work");
+        Self {
+            socket: work.join("api.sock"),
+            socket_root: dir.join("sockets"),
+            work,
+            configs,
+            child: None,
+            extra: extra.iter().map(|s| (*s).to_owned()).collect(),
+        }
+    }
+
+    fn add_config(&self, file: &str, config: &serde_json::Value) {
+        std::fs::write(self.configs.join(file), serde_json::to_vec_pretty(config).unwrap()).unwrap();
+    }
+
+    fn start(&mut self) {
+        let _ = std::fs::remove_file(&self.socket);
+        let child = Command::new(env!("CARGO_BIN_EXE_csi-agentd"))
+            .arg("serve")
+            .arg("--work-dir")
+            .arg(&self.work)
+            .arg("--plugin-config-dir")
+            .arg(&self.configs)
+            .arg("--socket-root")
+            .arg(&self.socket_root)
+            .args(&self.extra)
+            .env("CSI_AGENT_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(self.work.parent().unwrap().join("daemon.log"))
+                    .unwrap(),
+            )
+            .spawn()
+            .unwrap();
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !self.socket.exists() {
+            assert!(Instant::now() < deadline, "the daemon never opened its socket");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            child.kill().unwrap();
+            child.wait().unwrap();
+        }
+    }
+
+    fn api(&self) -> ApiClient {
+        ApiClient::unix(&self.socket).with_timeout(Some(Duration::from_secs(60)))
+    }
+
+    fn csictl(&self, args: &[&str]) -> std::process::Output {
+        Command::new(binary("csictl"))
+            .arg("--socket")
+            .arg(&self.socket)
+            .args(args)
+            .output()
+            .unwrap()
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.kill9();
+        // The daemon leaves its plugins running on purpose; the test does not.
+        let _ = Command::new("pkill")
+            .arg("-f")
+            .arg(self.work.parent().unwrap().to_string_lossy().as_ref())
+            .status();
+    }
+}
+
+fn capability() -> CapabilitySpec {
+    CapabilitySpec {
+        mount: Some(MountSpec::default()),
+        block: None,
+        access_mode: "SINGLE_NODE_WRITER".to_owned(),
+    }
+}
+
+fn publish(volume: &str, workload: &str) -> PublishRequest {
+    PublishRequest {
+        plugin: PLUGIN.to_owned(),
+        volume_id: volume.to_owned(),
+        workload: workload.to_owned(),
+        capability: capability(),
+        readonly: false,
+        volume_context: None,
+        secrets: None,
+        bind_to: None,
+    }
+}
+
+fn unpublish(volume: &str, workload: &str) -> UnpublishRequest {
+    UnpublishRequest {
+        plugin: PLUGIN.to_owned(),
+        volume_id: volume.to_owned(),
+        workload: workload.to_owned(),
+    }
+}
+
+fn mounts_under(dir: &Path) -> Vec<PathBuf> {
+    MountTable::read()
+        .unwrap()
+        .mounts_under(dir)
+        .into_iter()
+        .map(|m| m.mount_point.clone())
+        .collect()
+}
+
+fn api_error(result: Result<impl std::fmt::Debug, ApiError>) -> (u16, csi_agent_api::ErrorBody) {
+    match result {
+        Err(ApiError::Api { status, body }) => (status, body),
+        other => panic!("expected an API error, got {other:?}"),
+    }
+}
+
+fn setup(dir: &Path, extra: &[&str]) -> Daemon {
+    require_private_mount_namespace();
+    let mut daemon = Daemon::new(dir, extra);
+    daemon.add_config("test.json", &managed_config(PLUGIN, &dir.join("plugin"), "vol1:1M,vol2:1M"));
+    daemon.start();
+    daemon
+}
+
+#[tokio::test]
+async fn publish_write_unpublish_through_csictl_leaves_nothing_mounted() {
+    let dir = tempfile::tempdir().unwrap();
+    let daemon = setup(dir.path(), &[]);
+    let out = daemon.csictl(&[
+        "--output", "json", "publish", "--plugin", PLUGIN, "--volume", "vol1", "--workload", "w1",
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let published: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let target = PathBuf::from(published["target_path"].as_str().unwrap());
+    assert_eq!(
+        daemon.work.join(published["target_path_relative"].as_str().unwrap()),
+        target
+    );
+    assert!(mounts_under(&daemon.work).contains(&target));
+    std::fs::write(target.join("file"), b"through the target").unwrap();
+    assert_eq!(
+        std::fs::read(dir.path().join("plugin/volumes/vol1/file")).unwrap(),
+        b"through the target"
+    );
+    let listed = daemon.csictl(&["volumes"]);
+    assert!(String::from_utf8_lossy(&listed.stdout).contains("vol1"));
+    let plugins = daemon.csictl(&["plugins"]);
+    assert!(String::from_utf8_lossy(&plugins.stdout).contains(PLUGIN));
+
+    let out = daemon.csictl(&["unpublish", "--plugin", PLUGIN, "--volume", "vol1", "--workload", "w1"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(mounts_under(&daemon.work).is_empty());
+    assert!(daemon.api().volumes().await.unwrap().volumes.is_empty());
+}
+
+#[tokio::test]
+async fn bind_to_mounts_for_the_workload_and_readonly_refuses_writes() {
+    let dir = tempfile::tempdir().unwrap();
+    let daemon = setup(dir.path(), &[]);
+    let api = daemon.api();
+    let bind = dir.path().join("container-rootfs/data");
+    let mut request = publish("vol1", "w1");
+    request.bind_to = Some(bind.to_string_lossy().into_owned());
+    let published = api.publish(&request).await.unwrap();
+    assert_eq!(published.bind_to.as_deref(), Some(bind.to_str().unwrap()));
+    std::fs::write(bind.join("seen"), b"1").unwrap();
+    assert!(dir.path().join("plugin/volumes/vol1/seen").exists());
+    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    assert!(!mounts_under(dir.path()).contains(&bind));
+    assert!(mounts_under(&daemon.work).is_empty());
+
+    // Read-only: the target and the workload's bind both refuse writes.
+    let ro_bind = dir.path().join("ro-rootfs/data");
+    let mut request = publish("vol2", "w2");
+    request.readonly = true;
+    request.bind_to = Some(ro_bind.to_string_lossy().into_owned());
+    let published = api.publish(&request).await.unwrap();
+    for path in [PathBuf::from(&published.target_path), ro_bind.clone()] {
+        let err = std::fs::write(path.join("x"), b"x").unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(30), "{}: {err}", path.display());
+    }
+    api.unpublish(&unpublish("vol2", "w2")).await.unwrap();
+    assert!(mounts_under(dir.path()).is_empty());
+
+    // A read-write request for a read-only access mode is refused and changes nothing.
+    let mut contradiction = publish("vol2", "w3");
+    contradiction.capability.access_mode = "SINGLE_NODE_READER_ONLY".to_owned();
+    let (status, body) = api_error(api.publish(&contradiction).await);
+    assert_eq!(status, 400);
+    assert!(body.message.contains("readonly"), "{}", body.message);
+    assert!(api.volumes().await.unwrap().volumes.is_empty());
+}
+
+#[tokio::test]
+async fn unpublish_after_the_daemon_was_killed_cleans_everything() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut daemon = setup(dir.path(), &[]);
+    let published = daemon.api().publish(&publish("vol1", "w1")).await.unwrap();
+    daemon.api().publish(&publish("vol2", "w2")).await.unwrap();
+    daemon.kill9();
+    // Workloads keep their volumes while the daemon is down.
+    assert!(mounts_under(&daemon.work).contains(&PathBuf::from(&published.target_path)));
+    daemon.start();
+    let api = daemon.api();
+    // Mesos's UnpublishAfterAgentFailover.
+    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    // A workload that ended while the daemon was down: the agent unpublishes it now.
+    api.unpublish(&unpublish("vol2", "w2")).await.unwrap();
+    assert!(mounts_under(&daemon.work).is_empty());
+    assert!(api.volumes().await.unwrap().volumes.is_empty());
+    // The plugin was adopted, not relaunched.
+    let plugin = api.plugin(PLUGIN).await.unwrap();
+    assert_eq!(plugin.components[0].restarts, 0, "{plugin:?}");
+}
+
+#[tokio::test]
+async fn on_request_start_holds_requests_and_launches_nothing_until_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut daemon = setup(dir.path(), &[]);
+    daemon.api().publish(&publish("vol1", "w1")).await.unwrap();
+    daemon.kill9();
+    // Stop the plugin too, so that "not launched before start" can be observed.
+    let _ = Command::new("pkill").arg("-f").arg(dir.path().join("plugin")).status();
+    std::thread::sleep(Duration::from_millis(200));
+    daemon.extra = vec!["--start".into(), "on-request".into()];
+    daemon.start();
+    let api = daemon.api();
+    let health = api.health().await.unwrap();
+    assert!(!health.started);
+    let calls_before = std::fs::read_to_string(dir.path().join("plugin/calls.jsonl")).unwrap();
+    let waiting = {
+        let api = api.clone();
+        tokio::spawn(async move { api.unpublish(&unpublish("vol1", "w1")).await })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!waiting.is_finished(), "the unpublish did not wait for start");
+    let pgrep = Command::new("pgrep")
+        .arg("-f")
+        .arg(dir.path().join("plugin"))
+        .output()
+        .unwrap();
+    assert!(pgrep.stdout.is_empty(), "a plugin was launched before start");
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("plugin/calls.jsonl")).unwrap(),
+        calls_before,
+        "a CSI call was made before start"
+    );
+    let started = api.start().await.unwrap();
+    assert!(started.opened_now);
+    waiting.await.unwrap().unwrap();
+    assert!(!api.start().await.unwrap().opened_now, "start is idempotent");
+    assert!(api.health().await.unwrap().started);
+    assert!(mounts_under(&daemon.work).is_empty());
+}
+
+#[tokio::test]
+async fn a_config_added_at_run_time_and_an_unmanaged_plugin_work() {
+    let dir = tempfile::tempdir().unwrap();
+    let daemon = setup(dir.path(), &[]);
+    let api = daemon.api();
+    // Unmanaged: started by the test, configured with `endpoints`.
+    let unmanaged_socket = dir.path().join("unmanaged.sock");
+    let mut plugin = Command::new(binary("csi-testplugin"))
+        .arg("--endpoint")
+        .arg(&unmanaged_socket)
+        .arg("--work-dir")
+        .arg(dir.path().join("unmanaged"))
+        .args(["--volumes", "u1:1M", "--node-id", "node-1"])
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    daemon.add_config(
+        "unmanaged.json",
+        &json!({"type": "org.example.unmanaged", "endpoints": [
+            {"csi_service": "NODE_SERVICE", "endpoint": format!("unix://{}", unmanaged_socket.display())},
+            {"csi_service": "CONTROLLER_SERVICE", "endpoint": unmanaged_socket}
+        ]}),
+    );
+    let mut request = publish("u1", "w1");
+    request.plugin = "org.example.unmanaged".to_owned();
+    let published = api.publish(&request).await.unwrap();
+    assert!(mounts_under(&daemon.work).contains(&PathBuf::from(&published.target_path)));
+    let mut undo = unpublish("u1", "w1");
+    undo.plugin = "org.example.unmanaged".to_owned();
+    api.unpublish(&undo).await.unwrap();
+    let info = api.plugin("org.example.unmanaged").await.unwrap();
+    assert!(!info.managed);
+    let _ = plugin.kill();
+    let _ = plugin.wait();
+    assert!(mounts_under(&daemon.work).is_empty());
+}
+
+#[tokio::test]
+async fn the_tcp_listener_requires_the_token_and_the_socket_is_private() {
+    require_private_mount_namespace();
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, "s3cret-token\n").unwrap();
+    let port = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap().port()
+    };
+    let listen = format!("127.0.0.1:{port}");
+    let mut daemon = Daemon::new(
+        dir.path(),
+        &["--listen", &listen, "--token-file", token_file.to_str().unwrap()],
+    );
+    daemon.start();
+    let mode = std::fs::metadata(&daemon.socket).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+    let url = format!("http://{listen}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match ApiClient::tcp(&url, Some("s3cret-token")).unwrap().health().await {
+            Ok(health) => {
+                assert_eq!(health.status, "ok");
+                break;
+            }
+            Err(_) if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(20)).await,
+            Err(err) => panic!("{err}"),
+        }
+    }
+    let (status, body) = api_error(ApiClient::tcp(&url, None).unwrap().health().await);
+    assert_eq!((status, body.code), (401, ErrorCode::Unauthorized));
+    let (status, _) = api_error(ApiClient::tcp(&url, Some("wrong")).unwrap().health().await);
+    assert_eq!(status, 401);
+    let (status, _) = api_error(ApiClient::tcp(&url, Some("s3cret-token-and-more")).unwrap().volumes().await);
+    assert_eq!(status, 401);
+}
+
+#[tokio::test]
+async fn bad_requests_get_clear_4xx_errors_and_change_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let daemon = setup(dir.path(), &[]);
+    let api = daemon.api();
+    api.publish(&publish("vol1", "w1")).await.unwrap();
+    let before = api.volumes().await.unwrap();
+    let records_before = std::fs::read_dir(daemon.work.join("csi/org.example.test/default/volumes"))
+        .unwrap()
+        .count();
+
+    let mut unknown = publish("vol2", "w1");
+    unknown.plugin = "org.example.nope".to_owned();
+    let (status, body) = api_error(api.publish(&unknown).await);
+    assert_eq!((status, body.code), (404, ErrorCode::NotFound));
+    assert!(body.message.contains("org.example.nope"), "{}", body.message);
+
+    let mut empty = publish("", "w1");
+    let (status, body) = api_error(api.publish(&empty).await);
+    assert_eq!(status, 400);
+    assert!(body.message.contains("volume_id is empty"), "{}", body.message);
+    empty.volume_id = "x".repeat(129);
+    let (status, body) = api_error(api.publish(&empty).await);
+    assert_eq!(status, 400);
+    assert!(body.message.contains("at most 128 bytes"), "{}", body.message);
+
+    let mut bad_mode = publish("vol2", "w1");
+    bad_mode.capability.access_mode = "WRITE_MANY".to_owned();
+    let (status, body) = api_error(api.publish(&bad_mode).await);
+    assert_eq!(status, 400);
+    assert!(body.message.contains("WRITE_MANY"));
+
+    let mut both = publish("vol2", "w1");
+    both.capability.block = Some(Default::default());
+    let (status, _) = api_error(api.publish(&both).await);
+    assert_eq!(status, 400);
+
+    let mut conflict = publish("vol1", "w2");
+    conflict.readonly = true;
+    let (status, body) = api_error(api.publish(&conflict).await);
+    assert_eq!((status, body.code), (409, ErrorCode::Conflict));
+
+    // Raw bodies: malformed JSON, missing fields, unknown fields.
+    for (body, expect) in [
+        ("{not json", "not valid"),
+        (r#"{"plugin": "org.example.test"}"#, "missing field `volume_id`"),
+        (
+            r#"{"plugin":"org.example.test","volume_id":"vol2","capability":{"mount":{},"access_mode":"SINGLE_NODE_WRITER"},"bogus":1}"#,
+            "unknown field `bogus`",
+        ),
+    ] {
+        let out = Command::new("curl")
+            .args(["-s", "-w", "\n%{http_code}", "--unix-socket"])
+            .arg(&daemon.socket)
+            .args(["-X", "POST", "http://localhost/v1/volumes/publish", "-d", body])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        let (json, code) = text.rsplit_once('\n').unwrap();
+        assert_eq!(code, "400", "{body}: {text}");
+        let error: serde_json::Value = serde_json::from_str(json).unwrap();
+        assert_eq!(error["code"], "invalid_request");
+        assert!(error["message"].as_str().unwrap().contains(expect), "{json}");
+    }
+    let (status, _) = api_error(api.volume(PLUGIN, "never-published").await);
+    assert_eq!(status, 404);
+    // Nothing changed.
+    assert_eq!(api.volumes().await.unwrap(), before);
+    let records_after = std::fs::read_dir(daemon.work.join("csi/org.example.test/default/volumes"))
+        .unwrap()
+        .count();
+    assert_eq!(records_after, records_before);
+    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+}
+
+#[tokio::test]
+async fn the_router_serves_exactly_the_documented_routes() {
+    require_private_mount_namespace();
+    let dir = tempfile::tempdir().unwrap();
+    let mut daemon = Daemon::new(dir.path(), &["--start", "on-request"]);
+    daemon.start();
+    for (method, path) in csi_agent_api::routes::ALL_ROUTES {
+        let url = format!(
+            "http://localhost{}",
+            path.replace("{type}", "org.example.none")
+                .replace("{plugin}", "org.example.none")
+                .replace("{volume_id}", "v")
+        );
+        // Requests that would wait for the start gate are cut short: only the routing matters.
+        let out = Command::new("curl")
+            .args(["-s", "-m", "1", "-w", "\n%{http_code}", "--unix-socket"])
+            .arg(&daemon.socket)
+            .args(["-X", method, &url, "-d", "{}"])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        let (body, code) = text.rsplit_once('\n').unwrap_or(("", &text));
+        // A 404 from a handler (unknown plugin) is fine; the router's own fallback is not.
+        assert!(
+            code != "405" && !body.contains("no such route"),
+            "{method} {path} is not routed (HTTP {code}: {body})"
+        );
+    }
+    let out = Command::new("curl")
+        .args(["-s", "-o", "/dev/null", "-w", "%{http_code}", "--unix-socket"])
+        .arg(&daemon.socket)
+        .arg("http://localhost/v1/nothing-here")
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "404");
+}
