@@ -745,7 +745,8 @@ pub fn require_private_mount_namespace() {
     PRIVATE.call_once(|| {
         if let Err(err) = rustix::mount::mount_change(
             "/",
-            rustix::mount::MountPropagationFlags::PRIVATE | rustix::mount::MountPropagationFlags::REC,
+            rustix::mount::MountPropagationFlags::PRIVATE
+                | rustix::mount::MountPropagationFlags::REC,
         ) {
             panic!("cannot make / rprivate in the test namespace: {err}");
         }
@@ -756,7 +757,6 @@ pub fn require_private_mount_namespace() {
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 pub(crate) mod tests {
     use super::*;
-    
 
     /// Mounting tests call this first. They must never touch the host's mount table: they
     /// run only in a mount namespace of their own (the CI runs the suite under

@@ -16,7 +16,9 @@ use futures::future::BoxFuture;
 use tokio::sync::{Mutex, watch};
 
 use crate::client::{CsiClient, RpcError};
-use crate::config::{self, ConfigDiff, ConfigError, ConfigSet, LoadedConfig, PluginConfig, Service};
+use crate::config::{
+    self, ConfigDiff, ConfigError, ConfigSet, LoadedConfig, PluginConfig, Service,
+};
 use crate::layout::Layout;
 use crate::metrics::Metrics;
 use crate::service_manager::{ComponentStatus, ManagerOptions, ServiceManager};
@@ -397,12 +399,10 @@ impl CsiServer {
             let Some(plugin) = table.plugins.get(plugin_type).cloned() else {
                 continue;
             };
-            let in_use = plugin
-                .volumes
-                .list()
-                .await
-                .iter()
-                .any(|v| !v.claims.is_empty() || v.state != crate::volume::VolumeState::Created);
+            let in_use =
+                plugin.volumes.list().await.iter().any(|v| {
+                    !v.claims.is_empty() || v.state != crate::volume::VolumeState::Created
+                });
             if in_use {
                 // A node plugin must outlive its volumes (nomad#11614): keep it configured
                 // until they are unpublished.
@@ -441,7 +441,13 @@ impl CsiServer {
 
     /// The plugin if it is initialized, without initializing it or waiting for the gate.
     pub async fn plugin_if_loaded(&self, plugin_type: &str) -> Option<Arc<Plugin>> {
-        self.inner.table.lock().await.plugins.get(plugin_type).cloned()
+        self.inner
+            .table
+            .lock()
+            .await
+            .plugins
+            .get(plugin_type)
+            .cloned()
     }
 
     /// Reads the configs once at startup without opening the gate (for `GET /v1/plugins`).

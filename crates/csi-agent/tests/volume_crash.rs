@@ -30,11 +30,26 @@ enum Phase {
 const POINTS: &[(&str, u64, Phase, bool)] = &[
     // Publish: claim + ControllerPublish intent is the first write.
     ("volume.secrets.after_write", 1, Phase::Publish, false),
-    ("volume.controller_publish.before_intent", 1, Phase::Publish, false),
+    (
+        "volume.controller_publish.before_intent",
+        1,
+        Phase::Publish,
+        false,
+    ),
     ("store.write.before_rename", 2, Phase::Publish, false),
     ("store.write.after_rename", 2, Phase::Publish, true),
-    ("volume.controller_publish.before_rpc", 1, Phase::Publish, true),
-    ("volume.controller_publish.after_rpc", 1, Phase::Publish, true),
+    (
+        "volume.controller_publish.before_rpc",
+        1,
+        Phase::Publish,
+        true,
+    ),
+    (
+        "volume.controller_publish.after_rpc",
+        1,
+        Phase::Publish,
+        true,
+    ),
     ("volume.node_stage.before_intent", 1, Phase::Publish, true),
     ("store.write.before_rename", 3, Phase::Publish, true),
     ("store.write.after_rename", 3, Phase::Publish, true),
@@ -51,21 +66,56 @@ const POINTS: &[(&str, u64, Phase, bool)] = &[
     ("volume.final.after_write", 1, Phase::Publish, true),
     ("volume.publish.before_answer", 1, Phase::Publish, true),
     // Unpublish: claim removal + NodeUnpublish intent is the first write.
-    ("volume.node_unpublish.before_intent", 1, Phase::Unpublish, true),
+    (
+        "volume.node_unpublish.before_intent",
+        1,
+        Phase::Unpublish,
+        true,
+    ),
     ("store.write.before_rename", 1, Phase::Unpublish, true),
     ("store.write.after_rename", 1, Phase::Unpublish, false),
-    ("volume.node_unpublish.before_rpc", 1, Phase::Unpublish, false),
-    ("volume.node_unpublish.after_rpc", 1, Phase::Unpublish, false),
-    ("volume.node_unstage.before_intent", 1, Phase::Unpublish, false),
+    (
+        "volume.node_unpublish.before_rpc",
+        1,
+        Phase::Unpublish,
+        false,
+    ),
+    (
+        "volume.node_unpublish.after_rpc",
+        1,
+        Phase::Unpublish,
+        false,
+    ),
+    (
+        "volume.node_unstage.before_intent",
+        1,
+        Phase::Unpublish,
+        false,
+    ),
     ("store.write.before_rename", 2, Phase::Unpublish, false),
     ("store.write.after_rename", 2, Phase::Unpublish, false),
     ("volume.node_unstage.before_rpc", 1, Phase::Unpublish, false),
     ("volume.node_unstage.after_rpc", 1, Phase::Unpublish, false),
-    ("volume.controller_unpublish.before_intent", 1, Phase::Unpublish, false),
+    (
+        "volume.controller_unpublish.before_intent",
+        1,
+        Phase::Unpublish,
+        false,
+    ),
     ("store.write.before_rename", 3, Phase::Unpublish, false),
     ("store.write.after_rename", 3, Phase::Unpublish, false),
-    ("volume.controller_unpublish.before_rpc", 1, Phase::Unpublish, false),
-    ("volume.controller_unpublish.after_rpc", 1, Phase::Unpublish, false),
+    (
+        "volume.controller_unpublish.before_rpc",
+        1,
+        Phase::Unpublish,
+        false,
+    ),
+    (
+        "volume.controller_unpublish.after_rpc",
+        1,
+        Phase::Unpublish,
+        false,
+    ),
     ("volume.record.before_delete", 1, Phase::Unpublish, false),
     ("volume.record.after_delete", 1, Phase::Unpublish, false),
 ];
@@ -116,7 +166,13 @@ async fn crash_at(point: &str, nth: u64, phase: Phase, claim_durable: bool) {
     let plugin = TestPlugin::start(dir.path(), &["--volumes", "vol:1M"]);
     let work = dir.path().join("agent");
     let output = Command::new(std::env::current_exe().unwrap())
-        .args(["child_scenario", "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+        .args([
+            "child_scenario",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env("CRASH_WORK", &work)
         .env("CRASH_SOCKET", &plugin.socket)
         .env(
@@ -171,7 +227,10 @@ async fn crash_at(point: &str, nth: u64, phase: Phase, claim_durable: bool) {
     assert_no_stray_dirs(&work);
     // The plugin agrees: nothing of the volume is staged or published any more.
     let state = std::fs::read_to_string(plugin.work.join("state.json")).unwrap_or_default();
-    assert!(!state.contains("/mounts/vol/"), "plugin still tracks a path: {state}");
+    assert!(
+        !state.contains("/mounts/vol/"),
+        "plugin still tracks a path: {state}"
+    );
 }
 
 async fn wait_for_state(manager: &csi_agent::volume::VolumeManager, state: VolumeState) {
@@ -181,7 +240,10 @@ async fn wait_for_state(manager: &csi_agent::volume::VolumeManager, state: Volum
         }
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
-    panic!("volume never reached {state:?}: {:?}", manager.get(VOLUME).await);
+    panic!(
+        "volume never reached {state:?}: {:?}",
+        manager.get(VOLUME).await
+    );
 }
 
 fn assert_no_stray_dirs(work: &Path) {
@@ -255,9 +317,14 @@ crash_tests! {
 
 #[test]
 fn the_documented_list_matches_the_tested_points() {
-    let doc = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/recovery.md"))
-        .expect("docs/recovery.md");
+    let doc = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/recovery.md"),
+    )
+    .expect("docs/recovery.md");
     for (point, _, _, _) in POINTS {
-        assert!(doc.contains(point), "docs/recovery.md does not list {point}");
+        assert!(
+            doc.contains(point),
+            "docs/recovery.md does not list {point}"
+        );
     }
 }

@@ -6,7 +6,6 @@
 
 mod volume_support;
 
-
 use csi_agent::client::RpcErrorKind;
 use csi_agent::mounts::require_private_mount_namespace;
 use csi_agent::volume::{VolumeError, VolumeSecrets, VolumeState};
@@ -16,11 +15,17 @@ use volume_support::*;
 async fn publish_write_unpublish(versions: &str) {
     require_private_mount_namespace();
     let dir = tempfile::tempdir().unwrap();
-    let plugin = TestPlugin::start(dir.path(), &["--api-versions", versions, "--volumes", "vol1:1M"]);
+    let plugin = TestPlugin::start(
+        dir.path(),
+        &["--api-versions", versions, "--volumes", "vol1:1M"],
+    );
     let work = dir.path().join("agent");
     let manager = manager(&work, &plugin.socket, "boot-a");
 
-    let published = manager.publish(publish_request("vol1", "w1")).await.unwrap();
+    let published = manager
+        .publish(publish_request("vol1", "w1"))
+        .await
+        .unwrap();
     assert_eq!(published.state, VolumeState::Published);
     assert_eq!(published.target_path, manager.target_path("vol1"));
     let mounted = mounts_under(&work);
@@ -44,7 +49,10 @@ async fn publish_write_unpublish(versions: &str) {
         .calls()
         .iter()
         .map(|c| c["method"].as_str().unwrap_or("").to_owned())
-        .filter(|m| m.starts_with("Node") && m.ends_with("Volume") || m.starts_with("Controller") && m.ends_with("Volume"))
+        .filter(|m| {
+            m.starts_with("Node") && m.ends_with("Volume")
+                || m.starts_with("Controller") && m.ends_with("Volume")
+        })
         .collect();
     assert_eq!(
         methods,
@@ -97,8 +105,14 @@ async fn shared_volume_stays_until_the_last_claim_goes() {
     let plugin = TestPlugin::start(dir.path(), &["--volumes", "shared:1M"]);
     let work = dir.path().join("agent");
     let manager = manager(&work, &plugin.socket, "boot-a");
-    let first = manager.publish(publish_request("shared", "w1")).await.unwrap();
-    let second = manager.publish(publish_request("shared", "w2")).await.unwrap();
+    let first = manager
+        .publish(publish_request("shared", "w1"))
+        .await
+        .unwrap();
+    let second = manager
+        .publish(publish_request("shared", "w2"))
+        .await
+        .unwrap();
     assert_eq!(first.target_path, second.target_path);
     // The second publish only added a claim: no node RPC was repeated.
     assert_eq!(plugin.count("NodePublishVolume"), 1);
@@ -166,7 +180,10 @@ async fn final_codes_surface_unchanged_and_the_volume_is_wound_back() {
     ]}));
     let work = dir.path().join("agent");
     let manager = manager(&work, &plugin.socket, "boot-a");
-    let err = manager.publish(publish_request("v", "w1")).await.unwrap_err();
+    let err = manager
+        .publish(publish_request("v", "w1"))
+        .await
+        .unwrap_err();
     match &err {
         VolumeError::Plugin(rpc) => match &rpc.kind {
             RpcErrorKind::Status { code, message } => {
@@ -177,7 +194,11 @@ async fn final_codes_surface_unchanged_and_the_volume_is_wound_back() {
         },
         other => panic!("unexpected {other}"),
     }
-    assert_eq!(plugin.count("NodePublishVolume"), 1, "final codes are not retried");
+    assert_eq!(
+        plugin.count("NodePublishVolume"),
+        1,
+        "final codes are not retried"
+    );
     // The failed publish withdrew its claim; the reconciler unstages and forgets the volume.
     eventually("the staged volume is cleaned", || {
         mounts_under(&work).is_empty() && records(&work).is_empty()
@@ -201,19 +222,33 @@ async fn stage_and_publish_secrets_reach_the_plugin_and_nowhere_else() {
     assert!(!format!("{request:?}").contains("s3cret"));
     manager.publish(request).await.unwrap();
     let calls = plugin.calls();
-    let stage = calls.iter().find(|c| c["method"] == "NodeStageVolume").unwrap();
+    let stage = calls
+        .iter()
+        .find(|c| c["method"] == "NodeStageVolume")
+        .unwrap();
     assert_eq!(stage["secrets"]["stage-key"], "stage-s3cret");
-    let publish = calls.iter().find(|c| c["method"] == "NodePublishVolume").unwrap();
+    let publish = calls
+        .iter()
+        .find(|c| c["method"] == "NodePublishVolume")
+        .unwrap();
     assert_eq!(publish["secrets"]["publish-key"], "publish-s3cret");
     // Only the 0600 secrets file holds them.
     let record_dir = &records(&work)[0];
     let record = std::fs::read_to_string(record_dir.join("volume.json")).unwrap();
     assert!(!record.contains("s3cret"), "{record}");
     let secrets_file = record_dir.join("secrets.json");
-    assert!(std::fs::read_to_string(&secrets_file).unwrap().contains("stage-s3cret"));
+    assert!(
+        std::fs::read_to_string(&secrets_file)
+            .unwrap()
+            .contains("stage-s3cret")
+    );
     use std::os::unix::fs::PermissionsExt;
     assert_eq!(
-        std::fs::metadata(&secrets_file).unwrap().permissions().mode() & 0o777,
+        std::fs::metadata(&secrets_file)
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o777,
         0o600
     );
     let record_debug = format!("{:?}", manager.get("v").await.unwrap());
@@ -275,8 +310,14 @@ async fn reboot_restages_claimed_volumes_and_cleans_unclaimed_ones() {
     let work = dir.path().join("agent");
     {
         let manager = manager(&work, &plugin.socket, "boot-a");
-        manager.publish(publish_request("kept", "w1")).await.unwrap();
-        manager.publish(publish_request("dropped", "w2")).await.unwrap();
+        manager
+            .publish(publish_request("kept", "w1"))
+            .await
+            .unwrap();
+        manager
+            .publish(publish_request("dropped", "w2"))
+            .await
+            .unwrap();
     }
     // The "reboot": every mount vanishes, the plugin restarts; w2's claim is withdrawn by
     // editing nothing — instead, unpublish it after the reboot below.
@@ -301,7 +342,10 @@ async fn reboot_restages_claimed_volumes_and_cleans_unclaimed_ones() {
     // Now the workload of "dropped" ends: unpublish cleans it completely.
     manager.unpublish("dropped", "w2").await.unwrap();
     assert!(!mounts_under(&work).contains(&manager.target_path("dropped")));
-    assert_eq!(manager.get("kept").await.unwrap().state, VolumeState::Published);
+    assert_eq!(
+        manager.get("kept").await.unwrap().state,
+        VolumeState::Published
+    );
     manager.unpublish("kept", "w1").await.unwrap();
     assert!(mounts_under(&work).is_empty());
     assert!(records(&work).is_empty());
@@ -331,7 +375,10 @@ async fn reboot_forgets_volumes_without_claims() {
     let manager = manager(&work, &plugin.socket, "boot-b");
     let report = manager.recover().await.unwrap();
     assert_eq!(report.reconciling, vec!["v".to_owned()], "{report:?}");
-    eventually("the unclaimed volume is forgotten", || records(&work).is_empty()).await;
+    eventually("the unclaimed volume is forgotten", || {
+        records(&work).is_empty()
+    })
+    .await;
     assert!(mounts_under(&work).is_empty());
     // Controller side undone too.
     assert!(plugin.count("ControllerUnpublishVolume") >= 1);
@@ -356,7 +403,10 @@ async fn concurrent_operations_on_one_volume_never_interleave() {
         tasks.spawn(async move {
             let workload = format!("w{i}");
             for _ in 0..3 {
-                manager.publish(publish_request("v", &workload)).await.unwrap();
+                manager
+                    .publish(publish_request("v", &workload))
+                    .await
+                    .unwrap();
                 manager.unpublish("v", &workload).await.unwrap();
             }
         });
@@ -399,7 +449,11 @@ async fn a_thousand_volumes_published_and_unpublished_concurrently_leave_nothing
         done.unwrap();
     }
     eprintln!("published 1000 volumes in {:?}", started.elapsed());
-    assert_eq!(mounts_under(&work).len(), 2000, "1000 staged + 1000 published");
+    assert_eq!(
+        mounts_under(&work).len(),
+        2000,
+        "1000 staged + 1000 published"
+    );
     let started = std::time::Instant::now();
     for name in names {
         let manager = manager.clone();

@@ -12,9 +12,9 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use csi_agent::server::CsiServer;
 use csi_agent::metrics::ComponentLabels;
 use csi_agent::runtime::RuntimeHandle;
+use csi_agent::server::CsiServer;
 use csi_agent::service_manager::ComponentState;
 use csi_agent::volume::{PublishRequest, VolumeSecrets};
 use csi_agent_api as api;
@@ -149,7 +149,9 @@ async fn plugin_infos(state: &AppState) -> api::PluginList {
                                 version = Some(ready.version.as_str().to_owned());
                                 (
                                     ready.handle.as_ref().and_then(|h| match h {
-                                        RuntimeHandle::Process { pid, .. } => u32::try_from(*pid).ok(),
+                                        RuntimeHandle::Process { pid, .. } => {
+                                            u32::try_from(*pid).ok()
+                                        }
                                     }),
                                     Some(ready.socket.to_string_lossy().into_owned()),
                                 )
@@ -251,7 +253,9 @@ async fn plugin(
         .ok_or_else(|| {
             ApiFailure::new(
                 api::ErrorCode::NotFound,
-                format!("unknown plugin type {plugin_type:?}: GET /v1/plugins lists the configured ones"),
+                format!(
+                    "unknown plugin type {plugin_type:?}: GET /v1/plugins lists the configured ones"
+                ),
             )
         })
 }
@@ -269,7 +273,9 @@ async fn reload(State(state): State<AppState>) -> Json<api::ReloadReport> {
 async fn publish(State(state): State<AppState>, body: Bytes) -> ApiResult<api::PublishResponse> {
     let request: api::PublishRequest = parse_body("POST /v1/volumes/publish", &body)?;
     if request.plugin.is_empty() {
-        return Err(ApiFailure::invalid("plugin is empty: give the plugin's type"));
+        return Err(ApiFailure::invalid(
+            "plugin is empty: give the plugin's type",
+        ));
     }
     let capability = convert::capability(&request.capability)?;
     let bind_to = match &request.bind_to {

@@ -56,7 +56,9 @@ impl From<ServerError> for ApiFailure {
     fn from(err: ServerError) -> Self {
         match err {
             ServerError::Volume(v) => v.into(),
-            ServerError::UnknownPlugin { .. } => Self::new(api::ErrorCode::NotFound, err.to_string()),
+            ServerError::UnknownPlugin { .. } => {
+                Self::new(api::ErrorCode::NotFound, err.to_string())
+            }
             ServerError::PluginConfig { .. } => {
                 Self::new(api::ErrorCode::InvalidRequest, err.to_string())
             }
@@ -72,10 +74,19 @@ const ACCESS_MODES: [(&str, AccessMode); 7] = [
     ("SINGLE_NODE_WRITER", AccessMode::SingleNodeWriter),
     ("SINGLE_NODE_READER_ONLY", AccessMode::SingleNodeReaderOnly),
     ("MULTI_NODE_READER_ONLY", AccessMode::MultiNodeReaderOnly),
-    ("MULTI_NODE_SINGLE_WRITER", AccessMode::MultiNodeSingleWriter),
+    (
+        "MULTI_NODE_SINGLE_WRITER",
+        AccessMode::MultiNodeSingleWriter,
+    ),
     ("MULTI_NODE_MULTI_WRITER", AccessMode::MultiNodeMultiWriter),
-    ("SINGLE_NODE_SINGLE_WRITER", AccessMode::SingleNodeSingleWriter),
-    ("SINGLE_NODE_MULTI_WRITER", AccessMode::SingleNodeMultiWriter),
+    (
+        "SINGLE_NODE_SINGLE_WRITER",
+        AccessMode::SingleNodeSingleWriter,
+    ),
+    (
+        "SINGLE_NODE_MULTI_WRITER",
+        AccessMode::SingleNodeMultiWriter,
+    ),
 ];
 
 pub fn access_mode(name: &str) -> Result<AccessMode, ApiFailure> {
@@ -190,13 +201,21 @@ mod tests {
             block: None,
             ..both.clone()
         };
-        let parsed = capability(&mount).map_err(|e| e.0.message).unwrap_or_else(|m| panic!("{m}"));
+        let parsed = capability(&mount)
+            .map_err(|e| e.0.message)
+            .unwrap_or_else(|m| panic!("{m}"));
         assert_eq!(capability_spec(&parsed), mount);
     }
 
     #[test]
     fn unknown_access_mode_lists_the_valid_ones() {
-        let err = access_mode("WRITER").err().map(|e| e.0.message).unwrap_or_default();
-        assert!(err.contains("\"WRITER\"") && err.contains("SINGLE_NODE_WRITER"), "{err}");
+        let err = access_mode("WRITER")
+            .err()
+            .map(|e| e.0.message)
+            .unwrap_or_default();
+        assert!(
+            err.contains("\"WRITER\"") && err.contains("SINGLE_NODE_WRITER"),
+            "{err}"
+        );
     }
 }

@@ -11,7 +11,11 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 #[derive(Debug, Parser)]
-#[command(name = "csi-agentd", version, about = "The csi-agent daemon: the node side of CSI")]
+#[command(
+    name = "csi-agentd",
+    version,
+    about = "The csi-agent daemon: the node side of CSI"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

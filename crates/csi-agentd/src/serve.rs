@@ -103,7 +103,10 @@ pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
             let text = std::fs::read_to_string(path)
                 .with_context(|| format!("cannot read the config file {}", path.display()))?;
             toml::from_str(&text).with_context(|| {
-                format!("config file {} is not valid TOML for csi-agentd", path.display())
+                format!(
+                    "config file {} is not valid TOML for csi-agentd",
+                    path.display()
+                )
             })?
         }
     };
@@ -119,7 +122,9 @@ pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
     let listen = args.listen.or(file.listen);
     let token_file = args.token_file.or(file.token_file);
     if listen.is_some() && token_file.is_none() {
-        bail!("--listen needs --token-file: the TCP listener only serves requests with the bearer token");
+        bail!(
+            "--listen needs --token-file: the TCP listener only serves requests with the bearer token"
+        );
     }
     let node_id = match args.node_id.or(file.node_id) {
         Some(id) => id,
@@ -139,7 +144,10 @@ pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
         listen,
         token_file,
         start: args.start.or(file.start).unwrap_or(StartMode::Immediate),
-        log_format: args.log_format.or(file.log_format).unwrap_or(LogFormat::Human),
+        log_format: args
+            .log_format
+            .or(file.log_format)
+            .unwrap_or(LogFormat::Human),
         node_id,
         socket_root: args
             .socket_root
@@ -196,7 +204,9 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         Ok(()) => {}
         Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
         Err(err) => {
-            return Err(err).with_context(|| format!("cannot remove the stale API socket {}", socket.display()));
+            return Err(err).with_context(|| {
+                format!("cannot remove the stale API socket {}", socket.display())
+            });
         }
     }
     let unix = tokio::net::UnixListener::bind(socket)
@@ -222,7 +232,10 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
             .trim()
             .to_owned();
         if token.is_empty() {
-            bail!("token file {} is empty: put the bearer token in it", token_file.display());
+            bail!(
+                "token file {} is empty: put the bearer token in it",
+                token_file.display()
+            );
         }
         let tcp = tokio::net::TcpListener::bind(addr)
             .await

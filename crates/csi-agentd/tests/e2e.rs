@@ -73,7 +73,11 @@ impl Daemon {
     }
 
     fn add_config(&self, file: &str, config: &serde_json::Value) {
-        std::fs::write(self.configs.join(file), serde_json::to_vec_pretty(config).unwrap()).unwrap();
+        std::fs::write(
+            self.configs.join(file),
+            serde_json::to_vec_pretty(config).unwrap(),
+        )
+        .unwrap();
     }
 
     fn start(&mut self) {
@@ -101,7 +105,10 @@ impl Daemon {
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(20);
         while !self.socket.exists() {
-            assert!(Instant::now() < deadline, "the daemon never opened its socket");
+            assert!(
+                Instant::now() < deadline,
+                "the daemon never opened its socket"
+            );
             std::thread::sleep(Duration::from_millis(10));
         }
     }
@@ -186,7 +193,10 @@ fn api_error(result: Result<impl std::fmt::Debug, ApiError>) -> (u16, csi_agent_
 fn setup(dir: &Path, extra: &[&str]) -> Daemon {
     require_private_mount_namespace();
     let mut daemon = Daemon::new(dir, extra);
-    daemon.add_config("test.json", &managed_config(PLUGIN, &dir.join("plugin"), "vol1:1M,vol2:1M"));
+    daemon.add_config(
+        "test.json",
+        &managed_config(PLUGIN, &dir.join("plugin"), "vol1:1M,vol2:1M"),
+    );
     daemon.start();
     daemon
 }
@@ -196,13 +206,27 @@ async fn publish_write_unpublish_through_csictl_leaves_nothing_mounted() {
     let dir = tempfile::tempdir().unwrap();
     let daemon = setup(dir.path(), &[]);
     let out = daemon.csictl(&[
-        "--output", "json", "publish", "--plugin", PLUGIN, "--volume", "vol1", "--workload", "w1",
+        "--output",
+        "json",
+        "publish",
+        "--plugin",
+        PLUGIN,
+        "--volume",
+        "vol1",
+        "--workload",
+        "w1",
     ]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let published: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let target = PathBuf::from(published["target_path"].as_str().unwrap());
     assert_eq!(
-        daemon.work.join(published["target_path_relative"].as_str().unwrap()),
+        daemon
+            .work
+            .join(published["target_path_relative"].as_str().unwrap()),
         target
     );
     assert!(mounts_under(&daemon.work).contains(&target));
@@ -216,8 +240,20 @@ async fn publish_write_unpublish_through_csictl_leaves_nothing_mounted() {
     let plugins = daemon.csictl(&["plugins"]);
     assert!(String::from_utf8_lossy(&plugins.stdout).contains(PLUGIN));
 
-    let out = daemon.csictl(&["unpublish", "--plugin", PLUGIN, "--volume", "vol1", "--workload", "w1"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = daemon.csictl(&[
+        "unpublish",
+        "--plugin",
+        PLUGIN,
+        "--volume",
+        "vol1",
+        "--workload",
+        "w1",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(mounts_under(&daemon.work).is_empty());
     assert!(daemon.api().volumes().await.unwrap().volumes.is_empty());
 }
@@ -289,7 +325,10 @@ async fn on_request_start_holds_requests_and_launches_nothing_until_start() {
     daemon.api().publish(&publish("vol1", "w1")).await.unwrap();
     daemon.kill9();
     // Stop the plugin too, so that "not launched before start" can be observed.
-    let _ = Command::new("pkill").arg("-f").arg(dir.path().join("plugin")).status();
+    let _ = Command::new("pkill")
+        .arg("-f")
+        .arg(dir.path().join("plugin"))
+        .status();
     std::thread::sleep(Duration::from_millis(200));
     daemon.extra = vec!["--start".into(), "on-request".into()];
     daemon.start();
@@ -302,13 +341,19 @@ async fn on_request_start_holds_requests_and_launches_nothing_until_start() {
         tokio::spawn(async move { api.unpublish(&unpublish("vol1", "w1")).await })
     };
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert!(!waiting.is_finished(), "the unpublish did not wait for start");
+    assert!(
+        !waiting.is_finished(),
+        "the unpublish did not wait for start"
+    );
     let pgrep = Command::new("pgrep")
         .arg("-f")
         .arg(dir.path().join("plugin"))
         .output()
         .unwrap();
-    assert!(pgrep.stdout.is_empty(), "a plugin was launched before start");
+    assert!(
+        pgrep.stdout.is_empty(),
+        "a plugin was launched before start"
+    );
     assert_eq!(
         std::fs::read_to_string(dir.path().join("plugin/calls.jsonl")).unwrap(),
         calls_before,
@@ -317,7 +362,10 @@ async fn on_request_start_holds_requests_and_launches_nothing_until_start() {
     let started = api.start().await.unwrap();
     assert!(started.opened_now);
     waiting.await.unwrap().unwrap();
-    assert!(!api.start().await.unwrap().opened_now, "start is idempotent");
+    assert!(
+        !api.start().await.unwrap().opened_now,
+        "start is idempotent"
+    );
     assert!(api.health().await.unwrap().started);
     assert!(mounts_under(&daemon.work).is_empty());
 }
@@ -372,20 +420,35 @@ async fn the_tcp_listener_requires_the_token_and_the_socket_is_private() {
     let listen = format!("127.0.0.1:{port}");
     let mut daemon = Daemon::new(
         dir.path(),
-        &["--listen", &listen, "--token-file", token_file.to_str().unwrap()],
+        &[
+            "--listen",
+            &listen,
+            "--token-file",
+            token_file.to_str().unwrap(),
+        ],
     );
     daemon.start();
-    let mode = std::fs::metadata(&daemon.socket).unwrap().permissions().mode() & 0o777;
+    let mode = std::fs::metadata(&daemon.socket)
+        .unwrap()
+        .permissions()
+        .mode()
+        & 0o777;
     assert_eq!(mode, 0o600);
     let url = format!("http://{listen}");
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        match ApiClient::tcp(&url, Some("s3cret-token")).unwrap().health().await {
+        match ApiClient::tcp(&url, Some("s3cret-token"))
+            .unwrap()
+            .health()
+            .await
+        {
             Ok(health) => {
                 assert_eq!(health.status, "ok");
                 break;
             }
-            Err(_) if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(20)).await,
+            Err(_) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(20)).await
+            }
             Err(err) => panic!("{err}"),
         }
     }
@@ -393,7 +456,12 @@ async fn the_tcp_listener_requires_the_token_and_the_socket_is_private() {
     assert_eq!((status, body.code), (401, ErrorCode::Unauthorized));
     let (status, _) = api_error(ApiClient::tcp(&url, Some("wrong")).unwrap().health().await);
     assert_eq!(status, 401);
-    let (status, _) = api_error(ApiClient::tcp(&url, Some("s3cret-token-and-more")).unwrap().volumes().await);
+    let (status, _) = api_error(
+        ApiClient::tcp(&url, Some("s3cret-token-and-more"))
+            .unwrap()
+            .volumes()
+            .await,
+    );
     assert_eq!(status, 401);
 }
 
@@ -404,24 +472,37 @@ async fn bad_requests_get_clear_4xx_errors_and_change_nothing() {
     let api = daemon.api();
     api.publish(&publish("vol1", "w1")).await.unwrap();
     let before = api.volumes().await.unwrap();
-    let records_before = std::fs::read_dir(daemon.work.join("csi/org.example.test/default/volumes"))
-        .unwrap()
-        .count();
+    let records_before =
+        std::fs::read_dir(daemon.work.join("csi/org.example.test/default/volumes"))
+            .unwrap()
+            .count();
 
     let mut unknown = publish("vol2", "w1");
     unknown.plugin = "org.example.nope".to_owned();
     let (status, body) = api_error(api.publish(&unknown).await);
     assert_eq!((status, body.code), (404, ErrorCode::NotFound));
-    assert!(body.message.contains("org.example.nope"), "{}", body.message);
+    assert!(
+        body.message.contains("org.example.nope"),
+        "{}",
+        body.message
+    );
 
     let mut empty = publish("", "w1");
     let (status, body) = api_error(api.publish(&empty).await);
     assert_eq!(status, 400);
-    assert!(body.message.contains("volume_id is empty"), "{}", body.message);
+    assert!(
+        body.message.contains("volume_id is empty"),
+        "{}",
+        body.message
+    );
     empty.volume_id = "x".repeat(129);
     let (status, body) = api_error(api.publish(&empty).await);
     assert_eq!(status, 400);
-    assert!(body.message.contains("at most 128 bytes"), "{}", body.message);
+    assert!(
+        body.message.contains("at most 128 bytes"),
+        "{}",
+        body.message
+    );
 
     let mut bad_mode = publish("vol2", "w1");
     bad_mode.capability.access_mode = "WRITE_MANY".to_owned();
@@ -442,7 +523,10 @@ async fn bad_requests_get_clear_4xx_errors_and_change_nothing() {
     // Raw bodies: malformed JSON, missing fields, unknown fields.
     for (body, expect) in [
         ("{not json", "not valid"),
-        (r#"{"plugin": "org.example.test"}"#, "missing field `volume_id`"),
+        (
+            r#"{"plugin": "org.example.test"}"#,
+            "missing field `volume_id`",
+        ),
         (
             r#"{"plugin":"org.example.test","volume_id":"vol2","capability":{"mount":{},"access_mode":"SINGLE_NODE_WRITER"},"bogus":1}"#,
             "unknown field `bogus`",
@@ -451,7 +535,13 @@ async fn bad_requests_get_clear_4xx_errors_and_change_nothing() {
         let out = Command::new("curl")
             .args(["-s", "-w", "\n%{http_code}", "--unix-socket"])
             .arg(&daemon.socket)
-            .args(["-X", "POST", "http://localhost/v1/volumes/publish", "-d", body])
+            .args([
+                "-X",
+                "POST",
+                "http://localhost/v1/volumes/publish",
+                "-d",
+                body,
+            ])
             .output()
             .unwrap();
         let text = String::from_utf8_lossy(&out.stdout);
@@ -459,7 +549,10 @@ async fn bad_requests_get_clear_4xx_errors_and_change_nothing() {
         assert_eq!(code, "400", "{body}: {text}");
         let error: serde_json::Value = serde_json::from_str(json).unwrap();
         assert_eq!(error["code"], "invalid_request");
-        assert!(error["message"].as_str().unwrap().contains(expect), "{json}");
+        assert!(
+            error["message"].as_str().unwrap().contains(expect),
+            "{json}"
+        );
     }
     let (status, _) = api_error(api.volume(PLUGIN, "never-published").await);
     assert_eq!(status, 404);
@@ -501,7 +594,14 @@ async fn the_router_serves_exactly_the_documented_routes() {
         );
     }
     let out = Command::new("curl")
-        .args(["-s", "-o", "/dev/null", "-w", "%{http_code}", "--unix-socket"])
+        .args([
+            "-s",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+            "--unix-socket",
+        ])
         .arg(&daemon.socket)
         .arg("http://localhost/v1/nothing-here")
         .output()

@@ -130,13 +130,14 @@ impl VolumeManager {
         let slot = self.slot(volume_id);
         let mut guard = slot.lock().await;
         if let Some(record) = &guard.record
-            && (!record.claims.is_empty() || record.state != VolumeState::Created) {
-                return Err(VolumeError::Conflict(format!(
-                    "volume {volume_id:?} is {} with {} claim(s): unpublish it before deleting it",
-                    record.state.as_str(),
-                    record.claims.len()
-                )));
-            }
+            && (!record.claims.is_empty() || record.state != VolumeState::Created)
+        {
+            return Err(VolumeError::Conflict(format!(
+                "volume {volume_id:?} is {} with {} claim(s): unpublish it before deleting it",
+                record.state.as_str(),
+                record.claims.len()
+            )));
+        }
         let deadline = Instant::now() + self.inner.config.operation_timeout;
         let endpoints = &self.inner.endpoints;
         let request = v1::DeleteVolumeRequest {

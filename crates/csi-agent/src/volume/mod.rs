@@ -347,14 +347,15 @@ impl VolumeManager {
                 });
             }
             if let Some(existing) = record.bind_mounts.get(&request.workload)
-                && request.bind_to.as_ref() != Some(existing) {
-                    return Err(VolumeError::Conflict(format!(
-                        "workload {:?} already has volume {:?} bound at {}; unpublish it first to bind elsewhere",
-                        request.workload,
-                        request.volume_id,
-                        existing.display()
-                    )));
-                }
+                && request.bind_to.as_ref() != Some(existing)
+            {
+                return Err(VolumeError::Conflict(format!(
+                    "workload {:?} already has volume {:?} bound at {}; unpublish it first to bind elsewhere",
+                    request.workload,
+                    request.volume_id,
+                    existing.display()
+                )));
+            }
         } else {
             record.capability = Some(request.capability.clone());
             record.readonly = request.readonly;
@@ -394,19 +395,18 @@ impl VolumeManager {
                 })
             }
             Err(err) => {
-                if added_claim
-                    && let Some(mut record) = guard.record.clone() {
-                        record.claims.remove(&request.workload);
-                        if let Some(bind_to) = record.bind_mounts.remove(&request.workload) {
-                            let _ = self.unbind(&bind_to);
-                        }
-                        record.last_error = Some(err.to_string());
-                        // Best effort: if this write fails, the claim stays and the reconciler
-                        // publishes the volume; a later unpublish for the workload cleans it.
-                        if self.persist(&mut guard, record).await.is_ok() {
-                            self.spawn_reconcile(&request.volume_id);
-                        }
+                if added_claim && let Some(mut record) = guard.record.clone() {
+                    record.claims.remove(&request.workload);
+                    if let Some(bind_to) = record.bind_mounts.remove(&request.workload) {
+                        let _ = self.unbind(&bind_to);
                     }
+                    record.last_error = Some(err.to_string());
+                    // Best effort: if this write fails, the claim stays and the reconciler
+                    // publishes the volume; a later unpublish for the workload cleans it.
+                    if self.persist(&mut guard, record).await.is_ok() {
+                        self.spawn_reconcile(&request.volume_id);
+                    }
+                }
                 Err(err)
             }
         }

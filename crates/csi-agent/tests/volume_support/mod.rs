@@ -16,8 +16,7 @@ use csi_agent::layout::Layout;
 use csi_agent::mounts::{HostMounter, MountTable};
 use csi_agent::store::Store;
 use csi_agent::volume::{
-    AccessMode, AccessType, Capability, PublishRequest, VolumeConfig, VolumeManager,
-    VolumeSecrets,
+    AccessMode, AccessType, Capability, PublishRequest, VolumeConfig, VolumeManager, VolumeSecrets,
 };
 
 pub const PLUGIN_TYPE: &str = "org.example.test";
@@ -171,7 +170,11 @@ impl Drop for TestPlugin {
 pub fn wait_for_path(path: &Path) {
     let deadline = Instant::now() + Duration::from_secs(20);
     while !path.exists() {
-        assert!(Instant::now() < deadline, "{} never appeared", path.display());
+        assert!(
+            Instant::now() < deadline,
+            "{} never appeared",
+            path.display()
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
 }
