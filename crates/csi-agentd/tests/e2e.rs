@@ -237,6 +237,12 @@ async fn publish_write_unpublish_through_csictl_leaves_nothing_mounted() {
     );
     let listed = daemon.csictl(&["volumes"]);
     assert!(String::from_utf8_lossy(&listed.stdout).contains("vol1"));
+    let metrics = daemon.api().metrics().await.unwrap();
+    assert!(
+        metrics.contains(r#"csi_agent_volumes{plugin="org.example.test",state="PUBLISHED"} 1"#),
+        "{metrics}"
+    );
+    assert!(metrics.contains("csi_agent_rpc_duration_seconds_count{plugin=\"org.example.test\",method=\"NodePublishVolume\",code=\"OK\"} 1"));
     let plugins = daemon.csictl(&["plugins"]);
     assert!(String::from_utf8_lossy(&plugins.stdout).contains(PLUGIN));
 

@@ -31,7 +31,7 @@ use crate::client::{CsiClient, CsiVersion, RpcError, RpcErrorKind};
 use crate::config::Service;
 use crate::failpoint;
 use crate::layout::{Layout, encode_id};
-use crate::metrics::{Metrics, OperationLabels};
+use crate::metrics::{Metrics, OperationLabels, VolumeStateLabels};
 use crate::mounts::{MountTable, Mounter};
 use crate::store::{Record, Store, StoreError};
 use machine::{LifecycleCaps, LifecycleRpc, Step, next_step};
@@ -860,8 +860,29 @@ impl VolumeManager {
             )
         })
         .await?;
+        self.count_state(slot.record.as_ref().map(|r| r.state), Some(record.state));
         slot.record = Some(record);
         Ok(())
+    }
+
+    /// Keeps the `volumes{plugin,state}` gauge in step with the records.
+    fn count_state(&self, old: Option<VolumeState>, new: Option<VolumeState>) {
+        let Some(metrics) = &self.inner.metrics else {
+            return;
+        };
+        if old == new {
+            return;
+        }
+        let labels = |state: VolumeState| VolumeStateLabels {
+            plugin: self.inner.config.plugin_type.clone(),
+            state: state.as_str().to_owned(),
+        };
+        if let Some(old) = old {
+            metrics.volumes.get_or_create(&labels(old)).dec();
+        }
+        if let Some(new) = new {
+            metrics.volumes.get_or_create(&labels(new)).inc();
+        }
     }
 
     /// Deletes the record (and secrets) of an idle volume.
@@ -870,6 +891,7 @@ impl VolumeManager {
         let c = self.inner.config.clone();
         let id = volume_id.to_owned();
         blocking(move || store.delete_volume(&c.plugin_type, &c.plugin_name, &id)).await?;
+        self.count_state(slot.record.as_ref().map(|r| r.state), None);
         slot.record = None;
         slot.secrets = None;
         Ok(())

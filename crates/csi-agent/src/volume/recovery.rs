@@ -98,6 +98,7 @@ impl VolumeManager {
             if changed {
                 self.persist(&mut guard, record).await?;
             } else {
+                self.count_state(guard.record.as_ref().map(|r| r.state), Some(record.state));
                 guard.record = Some(record);
             }
             drop(guard);
