@@ -282,8 +282,7 @@ impl ApiClient {
     ) -> Result<T, ApiError> {
         // The API's request types serialize infallibly (string-keyed maps, no custom
         // serializers); should that ever change, report it rather than panic.
-        let body = serde_json::to_vec(body)
-            .map_err(|err| ApiError::decode(0, format!("cannot encode the request: {err}"), b""))?;
+        let body = serde_json::to_vec(body).map_err(ApiError::Encode)?;
         self.call_json(Method::POST, path, Some(body)).await
     }
 
@@ -470,17 +469,15 @@ fn error_from(status: u16, body: &[u8]) -> ApiError {
 /// `Bearer <token>` as a sensitive header value.
 fn bearer(token: &str) -> Result<HeaderValue, ApiError> {
     if token.is_empty() {
-        return Err(ApiError::InvalidUrl {
-            url: "(token)".to_owned(),
-            reason: "the bearer token is empty".to_owned(),
+        return Err(ApiError::InvalidToken {
+            reason: "the token is empty".to_owned(),
         });
     }
     // The token itself must never appear in the message.
     let mut value =
-        HeaderValue::from_str(&format!("Bearer {token}")).map_err(|_| ApiError::InvalidUrl {
-            url: "(token)".to_owned(),
-            reason: "the bearer token holds characters that cannot be sent in an HTTP header \
-                     (control characters or non-ASCII)"
+        HeaderValue::from_str(&format!("Bearer {token}")).map_err(|_| ApiError::InvalidToken {
+            reason: "it holds characters that cannot be sent in an HTTP header (control \
+                     characters or non-ASCII)"
                 .to_owned(),
         })?;
     value.set_sensitive(true);

@@ -12,6 +12,7 @@ use crate::types::{ErrorBody, ErrorCode};
 
 /// A failed API call.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ApiError {
     /// The unix socket could not be connected to: the daemon is not running, or the path is
     /// wrong, or the caller may not open it.
@@ -33,6 +34,16 @@ pub enum ApiError {
     /// The `--url` (or the address given to [`crate::ApiClient::tcp`]) is not usable.
     #[error("invalid API URL '{url}': {reason}")]
     InvalidUrl { url: String, reason: String },
+
+    /// The bearer token cannot be sent (empty, or characters not allowed in a header). The
+    /// message never contains the token.
+    #[error("invalid bearer token: {reason}")]
+    InvalidToken { reason: String },
+
+    /// The request could not be encoded as JSON (a bug of the caller's value, not of the
+    /// daemon).
+    #[error("cannot encode the request as JSON: {0}")]
+    Encode(#[source] serde_json::Error),
 
     /// The connection broke after it was made: the daemon stopped or restarted mid-request.
     #[error(

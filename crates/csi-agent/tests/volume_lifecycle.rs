@@ -470,3 +470,63 @@ async fn a_thousand_volumes_published_and_unpublished_concurrently_leave_nothing
     assert!(mounts_under(&work).is_empty());
     assert!(records(&work).is_empty());
 }
+
+#[tokio::test]
+async fn a_timed_out_stage_stays_uncertain_and_is_undone() {
+    require_private_mount_namespace();
+    let dir = tempfile::tempdir().unwrap();
+    let plugin = TestPlugin::start(dir.path(), &["--volumes", "v:1M"]);
+    // The plugin finishes the stage (and mounts) long after csi-agent stopped waiting.
+    plugin.set_faults(json!({"rules": [{"method": "NodeStageVolume", "delay_ms": 1500, "times": 1}]}));
+    let work = dir.path().join("agent");
+    let manager = manager_with(
+        &work,
+        &plugin.socket,
+        "boot-a",
+        std::time::Duration::from_millis(300),
+        std::time::Duration::from_millis(500),
+    );
+    let err = manager.publish(publish_request("v", "w1")).await.unwrap_err();
+    // The first attempt timed out; the repeats found the plugin still busy with it (ABORTED):
+    // transient either way, and answered once the operation timeout ran out.
+    assert!(
+        matches!(&err, VolumeError::Plugin(rpc) if rpc.is_transient()),
+        "{err}"
+    );
+    // Never forgotten: the reconciler undoes the stage that may have happened (k8s#82190).
+    eventually("the uncertain stage is undone", || {
+        plugin.count("NodeUnstageVolume") >= 1 && records(&work).is_empty()
+    })
+    .await;
+    eventually("the late mount is gone", || mounts_under(&work).is_empty()).await;
+}
+
+#[tokio::test]
+async fn an_unreadable_record_is_moved_aside_and_the_others_recover() {
+    require_private_mount_namespace();
+    let dir = tempfile::tempdir().unwrap();
+    let plugin = TestPlugin::start(dir.path(), &["--volumes", "good:1M,bad:1M"]);
+    let work = dir.path().join("agent");
+    {
+        let manager = manager(&work, &plugin.socket, "boot-a");
+        manager.publish(publish_request("good", "w1")).await.unwrap();
+        manager.publish(publish_request("bad", "w1")).await.unwrap();
+    }
+    let bad = csi_agent::layout::Layout::new(&work).volume_dir(PLUGIN_TYPE, "default", "bad");
+    std::fs::write(bad.join("volume.json"), b"{\"schema_version\": 1, \"record\": {\"volu").unwrap();
+    let manager = manager(&work, &plugin.socket, "boot-a");
+    let report = manager.recover().await.unwrap();
+    assert_eq!(report.records, 1);
+    assert_eq!(report.problems.len(), 1, "{report:?}");
+    assert!(report.problems[0].contains("bad"), "{report:?}");
+    assert!(!bad.exists(), "the unreadable record was not moved aside");
+    let quarantine = csi_agent::layout::Layout::new(&work)
+        .plugin_dir(PLUGIN_TYPE, "default")
+        .join("quarantine");
+    assert_eq!(std::fs::read_dir(quarantine).unwrap().count(), 1);
+    assert_eq!(manager.get("good").await.unwrap().state, VolumeState::Published);
+    manager.unpublish("good", "w1").await.unwrap();
+    // The stray mounts of the quarantined volume are reported, never removed blindly.
+    let table = mounts_under(&work);
+    assert!(table.iter().all(|m| m.to_string_lossy().contains("/mounts/bad/")), "{table:?}");
+}

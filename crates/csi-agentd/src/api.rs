@@ -64,6 +64,7 @@ pub fn router(state: AppState) -> Router {
         .route(routes::VALIDATE, post(validate))
         .route(routes::CAPACITY, post(capacity))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
 }
 
@@ -97,6 +98,16 @@ async fn not_found() -> ApiFailure {
         api::ErrorCode::NotFound,
         "no such route; see docs/api.md for the routes of this API",
     )
+}
+
+async fn method_not_allowed() -> Response {
+    let failure = ApiFailure::new(
+        api::ErrorCode::InvalidRequest,
+        "this route does not take that HTTP method; see docs/api.md for the methods of each route",
+    );
+    let mut response = failure.into_response();
+    *response.status_mut() = StatusCode::METHOD_NOT_ALLOWED;
+    response
 }
 
 async fn health(State(state): State<AppState>) -> Json<api::Health> {

@@ -49,7 +49,7 @@ impl Failure {
     pub fn exit_code(&self) -> u8 {
         match self {
             Failure::Usage(_) => EXIT_USAGE,
-            Failure::Api(ApiError::InvalidUrl { .. }) => EXIT_USAGE,
+            Failure::Api(ApiError::InvalidUrl { .. } | ApiError::InvalidToken { .. }) => EXIT_USAGE,
             Failure::Api(err) if err.is_connection() => EXIT_CONNECT,
             Failure::Api(_) | Failure::Output(_) => EXIT_API,
         }
@@ -73,10 +73,11 @@ impl Failure {
                     .to_owned()
             }
             ApiError::Api { body, .. } => code_hint(body.code).to_owned(),
-            ApiError::InvalidUrl { .. }
-            | ApiError::Transport { .. }
-            | ApiError::Timeout { .. }
-            | ApiError::Decode { .. } => return None,
+            ApiError::InvalidToken { .. } => {
+                "--token-file (or $CSI_AGENT_TOKEN_FILE) must hold the token on one line".to_owned()
+            }
+            // The other messages already say what to check.
+            _ => return None,
         };
         Some(hint)
     }

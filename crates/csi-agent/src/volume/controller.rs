@@ -12,7 +12,7 @@ use csi_proto::v1;
 
 use super::{
     Capability, Origin, VolumeError, VolumeManager, VolumeRecord, VolumeState, retry_transient,
-    to_hash_map, validate_id,
+    retry_transient_except, to_hash_map, validate_id,
 };
 use crate::config::Service;
 
@@ -214,13 +214,19 @@ impl VolumeManager {
             max_entries,
             starting_token: starting_token.to_owned(),
         };
-        let response = retry_transient(self.inner.config.retry, deadline, || {
-            let request = request.clone();
-            async move {
-                let client = endpoints.client(Service::Controller).await?;
-                client.list_volumes(request).await
-            }
-        })
+        // "ABORTED: Indicates that starting_token is not valid": final here.
+        let response = retry_transient_except(
+            self.inner.config.retry,
+            deadline,
+            &[tonic::Code::Aborted],
+            || {
+                let request = request.clone();
+                async move {
+                    let client = endpoints.client(Service::Controller).await?;
+                    client.list_volumes(request).await
+                }
+            },
+        )
         .await?;
         let mut seen = BTreeSet::new();
         let mut volumes = Vec::new();

@@ -1017,6 +1017,21 @@ const ALL_CAPS: LifecycleCaps = LifecycleCaps {
 async fn retry_transient<T, F, Fut>(
     policy: RetryPolicy,
     deadline: Instant,
+    call: F,
+) -> Result<T, VolumeError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, RpcError>>,
+{
+    retry_transient_except(policy, deadline, &[], call).await
+}
+
+/// Like [`retry_transient`], but codes in `final_codes` are final for this RPC (the spec gives
+/// some transient-looking codes a precise meaning, e.g. ListVolumes' ABORTED: a bad token).
+async fn retry_transient_except<T, F, Fut>(
+    policy: RetryPolicy,
+    deadline: Instant,
+    final_codes: &[tonic::Code],
     mut call: F,
 ) -> Result<T, VolumeError>
 where
@@ -1027,7 +1042,7 @@ where
     loop {
         match call().await {
             Ok(value) => return Ok(value),
-            Err(err) if err.is_transient() => {
+            Err(err) if err.is_transient() && !final_codes.contains(&err.code()) => {
                 let delay = backoff.next_delay();
                 if Instant::now() + delay >= deadline {
                     return Err(err.into());

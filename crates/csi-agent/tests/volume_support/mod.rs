@@ -181,6 +181,17 @@ pub fn wait_for_path(path: &Path) {
 
 /// A volume manager over `work_dir` talking to the plugin's socket.
 pub fn manager(work_dir: &Path, socket: &Path, boot_id: &str) -> VolumeManager {
+    manager_with(work_dir, socket, boot_id, Duration::from_secs(5), Duration::from_secs(30))
+}
+
+/// Like [`manager`] with an explicit per-RPC deadline and operation timeout.
+pub fn manager_with(
+    work_dir: &Path,
+    socket: &Path,
+    boot_id: &str,
+    rpc_deadline: Duration,
+    operation_timeout: Duration,
+) -> VolumeManager {
     let layout = Layout::new(work_dir);
     let store = Store::open(layout.clone(), None).unwrap();
     let endpoints = FixedEndpoints::new(
@@ -189,7 +200,7 @@ pub fn manager(work_dir: &Path, socket: &Path, boot_id: &str) -> VolumeManager {
             (Service::Node, socket.to_path_buf()),
         ]),
         ClientOptions {
-            rpc_deadline: Duration::from_secs(5),
+            rpc_deadline,
             plugin: PLUGIN_TYPE.to_owned(),
             metrics: None,
         },
@@ -197,7 +208,7 @@ pub fn manager(work_dir: &Path, socket: &Path, boot_id: &str) -> VolumeManager {
     let mut config = VolumeConfig::new(PLUGIN_TYPE, "default");
     config.retry.initial = Duration::from_millis(10);
     config.retry.max = Duration::from_millis(200);
-    config.operation_timeout = Duration::from_secs(30);
+    config.operation_timeout = operation_timeout;
     VolumeManager::new(
         config,
         layout,
