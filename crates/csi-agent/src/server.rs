@@ -328,6 +328,7 @@ impl CsiServer {
     fn volume_config(&self, config: &PluginConfig) -> VolumeConfig {
         let mut volume_config = VolumeConfig::new(&config.plugin_type, &config.name);
         volume_config.target_path_exists = config.target_path_exists;
+        volume_config.target_path_root = config.target_path_root.clone();
         volume_config.node_id = config.node_id.clone();
         volume_config
     }

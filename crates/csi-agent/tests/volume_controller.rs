@@ -21,15 +21,31 @@ async fn create_publish_delete_with_the_creation_context() {
     let work = dir.path().join("agent");
     let manager = manager(&work, &plugin.socket, "boot-a");
     let created = manager
-        .create_volume("new-vol", 1 << 20, &mount_capability(), BTreeMap::new(), BTreeMap::new())
+        .create_volume(
+            "new-vol",
+            1 << 20,
+            &mount_capability(),
+            BTreeMap::new(),
+            BTreeMap::new(),
+        )
         .await
         .unwrap();
-    assert_eq!(plugin.count("CreateVolume"), 3, "transient codes are retried");
+    assert_eq!(
+        plugin.count("CreateVolume"),
+        3,
+        "transient codes are retried"
+    );
     assert_eq!(created.volume_id, "new-vol");
     assert!(created.capacity_bytes >= 1 << 20);
     // Idempotent by name.
     let again = manager
-        .create_volume("new-vol", 1 << 20, &mount_capability(), BTreeMap::new(), BTreeMap::new())
+        .create_volume(
+            "new-vol",
+            1 << 20,
+            &mount_capability(),
+            BTreeMap::new(),
+            BTreeMap::new(),
+        )
         .await
         .unwrap();
     assert_eq!(again.volume_id, created.volume_id);
@@ -37,13 +53,25 @@ async fn create_publish_delete_with_the_creation_context() {
     assert_eq!(record.origin, Origin::Created);
     assert_eq!(record.volume_context, created.volume_context);
 
-    manager.publish(publish_request("new-vol", "w1")).await.unwrap();
-    let err = manager.delete_volume("new-vol", BTreeMap::new()).await.unwrap_err();
+    manager
+        .publish(publish_request("new-vol", "w1"))
+        .await
+        .unwrap();
+    let err = manager
+        .delete_volume("new-vol", BTreeMap::new())
+        .await
+        .unwrap_err();
     assert!(matches!(err, VolumeError::Conflict(_)), "{err}");
     manager.unpublish("new-vol", "w1").await.unwrap();
     // A created volume stays known (CREATED) after unpublish, until deleted.
-    assert_eq!(manager.get("new-vol").await.unwrap().state, VolumeState::Created);
-    manager.delete_volume("new-vol", BTreeMap::new()).await.unwrap();
+    assert_eq!(
+        manager.get("new-vol").await.unwrap().state,
+        VolumeState::Created
+    );
+    manager
+        .delete_volume("new-vol", BTreeMap::new())
+        .await
+        .unwrap();
     assert!(manager.get("new-vol").await.is_none());
     assert!(records(&work).is_empty());
     assert!(!plugin.volume_dir("new-vol").exists());
@@ -54,7 +82,14 @@ async fn list_pages_validate_and_capacity() {
     let dir = tempfile::tempdir().unwrap();
     let plugin = TestPlugin::start(
         dir.path(),
-        &["--mount-mode", "none", "--volumes", "a:1M,b:1M,c:1M,d:1M,e:1M", "--capacity", "1G"],
+        &[
+            "--mount-mode",
+            "none",
+            "--volumes",
+            "a:1M,b:1M,c:1M,d:1M,e:1M",
+            "--capacity",
+            "1G",
+        ],
     );
     let manager = manager(&dir.path().join("agent"), &plugin.socket, "boot-a");
     let mut seen = Vec::new();
@@ -70,7 +105,10 @@ async fn list_pages_validate_and_capacity() {
     }
     seen.sort();
     assert_eq!(seen, ["a", "b", "c", "d", "e"]);
-    let err = manager.list_backend_volumes(2, "garbage-token").await.unwrap_err();
+    let err = manager
+        .list_backend_volumes(2, "garbage-token")
+        .await
+        .unwrap_err();
     assert!(matches!(&err, VolumeError::Plugin(rpc) if rpc.code() == tonic::Code::Aborted));
 
     let validation = manager
@@ -79,19 +117,37 @@ async fn list_pages_validate_and_capacity() {
         .unwrap();
     assert!(validation.confirmed);
     let err = manager
-        .validate_volume_capabilities("zzz", &[mount_capability()], BTreeMap::new(), BTreeMap::new())
+        .validate_volume_capabilities(
+            "zzz",
+            &[mount_capability()],
+            BTreeMap::new(),
+            BTreeMap::new(),
+        )
         .await
         .unwrap_err();
     assert!(matches!(&err, VolumeError::Plugin(rpc) if rpc.code() == tonic::Code::NotFound));
 
-    let capacity = manager.get_capacity(&[mount_capability()], BTreeMap::new()).await.unwrap();
+    let capacity = manager
+        .get_capacity(&[mount_capability()], BTreeMap::new())
+        .await
+        .unwrap();
     assert_eq!(capacity, (1 << 30) - 5 * (1 << 20));
 }
 
 #[tokio::test]
 async fn controller_publish_uses_the_node_id_of_a_v0_2_plugin() {
     let dir = tempfile::tempdir().unwrap();
-    let plugin = TestPlugin::start(dir.path(), &["--mount-mode", "none", "--api-versions", "v0.2", "--volumes", "v:1M"]);
+    let plugin = TestPlugin::start(
+        dir.path(),
+        &[
+            "--mount-mode",
+            "none",
+            "--api-versions",
+            "v0.2",
+            "--volumes",
+            "v:1M",
+        ],
+    );
     let work = dir.path().join("agent");
     let manager = manager(&work, &plugin.socket, "boot-a");
     manager.publish(publish_request("v", "w1")).await.unwrap();

@@ -477,7 +477,9 @@ async fn a_timed_out_stage_stays_uncertain_and_is_undone() {
     let dir = tempfile::tempdir().unwrap();
     let plugin = TestPlugin::start(dir.path(), &["--volumes", "v:1M"]);
     // The plugin finishes the stage (and mounts) long after csi-agent stopped waiting.
-    plugin.set_faults(json!({"rules": [{"method": "NodeStageVolume", "delay_ms": 1500, "times": 1}]}));
+    plugin.set_faults(
+        json!({"rules": [{"method": "NodeStageVolume", "delay_ms": 1500, "times": 1}]}),
+    );
     let work = dir.path().join("agent");
     let manager = manager_with(
         &work,
@@ -486,7 +488,10 @@ async fn a_timed_out_stage_stays_uncertain_and_is_undone() {
         std::time::Duration::from_millis(300),
         std::time::Duration::from_millis(500),
     );
-    let err = manager.publish(publish_request("v", "w1")).await.unwrap_err();
+    let err = manager
+        .publish(publish_request("v", "w1"))
+        .await
+        .unwrap_err();
     // The first attempt timed out; the repeats found the plugin still busy with it (ABORTED):
     // transient either way, and answered once the operation timeout ran out.
     assert!(
@@ -509,11 +514,18 @@ async fn an_unreadable_record_is_moved_aside_and_the_others_recover() {
     let work = dir.path().join("agent");
     {
         let manager = manager(&work, &plugin.socket, "boot-a");
-        manager.publish(publish_request("good", "w1")).await.unwrap();
+        manager
+            .publish(publish_request("good", "w1"))
+            .await
+            .unwrap();
         manager.publish(publish_request("bad", "w1")).await.unwrap();
     }
     let bad = csi_agent::layout::Layout::new(&work).volume_dir(PLUGIN_TYPE, "default", "bad");
-    std::fs::write(bad.join("volume.json"), b"{\"schema_version\": 1, \"record\": {\"volu").unwrap();
+    std::fs::write(
+        bad.join("volume.json"),
+        b"{\"schema_version\": 1, \"record\": {\"volu",
+    )
+    .unwrap();
     let manager = manager(&work, &plugin.socket, "boot-a");
     let report = manager.recover().await.unwrap();
     assert_eq!(report.records, 1);
@@ -524,9 +536,44 @@ async fn an_unreadable_record_is_moved_aside_and_the_others_recover() {
         .plugin_dir(PLUGIN_TYPE, "default")
         .join("quarantine");
     assert_eq!(std::fs::read_dir(quarantine).unwrap().count(), 1);
-    assert_eq!(manager.get("good").await.unwrap().state, VolumeState::Published);
+    assert_eq!(
+        manager.get("good").await.unwrap().state,
+        VolumeState::Published
+    );
     manager.unpublish("good", "w1").await.unwrap();
     // The stray mounts of the quarantined volume are reported, never removed blindly.
     let table = mounts_under(&work);
-    assert!(table.iter().all(|m| m.to_string_lossy().contains("/mounts/bad/")), "{table:?}");
+    assert!(
+        table
+            .iter()
+            .all(|m| m.to_string_lossy().contains("/mounts/bad/")),
+        "{table:?}"
+    );
+}
+
+#[tokio::test]
+async fn target_path_root_and_target_path_exists_are_honoured() {
+    require_private_mount_namespace();
+    let dir = tempfile::tempdir().unwrap();
+    let plugin = TestPlugin::start(dir.path(), &["--volumes", "v:1M", "--api-versions", "v1"]);
+    let work = dir.path().join("agent");
+    let root = dir.path().join("elsewhere");
+    let manager = manager_configured(
+        &work,
+        &plugin.socket,
+        "boot-a",
+        std::time::Duration::from_secs(5),
+        |config| {
+            config.target_path_root = Some(root.clone());
+            config.target_path_exists = true;
+        },
+    );
+    let published = manager.publish(publish_request("v", "w1")).await.unwrap();
+    assert_eq!(published.target_path, root.join("v/target"));
+    assert!(mounts_under(&root).contains(&published.target_path));
+    assert!(mounts_under(&work).is_empty());
+    manager.unpublish("v", "w1").await.unwrap();
+    assert!(mounts_under(&root).is_empty());
+    // The CO created the target (target_path_exists) and removed it, and its parent.
+    assert!(!root.join("v").exists());
 }

@@ -95,6 +95,9 @@ pub struct VolumeConfig {
     pub operation_timeout: Duration,
     /// Mesos's `target_path_exists`: the CO creates the target even for v1 plugins.
     pub target_path_exists: bool,
+    /// Mesos's `target_path_root`: the directory under which staging and target paths are
+    /// made, instead of the work dir's `mounts/`.
+    pub target_path_root: Option<PathBuf>,
     /// The node id for ControllerPublish, instead of asking NodeGetInfo.
     pub node_id: Option<String>,
 }
@@ -107,6 +110,7 @@ impl VolumeConfig {
             retry: RetryPolicy::default(),
             operation_timeout: Duration::from_secs(120),
             target_path_exists: false,
+            target_path_root: None,
             node_id: None,
         }
     }
@@ -253,18 +257,24 @@ impl VolumeManager {
         &self.inner.config
     }
 
+    /// The NodePublish target path: `<mounts root>/<enc id>/target`.
     pub fn target_path(&self, volume_id: &str) -> PathBuf {
-        let c = &self.inner.config;
-        self.inner
-            .layout
-            .target_path(&c.plugin_type, &c.plugin_name, volume_id)
+        self.volume_mount_dir(volume_id).join("target")
     }
 
+    /// The NodeStage staging path: `<mounts root>/<enc id>/staging`.
     pub fn staging_path(&self, volume_id: &str) -> PathBuf {
+        self.volume_mount_dir(volume_id).join("staging")
+    }
+
+    /// Where this plugin's staging and target paths live: the plugin's `target_path_root`
+    /// when configured (Mesos), else `<work dir>/csi/<type>/<name>/mounts`.
+    pub fn mounts_root(&self) -> PathBuf {
         let c = &self.inner.config;
-        self.inner
-            .layout
-            .staging_path(&c.plugin_type, &c.plugin_name, volume_id)
+        match &c.target_path_root {
+            Some(root) => root.clone(),
+            None => self.inner.layout.mounts_dir(&c.plugin_type, &c.plugin_name),
+        }
     }
 
     fn slot(&self, volume_id: &str) -> Arc<Mutex<Slot>> {
@@ -912,10 +922,7 @@ impl VolumeManager {
     }
 
     fn volume_mount_dir(&self, volume_id: &str) -> PathBuf {
-        let c = &self.inner.config;
-        self.inner
-            .layout
-            .volume_mount_dir(&c.plugin_type, &c.plugin_name, volume_id)
+        self.mounts_root().join(encode_id(volume_id))
     }
 
     fn caps_now(&self) -> Option<LifecycleCaps> {

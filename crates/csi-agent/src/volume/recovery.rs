@@ -128,7 +128,7 @@ impl VolumeManager {
     /// ones that hold a mount.
     async fn collect_garbage(&self, table: &crate::mounts::MountTable) -> Vec<String> {
         let c = &self.inner.config;
-        let mounts_dir = self.inner.layout.mounts_dir(&c.plugin_type, &c.plugin_name);
+        let mounts_dir = self.mounts_root();
         let Ok(entries) = std::fs::read_dir(&mounts_dir) else {
             return Vec::new();
         };

@@ -181,7 +181,13 @@ pub fn wait_for_path(path: &Path) {
 
 /// A volume manager over `work_dir` talking to the plugin's socket.
 pub fn manager(work_dir: &Path, socket: &Path, boot_id: &str) -> VolumeManager {
-    manager_with(work_dir, socket, boot_id, Duration::from_secs(5), Duration::from_secs(30))
+    manager_with(
+        work_dir,
+        socket,
+        boot_id,
+        Duration::from_secs(5),
+        Duration::from_secs(30),
+    )
 }
 
 /// Like [`manager`] with an explicit per-RPC deadline and operation timeout.
@@ -191,6 +197,19 @@ pub fn manager_with(
     boot_id: &str,
     rpc_deadline: Duration,
     operation_timeout: Duration,
+) -> VolumeManager {
+    manager_configured(work_dir, socket, boot_id, rpc_deadline, |config| {
+        config.operation_timeout = operation_timeout;
+    })
+}
+
+/// A volume manager whose config `tweak` adjusts.
+pub fn manager_configured(
+    work_dir: &Path,
+    socket: &Path,
+    boot_id: &str,
+    rpc_deadline: Duration,
+    tweak: impl FnOnce(&mut VolumeConfig),
 ) -> VolumeManager {
     let layout = Layout::new(work_dir);
     let store = Store::open(layout.clone(), None).unwrap();
@@ -208,7 +227,8 @@ pub fn manager_with(
     let mut config = VolumeConfig::new(PLUGIN_TYPE, "default");
     config.retry.initial = Duration::from_millis(10);
     config.retry.max = Duration::from_millis(200);
-    config.operation_timeout = operation_timeout;
+    config.operation_timeout = Duration::from_secs(30);
+    tweak(&mut config);
     VolumeManager::new(
         config,
         layout,
