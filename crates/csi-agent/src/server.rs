@@ -217,6 +217,7 @@ impl CsiServer {
         });
         if opened {
             self.reload().await;
+            self.clean_unconfigured_plugins().await;
             let types: Vec<String> = {
                 let table = self.inner.table.lock().await;
                 table.configs.plugins.keys().cloned().collect()
@@ -228,6 +229,52 @@ impl CsiServer {
             }
         }
         opened
+    }
+
+    /// Components left running by an earlier csi-agent for plugins that are no longer
+    /// configured: stopped and cleaned when none of their volumes is known, else kept (a node
+    /// plugin must outlive its volumes) and reported.
+    async fn clean_unconfigured_plugins(&self) {
+        let Ok(found) = crate::service_manager::plugins_with_components(&self.inner.layout) else {
+            return;
+        };
+        let configured: Vec<(String, String)> = {
+            let table = self.inner.table.lock().await;
+            table
+                .configs
+                .plugins
+                .values()
+                .map(|l| (l.config.plugin_type.clone(), l.config.name.clone()))
+                .collect()
+        };
+        for (plugin_type, plugin_name) in found {
+            if configured.contains(&(plugin_type.clone(), plugin_name.clone())) {
+                continue;
+            }
+            let volumes = self.inner.layout.volumes_dir(&plugin_type, &plugin_name);
+            let has_volumes = std::fs::read_dir(&volumes)
+                .map(|mut entries| entries.next().is_some())
+                .unwrap_or(false);
+            if has_volumes {
+                tracing::warn!(plugin = %plugin_type, name = %plugin_name, "plugin no longer configured but has volumes; its components are left running — restore its config to unpublish them");
+                continue;
+            }
+            match crate::service_manager::remove_components(
+                &self.inner.layout,
+                &plugin_type,
+                &plugin_name,
+                std::time::Duration::from_secs(10),
+            )
+            .await
+            {
+                Ok(stopped) => {
+                    tracing::info!(plugin = %plugin_type, stopped, "components of a removed plugin stopped and cleaned")
+                }
+                Err(err) => {
+                    tracing::error!(plugin = %plugin_type, error = %err, "components of a removed plugin not cleaned")
+                }
+            }
+        }
     }
 
     /// Waits until the gate is open.
@@ -307,7 +354,10 @@ impl CsiServer {
             self.inner.options.boot_id.clone(),
             Some(self.inner.metrics.clone()),
         );
-        let recovery = volumes.recover().await?;
+        let recovery = volumes
+            .recover()
+            .await
+            .map_err(|e| init_err(format!("recovering its volumes failed: {e}")))?;
         Ok(Arc::new(Plugin {
             loaded,
             endpoints,

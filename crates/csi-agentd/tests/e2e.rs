@@ -614,3 +614,132 @@ async fn the_router_serves_exactly_the_documented_routes() {
         .unwrap();
     assert_eq!(String::from_utf8_lossy(&out.stdout), "404");
 }
+
+fn pid_alive(pid: u32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|s| s.contains(") Z "))
+            .unwrap_or(true)
+}
+
+#[tokio::test]
+async fn sigterm_leaves_plugins_and_mounts_in_place_and_sighup_reloads() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut daemon = setup(dir.path(), &[]);
+    let api = daemon.api();
+    let published = api.publish(&publish("vol1", "w1")).await.unwrap();
+    let plugin = api.plugin(PLUGIN).await.unwrap();
+    let pid = plugin.components[0].pid.unwrap();
+
+    // SIGHUP: a config added on disk shows up without a request for it.
+    daemon.add_config(
+        "second.json",
+        &managed_config("org.example.second", &dir.path().join("plugin2"), "x:1M"),
+    );
+    let daemon_pid = daemon.child.as_ref().unwrap().id();
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(daemon_pid as i32).unwrap(),
+        rustix::process::Signal::HUP,
+    )
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let listed = api.plugins().await.unwrap();
+        if listed
+            .plugins
+            .iter()
+            .any(|p| p.plugin_type == "org.example.second")
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "SIGHUP did not reload: {listed:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // SIGTERM: a clean exit that leaves the plugin running and the volume mounted.
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(daemon_pid as i32).unwrap(),
+        rustix::process::Signal::TERM,
+    )
+    .unwrap();
+    let status = daemon.child.take().unwrap().wait().unwrap();
+    assert!(status.success(), "{status:?}");
+    assert!(
+        !daemon.socket.exists(),
+        "the API socket is removed at shutdown"
+    );
+    assert!(pid_alive(pid), "the plugin must outlive the daemon");
+    assert!(mounts_under(&daemon.work).contains(&PathBuf::from(&published.target_path)));
+
+    daemon.start();
+    let api = daemon.api();
+    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    assert_eq!(
+        api.plugin(PLUGIN).await.unwrap().components[0].pid,
+        Some(pid),
+        "adopted, same pid"
+    );
+    assert!(mounts_under(&daemon.work).is_empty());
+}
+
+#[tokio::test]
+async fn a_removed_plugin_outlives_its_published_volumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let daemon = setup(dir.path(), &[]);
+    let api = daemon.api();
+    api.publish(&publish("vol1", "w1")).await.unwrap();
+    let pid = api.plugin(PLUGIN).await.unwrap().components[0].pid.unwrap();
+    std::fs::remove_file(daemon.configs.join("test.json")).unwrap();
+    let report = api.reload().await.unwrap();
+    assert_eq!(report.removed, vec![PLUGIN.to_owned()]);
+    // Still in use: kept, and the unpublish works.
+    assert!(pid_alive(pid));
+    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    assert!(mounts_under(&daemon.work).is_empty());
+    // Nothing in use any more: the next reload stops it.
+    api.reload().await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while pid_alive(pid) {
+        assert!(
+            Instant::now() < deadline,
+            "the removed plugin was not stopped"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (status, _) = api_error(api.plugin(PLUGIN).await);
+    assert_eq!(status, 404);
+}
+
+#[tokio::test]
+async fn a_plugin_whose_initialization_failed_is_retried_on_the_next_request() {
+    let dir = tempfile::tempdir().unwrap();
+    require_private_mount_namespace();
+    let mut daemon = Daemon::new(dir.path(), &[]);
+    daemon.add_config(
+        "test.json",
+        &managed_config(PLUGIN, &dir.path().join("plugin"), "vol1:1M"),
+    );
+    // Break the plugin's volumes dir: recovery cannot list it, so initialization fails.
+    let volumes = daemon.work.join("csi/org.example.test/default/volumes");
+    std::fs::create_dir_all(volumes.parent().unwrap()).unwrap();
+    std::fs::write(&volumes, b"not a directory").unwrap();
+    daemon.start();
+    let api = daemon.api();
+    let (status, body) = api_error(api.publish(&publish("vol1", "w1")).await);
+    assert_eq!(status, 503, "{body:?}");
+    assert!(
+        body.message.contains("org.example.test"),
+        "{}",
+        body.message
+    );
+    let info = api.plugin(PLUGIN).await.unwrap();
+    assert_eq!(info.state, "failed");
+    // Repaired: the next request initializes it.
+    std::fs::remove_file(&volumes).unwrap();
+    api.publish(&publish("vol1", "w1")).await.unwrap();
+    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    assert!(mounts_under(&daemon.work).is_empty());
+}
