@@ -6,14 +6,16 @@
 //! volumes; node-side work stays in the volume manager proper.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::future::Future;
 use std::time::Instant;
 
 use csi_proto::v1;
 
 use super::{
-    Capability, Origin, VolumeError, VolumeManager, VolumeRecord, VolumeState, retry_transient,
+    Capability, Origin, VolumeError, VolumeManager, VolumeRecord, VolumeState,
     retry_transient_except, to_hash_map, validate_id,
 };
+use crate::client::{CsiClient, RpcError};
 use crate::config::Service;
 
 /// A volume created through csi-agent.
@@ -39,6 +41,32 @@ pub struct Validation {
 }
 
 impl VolumeManager {
+    /// One Controller RPC, retried on transient errors (except `final_codes`) with backoff
+    /// until the operation timeout, waiting for the plugin through its restarts.
+    async fn controller_rpc<Req, T, F, Fut>(
+        &self,
+        final_codes: &[tonic::Code],
+        request: Req,
+        call: F,
+    ) -> Result<T, VolumeError>
+    where
+        Req: Clone,
+        F: Fn(CsiClient, Req) -> Fut,
+        Fut: Future<Output = Result<T, RpcError>>,
+    {
+        let deadline = Instant::now() + self.inner.config.operation_timeout;
+        let endpoints = &self.inner.endpoints;
+        retry_transient_except(self.inner.config.retry, deadline, final_codes, || {
+            let request = request.clone();
+            let call = &call;
+            async move {
+                let client = endpoints.client(Service::Controller).await?;
+                call(client, request).await
+            }
+        })
+        .await
+    }
+
     fn require_controller(&self) -> Result<(), VolumeError> {
         if self.inner.endpoints.serves(Service::Controller) {
             Ok(())
@@ -66,8 +94,6 @@ impl VolumeManager {
             )));
         }
         self.require_controller()?;
-        let deadline = Instant::now() + self.inner.config.operation_timeout;
-        let endpoints = &self.inner.endpoints;
         let request = v1::CreateVolumeRequest {
             name: name.to_owned(),
             capacity_range: (capacity_bytes > 0).then_some(v1::CapacityRange {
@@ -79,14 +105,11 @@ impl VolumeManager {
             secrets: to_hash_map(&secrets),
             ..Default::default()
         };
-        let response = retry_transient(self.inner.config.retry, deadline, || {
-            let request = request.clone();
-            async move {
-                let client = endpoints.client(Service::Controller).await?;
+        let response = self
+            .controller_rpc(&[], request, |client, request| async move {
                 client.create_volume(request).await
-            }
-        })
-        .await?;
+            })
+            .await?;
         let Some(volume) = response.volume else {
             return Err(VolumeError::Protocol(
                 "CreateVolume returned no volume".into(),
@@ -138,18 +161,12 @@ impl VolumeManager {
                 record.claims.len()
             )));
         }
-        let deadline = Instant::now() + self.inner.config.operation_timeout;
-        let endpoints = &self.inner.endpoints;
         let request = v1::DeleteVolumeRequest {
             volume_id: volume_id.to_owned(),
             secrets: to_hash_map(&secrets),
         };
-        retry_transient(self.inner.config.retry, deadline, || {
-            let request = request.clone();
-            async move {
-                let client = endpoints.client(Service::Controller).await?;
-                client.delete_volume(request).await
-            }
+        self.controller_rpc(&[], request, |client, request| async move {
+            client.delete_volume(request).await
         })
         .await?;
         if guard.record.is_some() {
@@ -173,8 +190,6 @@ impl VolumeManager {
             ));
         }
         self.require_controller()?;
-        let deadline = Instant::now() + self.inner.config.operation_timeout;
-        let endpoints = &self.inner.endpoints;
         let request = v1::ValidateVolumeCapabilitiesRequest {
             volume_id: volume_id.to_owned(),
             volume_context: to_hash_map(&volume_context),
@@ -182,14 +197,11 @@ impl VolumeManager {
             parameters: to_hash_map(&parameters),
             ..Default::default()
         };
-        let response = retry_transient(self.inner.config.retry, deadline, || {
-            let request = request.clone();
-            async move {
-                let client = endpoints.client(Service::Controller).await?;
+        let response = self
+            .controller_rpc(&[], request, |client, request| async move {
                 client.validate_volume_capabilities(request).await
-            }
-        })
-        .await?;
+            })
+            .await?;
         Ok(Validation {
             confirmed: response.confirmed.is_some(),
             message: response.message,
@@ -208,26 +220,18 @@ impl VolumeManager {
             )));
         }
         self.require_controller()?;
-        let deadline = Instant::now() + self.inner.config.operation_timeout;
-        let endpoints = &self.inner.endpoints;
         let request = v1::ListVolumesRequest {
             max_entries,
             starting_token: starting_token.to_owned(),
         };
         // "ABORTED: Indicates that starting_token is not valid": final here.
-        let response = retry_transient_except(
-            self.inner.config.retry,
-            deadline,
-            &[tonic::Code::Aborted],
-            || {
-                let request = request.clone();
-                async move {
-                    let client = endpoints.client(Service::Controller).await?;
-                    client.list_volumes(request).await
-                }
-            },
-        )
-        .await?;
+        let response = self
+            .controller_rpc(
+                &[tonic::Code::Aborted],
+                request,
+                |client, request| async move { client.list_volumes(request).await },
+            )
+            .await?;
         let mut seen = BTreeSet::new();
         let mut volumes = Vec::new();
         for entry in response.entries {
@@ -259,21 +263,16 @@ impl VolumeManager {
         parameters: BTreeMap<String, String>,
     ) -> Result<i64, VolumeError> {
         self.require_controller()?;
-        let deadline = Instant::now() + self.inner.config.operation_timeout;
-        let endpoints = &self.inner.endpoints;
         let request = v1::GetCapacityRequest {
             volume_capabilities: capabilities.iter().map(Capability::to_v1).collect(),
             parameters: to_hash_map(&parameters),
             ..Default::default()
         };
-        let response = retry_transient(self.inner.config.retry, deadline, || {
-            let request = request.clone();
-            async move {
-                let client = endpoints.client(Service::Controller).await?;
+        let response = self
+            .controller_rpc(&[], request, |client, request| async move {
                 client.get_capacity(request).await
-            }
-        })
-        .await?;
+            })
+            .await?;
         Ok(response.available_capacity)
     }
 }
