@@ -743,3 +743,50 @@ async fn a_plugin_whose_initialization_failed_is_retried_on_the_next_request() {
     api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
     assert!(mounts_under(&daemon.work).is_empty());
 }
+
+#[tokio::test]
+async fn secrets_reach_the_plugin_but_no_log_record_or_response() {
+    let dir = tempfile::tempdir().unwrap();
+    require_private_mount_namespace();
+    let mut daemon = Daemon::new(dir.path(), &[]);
+    let mut config = managed_config(PLUGIN, &dir.path().join("plugin"), "vol1:1M");
+    config["containers"][0]["command"]["arguments"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!("--record-secrets"));
+    daemon.add_config("test.json", &config);
+    daemon.extra = vec!["--log-format".into(), "json".into()];
+    daemon.start();
+    let api = daemon.api();
+    let mut request = publish("vol1", "w1");
+    request.secrets = Some(csi_agent_api::SecretsSpec {
+        node_stage: [("user".to_owned(), "stage-t0psecret".to_owned())].into(),
+        node_publish: [("key".to_owned(), "publish-t0psecret".to_owned())].into(),
+    });
+    api.publish(&request).await.unwrap();
+    let calls = std::fs::read_to_string(dir.path().join("plugin/calls.jsonl")).unwrap();
+    assert!(calls.contains("stage-t0psecret") && calls.contains("publish-t0psecret"));
+    let shown = serde_json::to_string(&api.volume(PLUGIN, "vol1").await.unwrap()).unwrap();
+    assert!(!shown.contains("t0psecret"), "{shown}");
+    assert!(shown.contains("\"has_secrets\":true"));
+    let listed = serde_json::to_string(&api.volumes().await.unwrap()).unwrap();
+    assert!(!listed.contains("t0psecret"));
+    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    let log = std::fs::read_to_string(dir.path().join("daemon.log")).unwrap();
+    assert!(!log.is_empty());
+    assert!(
+        !log.contains("t0psecret"),
+        "a secret reached the daemon's log"
+    );
+    // Nothing of it stays on disk once the volume is gone.
+    let leftover = Command::new("grep")
+        .args(["-r", "-l", "t0psecret"])
+        .arg(&daemon.work)
+        .output()
+        .unwrap();
+    assert!(
+        leftover.stdout.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&leftover.stdout)
+    );
+}
