@@ -975,14 +975,16 @@ impl Inner {
         // Connecting detects the version (a Probe). Between the plugin's bind() and listen()
         // a connect is refused: such transient failures are retried quickly.
         let mut delay = Duration::from_millis(1);
-        let client = loop {
-            let attempt =
-                tokio::time::timeout_at(deadline, CsiClient::connect(socket, options.clone()))
-                    .await
-                    .map_err(|_| ReadyError::Timeout {
-                        stage: "connecting",
-                        timeout,
-                    })?;
+        let (client, ready_at_connect) = loop {
+            let attempt = tokio::time::timeout_at(
+                deadline,
+                CsiClient::connect_and_probe(socket, options.clone()),
+            )
+            .await
+            .map_err(|_| ReadyError::Timeout {
+                stage: "connecting",
+                timeout,
+            })?;
             match attempt {
                 Ok(client) => break client,
                 Err(err) if err.is_transient() => {
@@ -1015,7 +1017,12 @@ impl Inner {
         // CSI spec, ProbeResponse.ready: "If not present, the caller SHALL assume that the
         // plugin is in a ready state"; `false` means not yet: probe again.
         let mut delay = Duration::from_millis(5);
-        loop {
+        let mut ready = ready_at_connect;
+        if ready {
+            // The detection's Probe already said ready: no second round trip.
+            self.count_probe("READY");
+        }
+        while !ready {
             let probe = tokio::time::timeout_at(deadline, client.probe())
                 .await
                 .map_err(|_| ReadyError::Timeout {
@@ -1025,7 +1032,8 @@ impl Inner {
             match probe {
                 Ok(true) => {
                     self.count_probe("READY");
-                    break;
+                    ready = true;
+                    continue;
                 }
                 Ok(false) => self.count_probe("NOT_READY"),
                 Err(err) if err.is_transient() => self.count_probe(err.metric_code()),

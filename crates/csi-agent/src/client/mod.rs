@@ -116,6 +116,15 @@ pub fn unix_channel(socket: &Path) -> Channel {
 impl CsiClient {
     /// Connects to the plugin at `socket` and detects its CSI version.
     pub async fn connect(socket: &Path, options: ClientOptions) -> Result<Self, RpcError> {
+        Ok(Self::connect_and_probe(socket, options).await?.0)
+    }
+
+    /// Like [`CsiClient::connect`], also returning whether the detection's `Probe` answered
+    /// ready, so that a supervisor needs no second Probe when it did.
+    pub async fn connect_and_probe(
+        socket: &Path,
+        options: ClientOptions,
+    ) -> Result<(Self, bool), RpcError> {
         let channel = unix_channel(socket);
         let mut client = Self {
             channel,
@@ -123,8 +132,9 @@ impl CsiClient {
             socket: Arc::new(socket.to_path_buf()),
             options: Arc::new(options),
         };
-        client.version = client.detect_version().await?;
-        Ok(client)
+        let (version, ready) = client.detect().await?;
+        client.version = version;
+        Ok((client, ready))
     }
 
     /// A client for a plugin whose version is already known (e.g. recorded at an earlier
@@ -158,27 +168,33 @@ impl CsiClient {
     /// and 0.2 only `NodeGetId`; a controller-only v0 plugin implements neither, and is taken
     /// as 0.3 (the difference only matters for node calls).
     pub async fn detect_version(&self) -> Result<CsiVersion, RpcError> {
+        Ok(self.detect().await?.0)
+    }
+
+    /// The version and the readiness its `Probe` reported (a missing `ready` means ready).
+    async fn detect(&self) -> Result<(CsiVersion, bool), RpcError> {
         match self.probe_v1().await {
-            Ok(_) => return Ok(CsiVersion::V1),
+            Ok(response) => return Ok((CsiVersion::V1, response.ready.unwrap_or(true))),
             Err(err) if err.is_unimplemented() => {}
             Err(err) => return Err(err),
         }
-        self.probe_v0().await?;
+        let ready = self.probe_v0().await?.ready.unwrap_or(true);
         match self.v0_node_get_info().await {
-            Ok(_) => return Ok(CsiVersion::V0_3),
+            Ok(_) => return Ok((CsiVersion::V0_3, ready)),
             Err(err) if err.is_unimplemented() => {}
             // Answered, just not happily (e.g. FAILED_PRECONDITION): the method exists.
             Err(err) if matches!(err.kind, RpcErrorKind::Status { .. }) => {
-                return Ok(CsiVersion::V0_3);
+                return Ok((CsiVersion::V0_3, ready));
             }
             Err(err) => return Err(err),
         }
-        match self.v0_node_get_id().await {
-            Ok(_) => Ok(CsiVersion::V0_2),
-            Err(err) if err.is_unimplemented() => Ok(CsiVersion::V0_3),
-            Err(err) if matches!(err.kind, RpcErrorKind::Status { .. }) => Ok(CsiVersion::V0_2),
-            Err(err) => Err(err),
-        }
+        let version = match self.v0_node_get_id().await {
+            Ok(_) => CsiVersion::V0_2,
+            Err(err) if err.is_unimplemented() => CsiVersion::V0_3,
+            Err(err) if matches!(err.kind, RpcErrorKind::Status { .. }) => CsiVersion::V0_2,
+            Err(err) => return Err(err),
+        };
+        Ok((version, ready))
     }
 
     /// Runs one RPC under the deadline, measuring it.
