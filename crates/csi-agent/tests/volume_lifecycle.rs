@@ -577,3 +577,31 @@ async fn target_path_root_and_target_path_exists_are_honoured() {
     // The CO created the target (target_path_exists) and removed it, and its parent.
     assert!(!root.join("v").exists());
 }
+
+#[tokio::test]
+async fn recovery_trusts_the_mount_table_over_a_stale_record() {
+    require_private_mount_namespace();
+    let dir = tempfile::tempdir().unwrap();
+    let plugin = TestPlugin::start(dir.path(), &["--volumes", "v:1M"]);
+    let work = dir.path().join("agent");
+    {
+        let manager = manager(&work, &plugin.socket, "boot-a");
+        manager.publish(publish_request("v", "w1")).await.unwrap();
+    }
+    // A record that lags behind reality (as after a lost write, MESOS-9281): it says
+    // NODE_READY and unclaimed while the volume is staged and published.
+    let record_path = records(&work)[0].join("volume.json");
+    let mut record: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&record_path).unwrap()).unwrap();
+    record["record"]["state"] = json!("NODE_READY");
+    record["record"]["claims"] = json!([]);
+    std::fs::write(&record_path, serde_json::to_vec(&record).unwrap()).unwrap();
+    let manager = manager(&work, &plugin.socket, "boot-a");
+    let report = manager.recover().await.unwrap();
+    assert_eq!(report.corrected_by_mount_table, 1, "{report:?}");
+    eventually("the unaccounted mounts are undone", || {
+        mounts_under(&work).is_empty() && records(&work).is_empty()
+    })
+    .await;
+    assert!(plugin.count("NodeUnpublishVolume") >= 1);
+}

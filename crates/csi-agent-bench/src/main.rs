@@ -1,0 +1,138 @@
+//! `csi-agent-bench`: measures csi-agent against the raw CSI RPC sequence on the same test
+//! plugin, in one run, and checks the targets of DESIGN.md §9.
+//!
+//! Subcommands: `cycle` (one publish+unpublish, sequential: raw vs engine vs daemon, durable
+//! writes and their fsync cost), `throughput` (1,000 volumes by 64 concurrent clients),
+//! `restart` (10,000 volume records: time to serve and to list them all, resident memory),
+//! `supervision` (socket → ready, kill -9 → ready again) and `all` (everything, plus a
+//! markdown report for `docs/benchmarks.md`).
+//!
+//! Every subcommand is bounded, works only in a fresh temp dir (removed at the end), talks
+//! only over unix sockets, and kills every process it started, also on error or Ctrl-C.
+//! It needs the release binaries of `csi-testplugin` and `csi-agentd` next to its own (see
+//! `docs/benchmarks.md`).
+
+mod cycle;
+mod daemon;
+mod env;
+mod keepalive;
+mod procs;
+mod raw;
+mod report;
+mod restart;
+mod stats;
+mod supervision;
+mod throughput;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+
+use crate::env::Env;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "csi-agent-bench",
+    version,
+    about = "Benchmarks csi-agent against the raw CSI RPC sequence (DESIGN.md §9)"
+)]
+struct Cli {
+    #[command(flatten)]
+    common: CommonArgs,
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// Settings shared by every subcommand.
+#[derive(Debug, clap::Args)]
+pub struct CommonArgs {
+    /// Directory holding the release `csi-testplugin` and `csi-agentd` binaries (default: the
+    /// directory of this binary, i.e. `target/release`).
+    #[arg(long, global = true)]
+    pub bin_dir: Option<PathBuf>,
+    /// Where the temp dir of a run is created; it decides the file system measured (default:
+    /// `$TMPDIR` or `/tmp`).
+    #[arg(long, global = true)]
+    pub tmp_dir: Option<PathBuf>,
+    /// Where the JSON figures are written, one `<subcommand>.json` each (default:
+    /// `target/csi-agent-bench` beside the binaries).
+    #[arg(long, global = true)]
+    pub out_dir: Option<PathBuf>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// One publish+unpublish cycle, sequentially: raw RPCs vs the engine in-process vs the
+    /// daemon over HTTP; durable writes per operation and their fsync cost.
+    Cycle(cycle::CycleArgs),
+    /// Volumes published (then unpublished) by concurrent clients: raw vs engine vs daemon.
+    Throughput(throughput::ThroughputArgs),
+    /// Restart of the daemon with many volume records: time to serve, time until all are
+    /// listed, resident memory idle and loaded.
+    Restart(restart::RestartArgs),
+    /// Plugin supervision: socket appears → ready, kill -9 → ready again, against the
+    /// plugin's own start time.
+    Supervision(supervision::SupervisionArgs),
+    /// Everything, with the default sizes; prints markdown for docs/benchmarks.md.
+    All(report::AllArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(err) => {
+            eprintln!("csi-agent-bench: cannot start the async runtime: {err}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        tokio::select! {
+            result = run(cli) => result,
+            // Dropping `run` drops every guard: children are killed, temp dirs removed.
+            _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted")),
+        }
+    });
+    // Background tasks (plugin connections, supervisors) must not outlive the guards' work.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(2));
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("csi-agent-bench: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    let env = Env::new(&cli.common).context("cannot prepare the benchmark environment")?;
+    match cli.command {
+        Command::Cycle(args) => {
+            let report = cycle::run(&env, &args).await?;
+            print!("{}", report::cycle_table(&report));
+            env.write_json("cycle", &report)?;
+        }
+        Command::Throughput(args) => {
+            let report = throughput::run(&env, &args).await?;
+            print!("{}", report::throughput_table(&report));
+            env.write_json("throughput", &report)?;
+        }
+        Command::Restart(args) => {
+            let report = restart::run(&env, &args).await?;
+            print!("{}", report::restart_table(&report));
+            env.write_json("restart", &report)?;
+        }
+        Command::Supervision(args) => {
+            let report = supervision::run(&env, &args).await?;
+            print!("{}", report::supervision_table(&report));
+            env.write_json("supervision", &report)?;
+        }
+        Command::All(args) => report::run_all(&env, &args).await?,
+    }
+    Ok(())
+}

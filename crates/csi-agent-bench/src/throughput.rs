@@ -1,0 +1,275 @@
+//! `throughput`: N volumes (default 1,000) published, then unpublished, by C concurrent
+//! clients (default 64): the raw RPC sequence, the engine in-process and the daemon over
+//! HTTP, against the same plugin process. Each round runs the three contenders one after
+//! the other (rotating the order); the median round is reported.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use serde::Serialize;
+
+use crate::daemon::{Daemon, DaemonDirs, PluginSpec};
+use crate::env::{Env, Machine, PLUGIN_TYPE};
+use crate::raw::{Engine, Raw};
+
+/// DESIGN §9: daemon throughput ≥ 0.8 × raw at the same concurrency.
+pub const MIN_RATIO: f64 = 0.8;
+
+#[derive(Clone, Debug, clap::Args)]
+pub struct ThroughputArgs {
+    /// Volumes published (then unpublished) per round and contender.
+    #[arg(long, default_value_t = 1000)]
+    pub volumes: usize,
+    /// Concurrent clients.
+    #[arg(long, default_value_t = 64)]
+    pub concurrency: usize,
+    /// Rounds per contender (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+    /// Pause before every measured phase, in seconds. On ext4 without a journal, inode
+    /// allocation skips inodes freed in the last ~30 s one by one, so a phase that follows
+    /// heavy file churn (the engine's) is slowed whoever runs it; 31 s isolates the phases.
+    #[arg(long, default_value_t = 0)]
+    pub settle_s: u64,
+}
+
+impl Default for ThroughputArgs {
+    fn default() -> Self {
+        Self {
+            volumes: 1000,
+            concurrency: 64,
+            rounds: 3,
+            settle_s: 0,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ThroughputReport {
+    pub machine: Machine,
+    pub volumes: usize,
+    pub concurrency: usize,
+    pub rounds: usize,
+    pub settle_s: u64,
+    pub raw: Rates,
+    pub engine: Rates,
+    pub daemon: Rates,
+    pub engine_to_raw_publish: f64,
+    pub daemon_to_raw_publish: f64,
+    pub engine_to_raw_unpublish: f64,
+    pub daemon_to_raw_unpublish: f64,
+    pub daemon_to_raw_cycle: f64,
+    pub min_ratio: f64,
+    /// Publish throughput of the daemon ≥ 0.8 × raw.
+    pub pass: bool,
+    pub pass_unpublish: bool,
+}
+
+/// Volumes per second (median round) and every round's figure.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Rates {
+    pub publish_per_s: f64,
+    pub unpublish_per_s: f64,
+    /// Volumes / (publish time + unpublish time) of the median round.
+    pub cycle_per_s: f64,
+    pub publish_rounds: Vec<f64>,
+    pub unpublish_rounds: Vec<f64>,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Contender {
+    Raw,
+    Engine,
+    Daemon,
+}
+
+const ORDER: [Contender; 3] = [Contender::Raw, Contender::Engine, Contender::Daemon];
+
+#[derive(Clone)]
+struct Shared {
+    raw: Raw,
+    engine: Engine,
+    daemon: Arc<Daemon>,
+    plugin_type: String,
+}
+
+const WORKLOAD: &str = "bench-workload";
+
+pub fn volume_name(i: usize) -> String {
+    format!("tp-{i:05}")
+}
+
+/// `--volumes` values for `n` volumes named by `name`, 1,000 per flag (argv strings stay
+/// far below the kernel's 128 KiB per-argument limit).
+pub fn volume_flags(n: usize, name: fn(usize) -> String) -> Vec<String> {
+    let mut flags = Vec::new();
+    let all: Vec<String> = (0..n).map(|i| format!("{}:1M", name(i))).collect();
+    for chunk in all.chunks(1000) {
+        flags.push("--volumes".to_owned());
+        flags.push(chunk.join(","));
+    }
+    flags
+}
+
+pub async fn run(env: &Env, args: &ThroughputArgs) -> anyhow::Result<ThroughputReport> {
+    if args.volumes == 0 || args.concurrency == 0 || args.rounds == 0 {
+        bail!("--volumes, --concurrency and --rounds must be positive");
+    }
+    let scratch = env.scratch("throughput")?;
+    let machine = Machine::describe(scratch.path());
+    let plugin_type = format!("{PLUGIN_TYPE}-tp");
+    let dirs = DaemonDirs::new(&scratch, "daemon")?;
+    let mut spec = PluginSpec::new(
+        &plugin_type,
+        scratch.join("plugin"),
+        &["--mount-mode", "none", "--no-controller-publish"],
+    );
+    spec.flags.extend(volume_flags(args.volumes, volume_name));
+    dirs.add_plugin(env, &spec)?;
+    let (daemon, _) = Daemon::start(env, &dirs).await?;
+    let daemon = Arc::new(daemon);
+    // Launch the plugin through the daemon, then share its socket.
+    daemon
+        .publish(&plugin_type, &volume_name(0), WORKLOAD)
+        .await?;
+    daemon
+        .unpublish(&plugin_type, &volume_name(0), WORKLOAD)
+        .await?;
+    let (socket, _) = daemon.plugin_socket(&plugin_type).await?;
+    let shared = Shared {
+        raw: Raw::connect(&socket, scratch.join("raw-co"), &plugin_type).await?,
+        engine: Engine::new(&scratch.join("engine-work"), &socket, &plugin_type)?,
+        daemon: daemon.clone(),
+        plugin_type,
+    };
+
+    // Warm-up: a concurrency-wide batch per contender.
+    let warm = args.concurrency.min(args.volumes);
+    for who in ORDER {
+        phase(&shared, who, true, warm, args.concurrency).await?;
+        phase(&shared, who, false, warm, args.concurrency).await?;
+    }
+
+    let mut publish: [Vec<Duration>; 3] = Default::default();
+    let mut unpublish: [Vec<Duration>; 3] = Default::default();
+    for round in 0..args.rounds {
+        for k in 0..ORDER.len() {
+            let index = (round + k) % ORDER.len();
+            let who = ORDER[index];
+            eprintln!(
+                "throughput round {}/{}: {who:?}, {} volumes by {} clients...",
+                round + 1,
+                args.rounds,
+                args.volumes,
+                args.concurrency
+            );
+            let settle = Duration::from_secs(args.settle_s);
+            tokio::time::sleep(settle).await;
+            publish[index].push(phase(&shared, who, true, args.volumes, args.concurrency).await?);
+            tokio::time::sleep(settle).await;
+            unpublish[index]
+                .push(phase(&shared, who, false, args.volumes, args.concurrency).await?);
+        }
+    }
+    drop(shared);
+    let rates: Vec<Rates> = (0..ORDER.len())
+        .map(|i| rates(args.volumes, &publish[i], &unpublish[i]))
+        .collect();
+    let [raw, engine, daemon_rates]: [Rates; 3] = rates
+        .try_into()
+        .map_err(|_| anyhow::anyhow!("three contenders expected"))?;
+    if let Ok(daemon) = Arc::try_unwrap(daemon) {
+        daemon.stop().await?;
+    }
+    let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
+    Ok(ThroughputReport {
+        machine,
+        volumes: args.volumes,
+        concurrency: args.concurrency,
+        rounds: args.rounds,
+        settle_s: args.settle_s,
+        engine_to_raw_publish: ratio(engine.publish_per_s, raw.publish_per_s),
+        daemon_to_raw_publish: ratio(daemon_rates.publish_per_s, raw.publish_per_s),
+        engine_to_raw_unpublish: ratio(engine.unpublish_per_s, raw.unpublish_per_s),
+        daemon_to_raw_unpublish: ratio(daemon_rates.unpublish_per_s, raw.unpublish_per_s),
+        daemon_to_raw_cycle: ratio(daemon_rates.cycle_per_s, raw.cycle_per_s),
+        min_ratio: MIN_RATIO,
+        pass: daemon_rates.publish_per_s >= MIN_RATIO * raw.publish_per_s,
+        pass_unpublish: daemon_rates.unpublish_per_s >= MIN_RATIO * raw.unpublish_per_s,
+        raw,
+        engine,
+        daemon: daemon_rates,
+    })
+}
+
+fn rates(volumes: usize, publish: &[Duration], unpublish: &[Duration]) -> Rates {
+    let per_s = |d: &Duration| volumes as f64 / d.as_secs_f64();
+    let median = |v: &[Duration]| {
+        let mut sorted = v.to_vec();
+        sorted.sort();
+        sorted.get(sorted.len() / 2).copied().unwrap_or_default()
+    };
+    let pm = median(publish);
+    let um = median(unpublish);
+    Rates {
+        publish_per_s: per_s(&pm),
+        unpublish_per_s: per_s(&um),
+        cycle_per_s: per_s(&(pm + um)),
+        publish_rounds: publish.iter().map(per_s).collect(),
+        unpublish_rounds: unpublish.iter().map(per_s).collect(),
+    }
+}
+
+/// Publishes (or unpublishes) volumes 0..n with `concurrency` clients; the wall time.
+async fn phase(
+    shared: &Shared,
+    who: Contender,
+    publish: bool,
+    n: usize,
+    concurrency: usize,
+) -> anyhow::Result<Duration> {
+    let next = Arc::new(AtomicUsize::new(0));
+    let started = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..concurrency.min(n) {
+        let shared = shared.clone();
+        let next = next.clone();
+        tasks.spawn(async move {
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= n {
+                    return Ok::<(), anyhow::Error>(());
+                }
+                let volume = volume_name(i);
+                match (who, publish) {
+                    (Contender::Raw, true) => shared.raw.publish(&volume).await?,
+                    (Contender::Raw, false) => shared.raw.unpublish(&volume).await?,
+                    (Contender::Engine, true) => shared.engine.publish(&volume, WORKLOAD).await?,
+                    (Contender::Engine, false) => {
+                        shared.engine.unpublish(&volume, WORKLOAD).await?;
+                    }
+                    (Contender::Daemon, true) => {
+                        shared
+                            .daemon
+                            .publish(&shared.plugin_type, &volume, WORKLOAD)
+                            .await?;
+                    }
+                    (Contender::Daemon, false) => {
+                        shared
+                            .daemon
+                            .unpublish(&shared.plugin_type, &volume, WORKLOAD)
+                            .await?;
+                    }
+                }
+            }
+        });
+    }
+    while let Some(joined) = tasks.join_next().await {
+        joined.context("a client task panicked")?.with_context(|| {
+            format!("{who:?} {}", if publish { "publish" } else { "unpublish" })
+        })?;
+    }
+    Ok(started.elapsed())
+}
