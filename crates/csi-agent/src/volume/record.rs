@@ -123,8 +123,9 @@ impl AccessMode {
     }
 }
 
-/// How the volume is accessed: a mounted file system or a raw block device.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// How the volume is accessed: a mounted file system or a raw block device. `Debug` never
+/// shows mount flags (they can carry credentials, e.g. a CIFS password).
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum AccessType {
     Mount {
@@ -135,6 +136,25 @@ pub enum AccessType {
         mount_flags: Vec<String>,
     },
     Block {},
+}
+
+impl std::fmt::Debug for AccessType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AccessType::Mount {
+                fs_type,
+                mount_flags,
+            } => f
+                .debug_struct("Mount")
+                .field("fs_type", fs_type)
+                .field(
+                    "mount_flags",
+                    &format_args!("<redacted {} flags>", mount_flags.len()),
+                )
+                .finish(),
+            AccessType::Block {} => f.write_str("Block"),
+        }
+    }
 }
 
 /// A CSI `VolumeCapability` in csi-agent's own, stable JSON shape.
@@ -274,6 +294,16 @@ mod tests {
             );
             assert_eq!(state.is_transient(), !steady, "{state:?}");
         }
+    }
+
+    #[test]
+    fn debug_hides_mount_flags() {
+        let access = AccessType::Mount {
+            fs_type: "cifs".into(),
+            mount_flags: vec!["password=hunter2".into()],
+        };
+        let shown = format!("{access:?}");
+        assert!(!shown.contains("hunter2") && shown.contains("cifs"), "{shown}");
     }
 
     #[test]
