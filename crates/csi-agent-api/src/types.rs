@@ -231,7 +231,7 @@ pub struct UnpublishRequest {
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct UnpublishResponse {
-    /// The volume's state afterwards (`UNKNOWN` when csi-agent no longer tracks it).
+    /// The volume's state afterwards (`UNPUBLISHED` when csi-agent no longer tracks it; a pre-provisioned volume is forgotten once unpublished).
     pub state: String,
 }
 

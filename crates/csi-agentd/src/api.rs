@@ -339,7 +339,7 @@ async fn unpublish(
         .get(&request.volume_id)
         .await
         .map(|r| r.state.as_str().to_owned())
-        .unwrap_or_else(|| "UNKNOWN".to_owned());
+        .unwrap_or_else(|| "UNPUBLISHED".to_owned());
     Ok(Json(api::UnpublishResponse { state: state_name }))
 }
 

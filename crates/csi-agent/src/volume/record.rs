@@ -303,7 +303,10 @@ mod tests {
             mount_flags: vec!["password=hunter2".into()],
         };
         let shown = format!("{access:?}");
-        assert!(!shown.contains("hunter2") && shown.contains("cifs"), "{shown}");
+        assert!(
+            !shown.contains("hunter2") && shown.contains("cifs"),
+            "{shown}"
+        );
     }
 
     #[test]
