@@ -613,6 +613,17 @@ async fn the_router_serves_exactly_the_documented_routes() {
         .output()
         .unwrap();
     assert_eq!(String::from_utf8_lossy(&out.stdout), "404");
+    let out = Command::new("curl")
+        .args(["-s", "-w", "\n%{http_code}", "-X", "PUT", "--unix-socket"])
+        .arg(&daemon.socket)
+        .arg("http://localhost/v1/volumes")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let (body, code) = text.rsplit_once('\n').unwrap();
+    assert_eq!(code, "405");
+    let error: serde_json::Value = serde_json::from_str(body).unwrap();
+    assert_eq!(error["code"], "invalid_request");
 }
 
 fn pid_alive(pid: u32) -> bool {
