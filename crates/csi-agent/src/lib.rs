@@ -6,6 +6,7 @@
 //! format API responses: that is the daemon's job (`csi-agentd`).
 
 pub mod backoff;
+pub mod beneath;
 pub mod bootid;
 pub mod client;
 pub mod config;
@@ -19,3 +20,4 @@ pub mod server;
 pub mod service_manager;
 pub mod store;
 pub mod volume;
+pub mod workdir;

@@ -65,6 +65,10 @@ pub struct ServeArgs {
     /// Where the short socket dirs of managed plugins are created.
     #[arg(long)]
     socket_root: Option<PathBuf>,
+    /// A dir beneath which a publish's `bind_to` may go (repeatable), e.g. the dir of the
+    /// orchestrator's container sandboxes. None: `bind_to` is refused.
+    #[arg(long = "bind-root", value_name = "DIR")]
+    bind_roots: Vec<PathBuf>,
 }
 
 /// The TOML file: the same settings as the flags.
@@ -80,6 +84,8 @@ struct FileSettings {
     log_format: Option<LogFormat>,
     node_id: Option<String>,
     socket_root: Option<PathBuf>,
+    #[serde(default)]
+    bind_roots: Vec<PathBuf>,
 }
 
 /// The effective settings.
@@ -94,6 +100,7 @@ pub struct Settings {
     pub log_format: LogFormat,
     pub node_id: String,
     pub socket_root: PathBuf,
+    pub bind_roots: Vec<PathBuf>,
 }
 
 pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
@@ -133,7 +140,17 @@ pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
             .to_string_lossy()
             .into_owned(),
     };
+    let bind_roots = if args.bind_roots.is_empty() {
+        file.bind_roots
+    } else {
+        args.bind_roots
+    };
+    let bind_roots = bind_roots
+        .iter()
+        .map(|root| bind_root(root, &work_dir))
+        .collect::<anyhow::Result<Vec<_>>>()?;
     Ok(Settings {
+        bind_roots,
         work_dir,
         plugin_config_dir: args
             .plugin_config_dir
@@ -154,6 +171,32 @@ pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
             .or(file.socket_root)
             .unwrap_or_else(csi_agent::service_manager::default_socket_root),
     })
+}
+
+/// A `--bind-root` must be an existing dir, is used canonical (the operator's symlinks are
+/// trusted, a workload's never are), and must not overlap the work dir.
+fn bind_root(root: &Path, work_dir: &Path) -> anyhow::Result<PathBuf> {
+    let canonical = std::fs::canonicalize(root).with_context(|| {
+        format!(
+            "--bind-root {}: cannot resolve it (it must be an existing directory)",
+            root.display()
+        )
+    })?;
+    if !canonical.is_dir() {
+        bail!("--bind-root {}: not a directory", root.display());
+    }
+    if canonical == Path::new("/") {
+        bail!("--bind-root /: the whole host is not a bind root; name the sandboxes dir");
+    }
+    let work = std::fs::canonicalize(work_dir).unwrap_or_else(|_| work_dir.to_path_buf());
+    if work.starts_with(&canonical) || canonical.starts_with(&work) {
+        bail!(
+            "--bind-root {} overlaps the work dir {}: workloads must not be able to bind over csi-agent's own state; use disjoint dirs",
+            root.display(),
+            work_dir.display()
+        );
+    }
+    Ok(canonical)
 }
 
 fn absolute(path: &Path) -> anyhow::Result<PathBuf> {
@@ -178,6 +221,8 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     }
     std::fs::create_dir_all(&settings.work_dir)
         .with_context(|| format!("cannot create the work dir {}", settings.work_dir.display()))?;
+    // Before anything else in the work dir is read or written: one daemon per work dir.
+    let _work_dir_lock = csi_agent::workdir::lock(&settings.work_dir)?;
     std::fs::set_permissions(&settings.work_dir, std::fs::Permissions::from_mode(0o700))
         .with_context(|| format!("cannot make {} private", settings.work_dir.display()))?;
     let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
@@ -191,6 +236,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
             socket_root: settings.socket_root.clone(),
             node_id: settings.node_id.clone(),
             boot_id,
+            bind_roots: settings.bind_roots.clone(),
         },
         metrics,
     )

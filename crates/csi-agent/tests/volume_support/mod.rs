@@ -13,10 +13,11 @@ use csi_agent::client::ClientOptions;
 use csi_agent::config::Service;
 use csi_agent::endpoints::FixedEndpoints;
 use csi_agent::layout::Layout;
-use csi_agent::mounts::{HostMounter, MountTable};
+use csi_agent::mounts::MountTable;
 use csi_agent::store::Store;
 use csi_agent::volume::{
-    AccessMode, AccessType, Capability, PublishRequest, VolumeConfig, VolumeManager, VolumeSecrets,
+    AccessMode, AccessType, Capability, NodeContext, PublishRequest, VolumeConfig, VolumeManager,
+    VolumeSecrets,
 };
 
 pub const PLUGIN_TYPE: &str = "org.example.test";
@@ -231,12 +232,8 @@ pub fn manager_configured(
     tweak(&mut config);
     VolumeManager::new(
         config,
-        layout,
-        store,
         Arc::new(endpoints),
-        Arc::new(HostMounter),
-        boot_id.to_owned(),
-        None,
+        NodeContext::new(layout, store, boot_id.to_owned()),
     )
 }
 
