@@ -103,6 +103,9 @@ impl PluginEndpoints for ManagedEndpoints {
                 Ok(ready) => Ok(ready.client),
                 // Not ready (starting, restarting, backing off): transient, so the caller
                 // retries with backoff and waits through the restart.
+                Err(err @ crate::service_manager::ManagerError::NotReady { .. }) => {
+                    Err(RpcError::not_ready("connect", err))
+                }
                 Err(err) if err.is_transient() => Err(RpcError::transport("connect", err)),
                 Err(err) => Err(RpcError::protocol("connect", err.to_string())),
             }

@@ -618,3 +618,51 @@ async fn secrets_reach_the_plugin_but_no_log_record_or_response() {
         String::from_utf8_lossy(&leftover.stdout)
     );
 }
+
+#[tokio::test]
+async fn a_publish_waits_no_longer_than_the_startup_timeout_and_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let daemon = setup(dir.path(), &[]);
+    // One plugin that never creates its socket, one that exits at once (a crash loop).
+    for (plugin_type, command) in [
+        ("org.example.silent", "sleep 600"),
+        ("org.example.crashing", "exit 3"),
+    ] {
+        daemon.add_config(
+            &format!("{plugin_type}.json"),
+            &json!({
+                "type": plugin_type,
+                "containers": [{
+                    "services": ["CONTROLLER_SERVICE", "NODE_SERVICE"],
+                    "command": {"shell": true, "value": command}
+                }],
+                "startup_timeout_ms": 2000
+            }),
+        );
+    }
+    daemon.api().reload().await.unwrap();
+    for plugin_type in ["org.example.silent", "org.example.crashing"] {
+        let mut request = publish("vol1", "w1");
+        request.plugin = plugin_type.to_owned();
+        let started = Instant::now();
+        let (status, body) = api_error(daemon.api().publish(&request).await);
+        let took = started.elapsed();
+        println!("{plugin_type}: publish answered {status} after {took:?}");
+        assert_eq!(status, 503, "{}", body.message);
+        assert!(
+            body.message.contains("startup_timeout_ms"),
+            "says which budget ran out: {}",
+            body.message
+        );
+        // The startup timeout (2 s) plus the capability and RPC attempts of one operation,
+        // far below the 120 s operation timeout the report measured.
+        assert!(took < Duration::from_secs(10), "{plugin_type}: {took:?}");
+    }
+    // The working plugin was never held up.
+    daemon.api().publish(&publish("vol1", "w1")).await.unwrap();
+    daemon
+        .api()
+        .unpublish(&unpublish("vol1", "w1"))
+        .await
+        .unwrap();
+}

@@ -794,7 +794,7 @@ impl VolumeManager {
                     );
                     return Ok(());
                 }
-                Err(VolumeError::Plugin(err)) if err.is_transient() => {
+                Err(VolumeError::Plugin(err)) if err.is_transient() && !err.is_not_ready() => {
                     let delay = backoff.next_delay();
                     if Instant::now() + delay >= deadline {
                         return Err(VolumeError::Plugin(err));
@@ -1160,7 +1160,12 @@ where
     loop {
         match call().await {
             Ok(value) => return Ok(value),
-            Err(err) if err.is_transient() && !final_codes.contains(&err.code()) => {
+            // NotReady: the wait for the plugin's start is the whole budget for it.
+            Err(err)
+                if err.is_transient()
+                    && !err.is_not_ready()
+                    && !final_codes.contains(&err.code()) =>
+            {
                 let delay = backoff.next_delay();
                 if Instant::now() + delay >= deadline {
                     return Err(err.into());
