@@ -7,6 +7,7 @@
 
 pub mod backoff;
 pub mod beneath;
+pub mod binaries;
 pub mod bootid;
 pub mod client;
 pub mod config;

@@ -25,16 +25,7 @@ pub const PLUGIN_TYPE: &str = "org.example.test";
 /// The test plugin binary, built by `cargo build --workspace` (CI builds everything before
 /// testing); `CSI_TESTPLUGIN` overrides.
 pub fn testplugin_bin() -> PathBuf {
-    if let Ok(path) = std::env::var("CSI_TESTPLUGIN") {
-        return PathBuf::from(path);
-    }
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/debug/csi-testplugin");
-    assert!(
-        root.exists(),
-        "{} is missing: run `cargo build -p csi-testplugin` first",
-        root.display()
-    );
-    root
+    csi_agent::binaries::required("csi-testplugin", Some("CSI_TESTPLUGIN"))
 }
 
 /// A running `csi-testplugin`.

@@ -15,18 +15,8 @@ use serde_json::json;
 
 pub const PLUGIN: &str = "org.example.test";
 
-pub fn target_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/debug")
-}
-
 pub fn binary(name: &str) -> PathBuf {
-    let path = target_dir().join(name);
-    assert!(
-        path.exists(),
-        "{} is missing: build the workspace first (cargo build --workspace)",
-        path.display()
-    );
-    path
+    csi_agent::binaries::required(name, None)
 }
 
 /// A managed plugin config launching the test plugin with its state in `plugin_dir`.
