@@ -3,6 +3,7 @@
 
 mod api;
 mod convert;
+mod listener;
 mod probe;
 mod serve;
 

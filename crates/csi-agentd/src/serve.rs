@@ -15,6 +15,7 @@ use serde::Deserialize;
 use tokio::signal::unix::{SignalKind, signal};
 
 use crate::api::{self, AppState};
+use crate::listener;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -47,9 +48,13 @@ pub struct ServeArgs {
     /// The API's unix socket (mode 0600). Default: `<work-dir>/api.sock`.
     #[arg(long)]
     api_socket: Option<PathBuf>,
-    /// Also listen on TCP at this address (requires --token-file).
+    /// Also listen on TCP at this address (requires --token-file; loopback only, unless
+    /// --allow-insecure-listen).
     #[arg(long)]
     listen: Option<SocketAddr>,
+    /// Allow --listen on a non-loopback address: plain HTTP, the token and secrets in the clear.
+    #[arg(long)]
+    allow_insecure_listen: bool,
     /// File holding the bearer token required on the TCP listener.
     #[arg(long)]
     token_file: Option<PathBuf>,
@@ -75,6 +80,7 @@ struct FileSettings {
     plugin_config_dir: Option<PathBuf>,
     api_socket: Option<PathBuf>,
     listen: Option<SocketAddr>,
+    allow_insecure_listen: Option<bool>,
     token_file: Option<PathBuf>,
     start: Option<StartMode>,
     log_format: Option<LogFormat>,
@@ -126,6 +132,10 @@ pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
             "--listen needs --token-file: the TCP listener only serves requests with the bearer token"
         );
     }
+    if let Some(addr) = listen {
+        let allow = args.allow_insecure_listen || file.allow_insecure_listen == Some(true);
+        listener::check_listen_address(addr, allow)?;
+    }
     let node_id = match args.node_id.or(file.node_id) {
         Some(id) => id,
         None => rustix::system::uname()
@@ -176,10 +186,18 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     if let Err(err) = csi_agent::failpoint::init_from_env() {
         bail!("{}: {err}", csi_agent::failpoint::ENV_VAR);
     }
+    // Refusals come before anything is created or served.
+    let token = match (settings.listen, &settings.token_file) {
+        (Some(_), Some(file)) => Some(Arc::new(listener::read_token(file)?)),
+        _ => None,
+    };
     std::fs::create_dir_all(&settings.work_dir)
         .with_context(|| format!("cannot create the work dir {}", settings.work_dir.display()))?;
     std::fs::set_permissions(&settings.work_dir, std::fs::Permissions::from_mode(0o700))
         .with_context(|| format!("cannot make {} private", settings.work_dir.display()))?;
+    // Before the store is opened: a live socket means another daemon may be using this work dir.
+    let socket = &settings.api_socket;
+    let unix = listener::bind_unix(socket).await?;
     let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
         .map(|s| s.trim().to_owned())
         .context("cannot read /proc/sys/kernel/random/boot_id")?;
@@ -199,49 +217,15 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         server: server.clone(),
     };
 
-    let socket = &settings.api_socket;
-    match std::fs::remove_file(socket) {
-        Ok(()) => {}
-        Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
-        Err(err) => {
-            return Err(err).with_context(|| {
-                format!("cannot remove the stale API socket {}", socket.display())
-            });
-        }
-    }
-    let unix = tokio::net::UnixListener::bind(socket)
-        .with_context(|| format!("cannot listen on {}", socket.display()))?;
-    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))
-        .with_context(|| format!("cannot set mode 0600 on {}", socket.display()))?;
     let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
     let mut servers = tokio::task::JoinSet::new();
-    {
-        let app = api::router(state.clone());
-        let mut rx = shutdown_rx.clone();
-        servers.spawn(async move {
-            axum::serve(unix, app)
-                .with_graceful_shutdown(async move {
-                    let _ = rx.wait_for(|stop| *stop).await;
-                })
-                .await
-        });
-    }
-    if let (Some(addr), Some(token_file)) = (settings.listen, &settings.token_file) {
-        let token = std::fs::read_to_string(token_file)
-            .with_context(|| format!("cannot read the token file {}", token_file.display()))?
-            .trim()
-            .to_owned();
-        if token.is_empty() {
-            bail!(
-                "token file {} is empty: put the bearer token in it",
-                token_file.display()
-            );
-        }
+    if let (Some(addr), Some(token)) = (settings.listen, token) {
         let tcp = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("cannot listen on {addr}"))?;
+        let addr = tcp.local_addr().unwrap_or(addr);
         let app = api::router(state.clone()).layer(axum::middleware::from_fn_with_state(
-            Arc::new(token),
+            token,
             api::require_token,
         ));
         let mut rx = shutdown_rx.clone();
@@ -252,7 +236,22 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
                 })
                 .await
         });
-        tracing::info!(%addr, "listening on TCP (bearer token required)");
+        if addr.ip().to_canonical().is_loopback() {
+            tracing::info!(%addr, "listening on TCP (bearer token required)");
+        } else {
+            tracing::warn!(%addr, "listening on TCP on a non-loopback address (--allow-insecure-listen): plain HTTP, the bearer token and volume secrets cross the network in the clear");
+        }
+    }
+    {
+        let app = api::router(state.clone());
+        let mut rx = shutdown_rx.clone();
+        servers.spawn(async move {
+            axum::serve(unix, app)
+                .with_graceful_shutdown(async move {
+                    let _ = rx.wait_for(|stop| *stop).await;
+                })
+                .await
+        });
     }
     tracing::info!(socket = %socket.display(), work_dir = %settings.work_dir.display(), "csi-agentd serving");
 
