@@ -4,6 +4,7 @@
 //! workloads keep their volumes; SIGHUP reloads the plugin configs.
 
 use std::net::SocketAddr;
+use std::num::{NonZeroU64, NonZeroUsize};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -15,7 +16,7 @@ use serde::Deserialize;
 use tokio::signal::unix::{SignalKind, signal};
 
 use crate::api::{self, AppState};
-use crate::listener;
+use crate::listener::{self, Limits};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -55,6 +56,18 @@ pub struct ServeArgs {
     /// Allow --listen on a non-loopback address: plain HTTP, the token and secrets in the clear.
     #[arg(long)]
     allow_insecure_listen: bool,
+    /// Open connections per listener; more are answered 503 and closed (default 1024).
+    #[arg(long)]
+    max_connections: Option<NonZeroUsize>,
+    /// Close a connection whose request head is incomplete after this long (default 10000).
+    #[arg(long)]
+    header_timeout_ms: Option<NonZeroU64>,
+    /// Close a connection idle (no request in flight, no traffic) this long (default 60000).
+    #[arg(long)]
+    idle_timeout_ms: Option<NonZeroU64>,
+    /// Answer 408 to a request whose body is incomplete after this long (default 30000).
+    #[arg(long)]
+    body_timeout_ms: Option<NonZeroU64>,
     /// File holding the bearer token required on the TCP listener.
     #[arg(long)]
     token_file: Option<PathBuf>,
@@ -81,6 +94,10 @@ struct FileSettings {
     api_socket: Option<PathBuf>,
     listen: Option<SocketAddr>,
     allow_insecure_listen: Option<bool>,
+    max_connections: Option<NonZeroUsize>,
+    header_timeout_ms: Option<NonZeroU64>,
+    idle_timeout_ms: Option<NonZeroU64>,
+    body_timeout_ms: Option<NonZeroU64>,
     token_file: Option<PathBuf>,
     start: Option<StartMode>,
     log_format: Option<LogFormat>,
@@ -95,6 +112,7 @@ pub struct Settings {
     pub plugin_config_dir: Option<PathBuf>,
     pub api_socket: PathBuf,
     pub listen: Option<SocketAddr>,
+    pub limits: Limits,
     pub token_file: Option<PathBuf>,
     pub start: StartMode,
     pub log_format: LogFormat,
@@ -152,6 +170,12 @@ pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
             .transpose()?,
         api_socket,
         listen,
+        limits: Limits::new(
+            args.max_connections.or(file.max_connections),
+            args.header_timeout_ms.or(file.header_timeout_ms),
+            args.idle_timeout_ms.or(file.idle_timeout_ms),
+            args.body_timeout_ms.or(file.body_timeout_ms),
+        ),
         token_file,
         start: args.start.or(file.start).unwrap_or(StartMode::Immediate),
         log_format: args
@@ -197,6 +221,8 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         .with_context(|| format!("cannot make {} private", settings.work_dir.display()))?;
     // Before the store is opened: a live socket means another daemon may be using this work dir.
     let socket = &settings.api_socket;
+    let mut limits = settings.limits;
+    limits.fit_fd_limit(1 + usize::from(token.is_some()));
     let unix = listener::bind_unix(socket).await?;
     let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
         .map(|s| s.trim().to_owned())
@@ -219,40 +245,30 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
 
     let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
     let mut servers = tokio::task::JoinSet::new();
+    let app = listener::guard(api::router(state.clone()), &limits);
     if let (Some(addr), Some(token)) = (settings.listen, token) {
         let tcp = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("cannot listen on {addr}"))?;
         let addr = tcp.local_addr().unwrap_or(addr);
-        let app = api::router(state.clone()).layer(axum::middleware::from_fn_with_state(
+        let app = app.clone().layer(axum::middleware::from_fn_with_state(
             token,
             api::require_token,
         ));
-        let mut rx = shutdown_rx.clone();
-        servers.spawn(async move {
-            axum::serve(tcp, app)
-                .with_graceful_shutdown(async move {
-                    let _ = rx.wait_for(|stop| *stop).await;
-                })
-                .await
-        });
+        servers.spawn(listener::serve(
+            tcp,
+            "tcp",
+            app,
+            limits,
+            shutdown_rx.clone(),
+        ));
         if addr.ip().to_canonical().is_loopback() {
             tracing::info!(%addr, "listening on TCP (bearer token required)");
         } else {
             tracing::warn!(%addr, "listening on TCP on a non-loopback address (--allow-insecure-listen): plain HTTP, the bearer token and volume secrets cross the network in the clear");
         }
     }
-    {
-        let app = api::router(state.clone());
-        let mut rx = shutdown_rx.clone();
-        servers.spawn(async move {
-            axum::serve(unix, app)
-                .with_graceful_shutdown(async move {
-                    let _ = rx.wait_for(|stop| *stop).await;
-                })
-                .await
-        });
-    }
+    servers.spawn(listener::serve(unix, "unix", app, limits, shutdown_rx));
     tracing::info!(socket = %socket.display(), work_dir = %settings.work_dir.display(), "csi-agentd serving");
 
     match settings.start {
@@ -281,8 +297,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
             }
             Some(done) = servers.join_next() => {
                 match done {
-                    Ok(Ok(())) => bail!("an API listener stopped unexpectedly"),
-                    Ok(Err(err)) => bail!("an API listener failed: {err}"),
+                    Ok(()) => bail!("an API listener stopped unexpectedly"),
                     Err(err) => bail!("an API listener task failed: {err}"),
                 }
             }

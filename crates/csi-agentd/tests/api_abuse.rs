@@ -1,5 +1,5 @@
 //! The API listeners under abuse: the real `csi-agentd` binary, no plugin, raw HTTP over its
-//! unix socket and over TCP on 127.0.0.1 only.
+//! unix socket and over TCP on 127.0.0.1 only. Each flood is bounded in count and time.
 //!
 //! Run as root under `unshare -m --propagation private` like the other daemon tests.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -13,6 +13,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 const TOKEN: &str = "a-test-token-of-32-bytes-long-xx";
+/// How many idle partial-head connections a flood opens.
+const FLOOD: usize = 2000;
+
 /// A daemon started by the test, killed when dropped.
 struct Daemon {
     dir: PathBuf,
@@ -141,6 +144,15 @@ impl Daemon {
         s.set_write_timeout(Some(Duration::from_secs(10))).unwrap();
         s
     }
+
+    /// `VmRSS` of the daemon, in KiB.
+    fn rss_kib(&self) -> u64 {
+        proc_status(self.pid(), "VmRSS:")
+            .trim_end_matches("kB")
+            .trim()
+            .parse()
+            .unwrap()
+    }
 }
 
 impl Drop for Daemon {
@@ -250,10 +262,441 @@ fn get(path: &str, token: Option<&str>) -> Vec<u8> {
     format!("GET {path} HTTP/1.1\r\nhost: localhost\r\n{auth}\r\n").into_bytes()
 }
 
+fn post(path: &str, content_type: Option<&str>, body: &str) -> Vec<u8> {
+    let ct = content_type
+        .map(|t| format!("content-type: {t}\r\n"))
+        .unwrap_or_default();
+    format!(
+        "POST {path} HTTP/1.1\r\nhost: localhost\r\n{ct}content-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+/// Waits until the peer closes `stream` (EOF or reset); how long that took.
+fn time_to_close(stream: &mut impl Read, started: Instant, limit: Duration) -> Duration {
+    let mut buf = [0u8; 1024];
+    loop {
+        match stream.read(&mut buf) {
+            Ok(0) => return started.elapsed(),
+            Ok(_) => {}
+            Err(e) if matches!(e.kind(), ErrorKind::ConnectionReset | ErrorKind::BrokenPipe) => {
+                return started.elapsed();
+            }
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            Err(e) => panic!("{e}"),
+        }
+        assert!(
+            started.elapsed() < limit,
+            "the daemon kept the connection open for {limit:?}"
+        );
+    }
+}
+
+/// The start of a request head, never finished.
+const PARTIAL_HEAD: &[u8] = b"GET /v1/health HTTP/1.1\r\nhost: localhost\r\nx-slow: ";
+
+/// `FLOOD` TCP connections, each with a partial head; fails if the daemon stops accepting.
+fn flood_tcp(port: u16) -> Vec<TcpStream> {
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    (0..FLOOD)
+        .map(|i| {
+            let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5))
+                .unwrap_or_else(|e| panic!("connection {i} of the flood not accepted: {e}"));
+            let _ = s.write_all(PARTIAL_HEAD);
+            s
+        })
+        .collect()
+}
+
+/// The same on the unix socket, given 30 s in all (a blocking connect has no timeout).
+fn flood_unix(path: &Path) -> Vec<UnixStream> {
+    let path = path.to_owned();
+    let (done, flood) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let streams: Vec<UnixStream> = (0..FLOOD)
+            .map(|_| {
+                let mut s = UnixStream::connect(&path).unwrap();
+                let _ = s.write_all(PARTIAL_HEAD);
+                s
+            })
+            .collect();
+        let _ = done.send(streams);
+    });
+    flood
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the daemon stopped accepting on its socket")
+}
+
+fn timed_health(stream: &mut (impl Read + Write), token: Option<&str>) -> (Answer, Duration) {
+    let started = Instant::now();
+    let answer = exchange(stream, &get("/v1/health", token));
+    (answer, started.elapsed())
+}
+
 fn tcp_args<'a>(listen: &'a str, token: &'a Path, more: &[&'a str]) -> Vec<&'a str> {
     let mut args = vec!["--listen", listen, "--token-file", token.to_str().unwrap()];
     args.extend_from_slice(more);
     args
+}
+
+#[test]
+fn a_tcp_flood_of_idle_partial_heads_leaves_the_socket_and_existing_clients_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let token = token_file(dir.path(), TOKEN);
+    let listen = format!("127.0.0.1:{}", free_port());
+    let args = tcp_args(
+        &listen,
+        &token,
+        &["--max-connections", "64", "--header-timeout-ms", "15000"],
+    );
+    let daemon = Daemon::start(dir.path(), &args);
+
+    // A client connected before the flood, with a keep-alive connection.
+    let mut existing = daemon.tcp();
+    assert_eq!(
+        exchange(&mut existing, &get("/v1/health", Some(TOKEN))).status,
+        200
+    );
+    let rss_before = daemon.rss_kib();
+
+    let started = Instant::now();
+    let flood = flood_tcp(daemon.port.unwrap());
+    let flood_time = started.elapsed();
+    let rss_flood = daemon.rss_kib();
+
+    let (answer, unix_time) = timed_health(&mut daemon.unix(), None);
+    assert_eq!(answer.status, 200, "{answer:?}");
+    let (answer, existing_time) = timed_health(&mut existing, Some(TOKEN));
+    assert_eq!(answer.status, 200, "{answer:?}");
+    // A new TCP connection is over the cap: answered at once with 503, in the error shape.
+    let started = Instant::now();
+    let mut fresh = daemon.tcp();
+    let answer = read_answer(&mut fresh).unwrap();
+    let refused_time = started.elapsed();
+    assert_eq!(answer.status, 503, "{answer:?}");
+    assert_eq!(answer.json()["code"], "unavailable");
+    println!(
+        "{FLOOD} partial heads opened in {flood_time:?}; then health on the socket in \
+         {unix_time:?}, on the existing TCP connection in {existing_time:?}, a new TCP \
+         connection refused in {refused_time:?}"
+    );
+    for time in [unix_time, existing_time, refused_time] {
+        assert!(time < Duration::from_secs(2), "{time:?}");
+    }
+
+    drop(flood);
+    // Once the held heads time out, new TCP connections are served again.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let mut s = daemon.tcp();
+        if s.write_all(&get("/v1/health", Some(TOKEN))).is_ok() {
+            match read_answer(&mut s) {
+                Ok(a) if a.status == 200 => break,
+                Ok(a) => assert_eq!(a.status, 503, "{a:?}"),
+                Err(_) => {}
+            }
+        }
+        assert!(Instant::now() < deadline, "TCP never served again");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let rss_after = daemon.rss_kib();
+    println!(
+        "daemon VmRSS: {rss_before} KiB before, {rss_flood} KiB during the flood, \
+         {rss_after} KiB after it closed"
+    );
+    assert!(
+        rss_after < rss_before + 64 * 1024,
+        "RSS grew from {rss_before} KiB to {rss_after} KiB"
+    );
+    assert!(
+        daemon.log().contains("connection cap reached"),
+        "{}",
+        daemon.log()
+    );
+}
+
+#[test]
+fn a_socket_flood_leaves_the_tcp_listener_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let token = token_file(dir.path(), TOKEN);
+    let listen = format!("127.0.0.1:{}", free_port());
+    let args = tcp_args(
+        &listen,
+        &token,
+        &["--max-connections", "64", "--header-timeout-ms", "8000"],
+    );
+    let daemon = Daemon::start(dir.path(), &args);
+    let rss_before = daemon.rss_kib();
+    let flood = flood_unix(&daemon.socket);
+    let (answer, tcp_time) = timed_health(&mut daemon.tcp(), Some(TOKEN));
+    assert_eq!(answer.status, 200, "{answer:?}");
+    let mut fresh = daemon.unix();
+    let answer = read_answer(&mut fresh).unwrap();
+    assert_eq!(answer.status, 503, "{answer:?}");
+    println!("{FLOOD} partial heads on the socket; health on TCP in {tcp_time:?}");
+    assert!(tcp_time < Duration::from_secs(2), "{tcp_time:?}");
+    drop(flood);
+    std::thread::sleep(Duration::from_millis(500));
+    let rss_after = daemon.rss_kib();
+    println!("daemon VmRSS: {rss_before} KiB before, {rss_after} KiB after the flood closed");
+    assert!(rss_after < rss_before + 64 * 1024);
+}
+
+#[test]
+fn a_daemon_short_of_file_descriptors_lowers_its_cap_and_keeps_serving() {
+    let dir = tempfile::tempdir().unwrap();
+    let token = token_file(dir.path(), TOKEN);
+    let listen = format!("127.0.0.1:{}", free_port());
+    // The default cap (1024 per listener) does not fit in 256 descriptors.
+    let args = tcp_args(&listen, &token, &[]);
+    let cmd = command_via(dir.path(), &["prlimit", "--nofile=256:256"], &args);
+    let daemon = Daemon::spawn(dir.path(), cmd, &args);
+    assert_eq!(proc_status(daemon.pid(), "Name:"), "csi-agentd");
+    let flood = flood_tcp(daemon.port.unwrap());
+    let (answer, unix_time) = timed_health(&mut daemon.unix(), None);
+    assert_eq!(answer.status, 200, "{answer:?}");
+    println!(
+        "{FLOOD} partial heads against 256 descriptors; health on the socket in {unix_time:?}"
+    );
+    assert!(unix_time < Duration::from_secs(2));
+    drop(flood);
+    let (answer, _) = timed_health(&mut daemon.unix(), None);
+    assert_eq!(answer.status, 200, "{answer:?}");
+    assert!(
+        daemon.log().contains("lowering the connection cap"),
+        "{}",
+        daemon.log()
+    );
+}
+
+#[test]
+fn a_partial_head_is_closed_after_the_header_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let daemon = Daemon::start(dir.path(), &["--header-timeout-ms", "500"]);
+
+    let mut partial = daemon.unix();
+    let started = Instant::now();
+    partial.write_all(PARTIAL_HEAD).unwrap();
+    let closed = time_to_close(&mut partial, started, Duration::from_secs(5));
+
+    // A client that keeps trickling bytes is cut at the same deadline: it is for the whole head.
+    let mut trickle = daemon.unix();
+    trickle
+        .set_read_timeout(Some(Duration::from_millis(50)))
+        .unwrap();
+    let started = Instant::now();
+    for byte in PARTIAL_HEAD
+        .iter()
+        .chain(b"aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa")
+    {
+        if trickle.write_all(&[*byte]).is_err() {
+            break;
+        }
+        let mut buf = [0u8; 64];
+        match trickle.read(&mut buf) {
+            Ok(0) => break,
+            Err(e) if e.kind() == ErrorKind::ConnectionReset => break,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+            other => panic!("{other:?}"),
+        }
+        let so_far = started.elapsed();
+        assert!(
+            so_far < Duration::from_secs(5),
+            "still open after {so_far:?}"
+        );
+    }
+    trickle
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let trickled = time_to_close(&mut trickle, started, Duration::from_secs(5));
+
+    // A connection that sends nothing at all.
+    let mut silent = daemon.unix();
+    let started = Instant::now();
+    let silent_closed = time_to_close(&mut silent, started, Duration::from_secs(5));
+
+    println!(
+        "header timeout 500 ms: partial head closed after {closed:?}, trickling client after \
+         {trickled:?}, silent connection after {silent_closed:?}"
+    );
+    for time in [closed, trickled, silent_closed] {
+        assert!(time >= Duration::from_millis(400), "{time:?}");
+        assert!(time < Duration::from_secs(2), "{time:?}");
+    }
+    assert_eq!(
+        exchange(&mut daemon.unix(), &get("/v1/health", None)).status,
+        200
+    );
+}
+
+#[test]
+fn an_idle_keep_alive_connection_outlives_the_header_timeout_until_the_idle_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let daemon = Daemon::start(
+        dir.path(),
+        &["--header-timeout-ms", "300", "--idle-timeout-ms", "1500"],
+    );
+    let mut conn = daemon.unix();
+    assert_eq!(exchange(&mut conn, &get("/v1/health", None)).status, 200);
+    std::thread::sleep(Duration::from_millis(800));
+    assert_eq!(exchange(&mut conn, &get("/v1/health", None)).status, 200);
+    let started = Instant::now();
+    let closed = time_to_close(&mut conn, started, Duration::from_secs(6));
+    println!("idle timeout 1500 ms: idle connection closed after {closed:?}");
+    assert!(closed >= Duration::from_millis(1300), "{closed:?}");
+    assert!(closed < Duration::from_secs(4), "{closed:?}");
+}
+
+#[test]
+fn tcp_refuses_a_request_without_the_token_before_its_body_arrives() {
+    let dir = tempfile::tempdir().unwrap();
+    let token = token_file(dir.path(), TOKEN);
+    let listen = format!("127.0.0.1:{}", free_port());
+    let args = tcp_args(&listen, &token, &["--body-timeout-ms", "1500"]);
+    let daemon = Daemon::start(dir.path(), &args);
+    let head = |auth: &str| {
+        format!(
+            "POST /v1/volumes/publish HTTP/1.1\r\nhost: localhost\r\n{auth}\
+             content-type: application/json\r\ncontent-length: 500000\r\n\r\n"
+        )
+        .into_bytes()
+    };
+
+    let mut conn = daemon.tcp();
+    let started = Instant::now();
+    let answer = exchange(&mut conn, &head(""));
+    let refused = started.elapsed();
+    assert_eq!(answer.status, 401, "{answer:?}");
+    assert_eq!(answer.json()["code"], "unauthorized");
+    let mut conn = daemon.tcp();
+    let answer = exchange(
+        &mut conn,
+        &head("authorization: Bearer wrong-token-wrong-token\r\n"),
+    );
+    assert_eq!(answer.status, 401, "{answer:?}");
+
+    // With the token the daemon does wait for the body, until the body timeout.
+    let mut conn = daemon.tcp();
+    let started = Instant::now();
+    let answer = exchange(
+        &mut conn,
+        &head(&format!("authorization: Bearer {TOKEN}\r\n")),
+    );
+    let waited = started.elapsed();
+    assert_eq!(answer.status, 408, "{answer:?}");
+    assert_eq!(answer.json()["code"], "invalid_request");
+    println!(
+        "no token: 401 after {refused:?} with no body sent; with the token: 408 after {waited:?}"
+    );
+    assert!(refused < Duration::from_secs(1), "{refused:?}");
+    assert!(waited >= Duration::from_millis(1400), "{waited:?}");
+}
+
+#[test]
+fn oversized_heads_get_431() {
+    let dir = tempfile::tempdir().unwrap();
+    let daemon = Daemon::start(dir.path(), &[]);
+    let big = |size: usize| {
+        format!(
+            "GET /v1/health HTTP/1.1\r\nhost: localhost\r\nx-big: {}\r\n\r\n",
+            "a".repeat(size)
+        )
+        .into_bytes()
+    };
+    let answer = exchange(&mut daemon.unix(), &big(64 * 1024));
+    assert_eq!(answer.status, 431, "{answer:?}");
+    let error = answer.json();
+    assert_eq!(error["code"], "invalid_request");
+    assert!(
+        error["message"].as_str().unwrap().contains("16384"),
+        "{error}"
+    );
+    // Beyond hyper's buffer, hyper answers 431 itself (no body) and closes, perhaps before
+    // all was sent.
+    let mut conn = daemon.unix();
+    let _ = conn.write_all(&big(200 * 1024));
+    let answer = read_answer(&mut conn).unwrap();
+    assert_eq!(answer.status, 431, "{answer:?}");
+    // A head just under the limit is served.
+    assert_eq!(exchange(&mut daemon.unix(), &big(8 * 1024)).status, 200);
+}
+
+#[test]
+fn oversized_bodies_get_413() {
+    let dir = tempfile::tempdir().unwrap();
+    let daemon = Daemon::start(dir.path(), &[]);
+    // Declared too large: refused at once, no body sent.
+    let mut conn = daemon.unix();
+    let started = Instant::now();
+    let answer = exchange(
+        &mut conn,
+        b"POST /v1/volumes/publish HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: 2097152\r\n\r\n",
+    );
+    assert_eq!(answer.status, 413, "{answer:?}");
+    assert_eq!(answer.json()["code"], "invalid_request");
+    assert!(started.elapsed() < Duration::from_secs(2));
+
+    // Chunked, with no length declared: refused once the limit is passed.
+    let mut conn = daemon.unix();
+    conn.write_all(b"POST /v1/volumes/publish HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n")
+        .unwrap();
+    let chunk = format!("{:x}\r\n{}\r\n", 64 * 1024, " ".repeat(64 * 1024));
+    for _ in 0..17 {
+        if conn.write_all(chunk.as_bytes()).is_err() {
+            break;
+        }
+    }
+    let answer = read_answer(&mut conn).unwrap();
+    assert_eq!(answer.status, 413, "{answer:?}");
+    assert_eq!(answer.json()["code"], "invalid_request");
+    assert!(
+        answer.json()["message"]
+            .as_str()
+            .unwrap()
+            .contains("1048576")
+    );
+}
+
+#[test]
+fn bodies_that_are_not_json_get_415() {
+    let dir = tempfile::tempdir().unwrap();
+    let daemon = Daemon::start(dir.path(), &[]);
+    for content_type in ["text/plain", "application/x-www-form-urlencoded"] {
+        let answer = exchange(
+            &mut daemon.unix(),
+            &post("/v1/volumes/publish", Some(content_type), "{}"),
+        );
+        assert_eq!(answer.status, 415, "{content_type}: {answer:?}");
+        let error = answer.json();
+        assert_eq!(error["code"], "invalid_request");
+        assert!(
+            error["message"]
+                .as_str()
+                .unwrap()
+                .contains("application/json")
+        );
+    }
+    // JSON, declared with parameters or not declared at all, reaches the handler.
+    for content_type in [
+        Some("application/json"),
+        Some("application/json; charset=utf-8"),
+        None,
+    ] {
+        let answer = exchange(
+            &mut daemon.unix(),
+            &post("/v1/volumes/publish", content_type, "{}"),
+        );
+        assert_eq!(answer.status, 400, "{content_type:?}: {answer:?}");
+        assert!(answer.body.contains("missing field `plugin`"), "{answer:?}");
+    }
+    // No body: no Content-Type needed, whatever is declared.
+    let answer = exchange(
+        &mut daemon.unix(),
+        &post("/v1/start", Some("text/plain"), ""),
+    );
+    assert_eq!(answer.status, 200, "{answer:?}");
 }
 
 #[test]
@@ -464,4 +907,27 @@ fn weak_tokens_and_exposed_listeners_are_refused_before_serving() {
     let answer = exchange(&mut daemon.tcp(), &get("/v1/health", Some(TOKEN)));
     assert_eq!(answer.status, 200, "{answer:?}");
     assert_eq!(answer.json()["status"], "ok");
+}
+
+#[test]
+fn the_limits_can_come_from_the_config_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("csi-agentd.toml");
+    std::fs::write(&config, "max_connections = 1\nheader_timeout_ms = 600\n").unwrap();
+    let daemon = Daemon::start(dir.path(), &["--config", config.to_str().unwrap()]);
+    // Let the daemon close the connection of the start-up health check: the one slot is free.
+    std::thread::sleep(Duration::from_millis(300));
+    let mut held = daemon.unix();
+    let started = Instant::now();
+    held.write_all(PARTIAL_HEAD).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    let answer = read_answer(&mut daemon.unix()).unwrap();
+    assert_eq!(answer.status, 503, "{answer:?}");
+    let closed = time_to_close(&mut held, started, Duration::from_secs(5));
+    assert!(closed >= Duration::from_millis(500), "{closed:?}");
+    assert!(closed < Duration::from_secs(2), "{closed:?}");
+    assert_eq!(
+        exchange(&mut daemon.unix(), &get("/v1/health", None)).status,
+        200
+    );
 }

@@ -546,6 +546,8 @@ async fn bad_requests_get_clear_4xx_errors_and_change_nothing() {
                 "-X",
                 "POST",
                 "http://localhost/v1/volumes/publish",
+                "-H",
+                "content-type: application/json",
                 "-d",
                 body,
             ])
@@ -589,7 +591,15 @@ async fn the_router_serves_exactly_the_documented_routes() {
         let out = Command::new("curl")
             .args(["-s", "-m", "1", "-w", "\n%{http_code}", "--unix-socket"])
             .arg(&daemon.socket)
-            .args(["-X", method, &url, "-d", "{}"])
+            .args([
+                "-X",
+                method,
+                &url,
+                "-H",
+                "content-type: application/json",
+                "-d",
+                "{}",
+            ])
             .output()
             .unwrap();
         let text = String::from_utf8_lossy(&out.stdout).to_string();
