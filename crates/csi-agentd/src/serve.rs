@@ -4,6 +4,7 @@
 //! workloads keep their volumes; SIGHUP reloads the plugin configs.
 
 use std::net::SocketAddr;
+use std::num::{NonZeroU64, NonZeroUsize};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -15,6 +16,7 @@ use serde::Deserialize;
 use tokio::signal::unix::{SignalKind, signal};
 
 use crate::api::{self, AppState};
+use crate::listener::{self, Limits};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -47,9 +49,25 @@ pub struct ServeArgs {
     /// The API's unix socket (mode 0600). Default: `<work-dir>/api.sock`.
     #[arg(long)]
     api_socket: Option<PathBuf>,
-    /// Also listen on TCP at this address (requires --token-file).
+    /// Also listen on TCP at this address (requires --token-file; loopback only, unless
+    /// --allow-insecure-listen).
     #[arg(long)]
     listen: Option<SocketAddr>,
+    /// Allow --listen on a non-loopback address: plain HTTP, the token and secrets in the clear.
+    #[arg(long)]
+    allow_insecure_listen: bool,
+    /// Open connections per listener; more are answered 503 and closed (default 1024).
+    #[arg(long)]
+    max_connections: Option<NonZeroUsize>,
+    /// Close a connection whose request head is incomplete after this long (default 10000).
+    #[arg(long)]
+    header_timeout_ms: Option<NonZeroU64>,
+    /// Close a connection idle (no request in flight, no traffic) this long (default 60000).
+    #[arg(long)]
+    idle_timeout_ms: Option<NonZeroU64>,
+    /// Answer 408 to a request whose body is incomplete after this long (default 30000).
+    #[arg(long)]
+    body_timeout_ms: Option<NonZeroU64>,
     /// File holding the bearer token required on the TCP listener.
     #[arg(long)]
     token_file: Option<PathBuf>,
@@ -79,6 +97,11 @@ struct FileSettings {
     plugin_config_dir: Option<PathBuf>,
     api_socket: Option<PathBuf>,
     listen: Option<SocketAddr>,
+    allow_insecure_listen: Option<bool>,
+    max_connections: Option<NonZeroUsize>,
+    header_timeout_ms: Option<NonZeroU64>,
+    idle_timeout_ms: Option<NonZeroU64>,
+    body_timeout_ms: Option<NonZeroU64>,
     token_file: Option<PathBuf>,
     start: Option<StartMode>,
     log_format: Option<LogFormat>,
@@ -95,6 +118,7 @@ pub struct Settings {
     pub plugin_config_dir: Option<PathBuf>,
     pub api_socket: PathBuf,
     pub listen: Option<SocketAddr>,
+    pub limits: Limits,
     pub token_file: Option<PathBuf>,
     pub start: StartMode,
     pub log_format: LogFormat,
@@ -133,6 +157,10 @@ pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
             "--listen needs --token-file: the TCP listener only serves requests with the bearer token"
         );
     }
+    if let Some(addr) = listen {
+        let allow = args.allow_insecure_listen || file.allow_insecure_listen == Some(true);
+        listener::check_listen_address(addr, allow)?;
+    }
     let node_id = match args.node_id.or(file.node_id) {
         Some(id) => id,
         None => rustix::system::uname()
@@ -159,6 +187,12 @@ pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
             .transpose()?,
         api_socket,
         listen,
+        limits: Limits::new(
+            args.max_connections.or(file.max_connections),
+            args.header_timeout_ms.or(file.header_timeout_ms),
+            args.idle_timeout_ms.or(file.idle_timeout_ms),
+            args.body_timeout_ms.or(file.body_timeout_ms),
+        ),
         token_file,
         start: args.start.or(file.start).unwrap_or(StartMode::Immediate),
         log_format: args
@@ -219,12 +253,22 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     if let Err(err) = csi_agent::failpoint::init_from_env() {
         bail!("{}: {err}", csi_agent::failpoint::ENV_VAR);
     }
+    // Refusals come before anything is created or served.
+    let token = match (settings.listen, &settings.token_file) {
+        (Some(_), Some(file)) => Some(Arc::new(listener::read_token(file)?)),
+        _ => None,
+    };
     std::fs::create_dir_all(&settings.work_dir)
         .with_context(|| format!("cannot create the work dir {}", settings.work_dir.display()))?;
     // Before anything else in the work dir is read or written: one daemon per work dir.
     let _work_dir_lock = csi_agent::workdir::lock(&settings.work_dir)?;
     std::fs::set_permissions(&settings.work_dir, std::fs::Permissions::from_mode(0o700))
         .with_context(|| format!("cannot make {} private", settings.work_dir.display()))?;
+    // Before the store is opened: a live socket means another daemon may be using this work dir.
+    let socket = &settings.api_socket;
+    let mut limits = settings.limits;
+    limits.fit_fd_limit(1 + usize::from(token.is_some()));
+    let unix = listener::bind_unix(socket).await?;
     let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
         .map(|s| s.trim().to_owned())
         .context("cannot read /proc/sys/kernel/random/boot_id")?;
@@ -245,61 +289,32 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         server: server.clone(),
     };
 
-    let socket = &settings.api_socket;
-    match std::fs::remove_file(socket) {
-        Ok(()) => {}
-        Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
-        Err(err) => {
-            return Err(err).with_context(|| {
-                format!("cannot remove the stale API socket {}", socket.display())
-            });
-        }
-    }
-    let unix = tokio::net::UnixListener::bind(socket)
-        .with_context(|| format!("cannot listen on {}", socket.display()))?;
-    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))
-        .with_context(|| format!("cannot set mode 0600 on {}", socket.display()))?;
     let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
     let mut servers = tokio::task::JoinSet::new();
-    {
-        let app = api::router(state.clone());
-        let mut rx = shutdown_rx.clone();
-        servers.spawn(async move {
-            axum::serve(unix, app)
-                .with_graceful_shutdown(async move {
-                    let _ = rx.wait_for(|stop| *stop).await;
-                })
-                .await
-        });
-    }
-    if let (Some(addr), Some(token_file)) = (settings.listen, &settings.token_file) {
-        let token = std::fs::read_to_string(token_file)
-            .with_context(|| format!("cannot read the token file {}", token_file.display()))?
-            .trim()
-            .to_owned();
-        if token.is_empty() {
-            bail!(
-                "token file {} is empty: put the bearer token in it",
-                token_file.display()
-            );
-        }
+    let app = listener::guard(api::router(state.clone()), &limits);
+    if let (Some(addr), Some(token)) = (settings.listen, token) {
         let tcp = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("cannot listen on {addr}"))?;
-        let app = api::router(state.clone()).layer(axum::middleware::from_fn_with_state(
-            Arc::new(token),
+        let addr = tcp.local_addr().unwrap_or(addr);
+        let app = app.clone().layer(axum::middleware::from_fn_with_state(
+            token,
             api::require_token,
         ));
-        let mut rx = shutdown_rx.clone();
-        servers.spawn(async move {
-            axum::serve(tcp, app)
-                .with_graceful_shutdown(async move {
-                    let _ = rx.wait_for(|stop| *stop).await;
-                })
-                .await
-        });
-        tracing::info!(%addr, "listening on TCP (bearer token required)");
+        servers.spawn(listener::serve(
+            tcp,
+            "tcp",
+            app,
+            limits,
+            shutdown_rx.clone(),
+        ));
+        if addr.ip().to_canonical().is_loopback() {
+            tracing::info!(%addr, "listening on TCP (bearer token required)");
+        } else {
+            tracing::warn!(%addr, "listening on TCP on a non-loopback address (--allow-insecure-listen): plain HTTP, the bearer token and volume secrets cross the network in the clear");
+        }
     }
+    servers.spawn(listener::serve(unix, "unix", app, limits, shutdown_rx));
     tracing::info!(socket = %socket.display(), work_dir = %settings.work_dir.display(), "csi-agentd serving");
 
     match settings.start {
@@ -328,8 +343,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
             }
             Some(done) = servers.join_next() => {
                 match done {
-                    Ok(Ok(())) => bail!("an API listener stopped unexpectedly"),
-                    Ok(Err(err)) => bail!("an API listener failed: {err}"),
+                    Ok(()) => bail!("an API listener stopped unexpectedly"),
                     Err(err) => bail!("an API listener task failed: {err}"),
                 }
             }

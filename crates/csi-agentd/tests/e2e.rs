@@ -235,7 +235,8 @@ async fn the_tcp_listener_requires_the_token_and_the_socket_is_private() {
     require_private_mount_namespace();
     let dir = tempfile::tempdir().unwrap();
     let token_file = dir.path().join("token");
-    std::fs::write(&token_file, "s3cret-token\n").unwrap();
+    std::fs::write(&token_file, "s3cret-token-0123456789\n").unwrap();
+    std::fs::set_permissions(&token_file, std::fs::Permissions::from_mode(0o600)).unwrap();
     let port = {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         listener.local_addr().unwrap().port()
@@ -260,7 +261,7 @@ async fn the_tcp_listener_requires_the_token_and_the_socket_is_private() {
     let url = format!("http://{listen}");
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        match ApiClient::tcp(&url, Some("s3cret-token"))
+        match ApiClient::tcp(&url, Some("s3cret-token-0123456789"))
             .unwrap()
             .health()
             .await
@@ -280,7 +281,7 @@ async fn the_tcp_listener_requires_the_token_and_the_socket_is_private() {
     let (status, _) = api_error(ApiClient::tcp(&url, Some("wrong")).unwrap().health().await);
     assert_eq!(status, 401);
     let (status, _) = api_error(
-        ApiClient::tcp(&url, Some("s3cret-token-and-more"))
+        ApiClient::tcp(&url, Some("s3cret-token-0123456789-and-more"))
             .unwrap()
             .volumes()
             .await,
@@ -362,6 +363,8 @@ async fn bad_requests_get_clear_4xx_errors_and_change_nothing() {
                 "-X",
                 "POST",
                 "http://localhost/v1/volumes/publish",
+                "-H",
+                "content-type: application/json",
                 "-d",
                 body,
             ])
@@ -405,7 +408,15 @@ async fn the_router_serves_exactly_the_documented_routes() {
         let out = Command::new("curl")
             .args(["-s", "-m", "1", "-w", "\n%{http_code}", "--unix-socket"])
             .arg(&daemon.socket)
-            .args(["-X", method, &url, "-d", "{}"])
+            .args([
+                "-X",
+                method,
+                &url,
+                "-H",
+                "content-type: application/json",
+                "-d",
+                "{}",
+            ])
             .output()
             .unwrap();
         let text = String::from_utf8_lossy(&out.stdout).to_string();
