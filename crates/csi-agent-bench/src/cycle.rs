@@ -469,10 +469,15 @@ impl Contenders<'_> {
             }
             Contender::Store => {
                 let (t, n, id) = (STORE_TYPE, "default", STORE_VOLUME);
-                for _ in 0..self.store_saves {
-                    self.store.save_volume(t, n, id, &self.store_record)?;
+                // The engine's store work of one cycle: per operation one durable write and
+                // its notes (the RPCs and their results), the last one a noted delete.
+                for _ in 0..2 {
+                    self.store.save_volume(t, n, id, &self.store_record).await?;
+                    for _ in 1..self.store_saves {
+                        self.store.note_volume(t, n, id, &self.store_record)?;
+                    }
                 }
-                self.store.delete_volume(t, n, id)?;
+                self.store.note_delete(t, n, id, false)?;
                 t1 = Instant::now();
             }
         }

@@ -72,9 +72,9 @@ struct Durable {
 const DURABLE_TYPE: &str = "org.example.raw-durable";
 
 impl Raw {
-    /// A copy of this client that also writes a volume record durably before each RPC
-    /// (intent) and after the last one (result), like the engine (a step's result and the
-    /// next intent share one write), and deletes it at the end of an unpublish.
+    /// A copy of this client that also keeps a volume record the way the engine does: one
+    /// durable write before the first RPC of an operation (its desired state), a progress
+    /// note after each RPC, and a noted delete at the end of an unpublish.
     pub fn with_durable_writes(&self, work_dir: &Path) -> anyhow::Result<Self> {
         let store = Store::open(Layout::new(work_dir), None)?;
         let mut record = VolumeRecord::new("raw-durable", Origin::PreProvisioned);
@@ -88,20 +88,31 @@ impl Raw {
         })
     }
 
-    fn checkpoint(&self, volume_id: &str) -> anyhow::Result<()> {
+    async fn checkpoint(&self, volume_id: &str) -> anyhow::Result<()> {
         if let Some(d) = &self.durable {
             d.store
-                .save_volume(DURABLE_TYPE, "default", volume_id, &d.record)?;
+                .save_volume(DURABLE_TYPE, "default", volume_id, &d.record)
+                .await?;
+        }
+        Ok(())
+    }
+
+    fn note(&self, volume_id: &str) -> anyhow::Result<()> {
+        if let Some(d) = &self.durable {
+            d.store
+                .note_volume(DURABLE_TYPE, "default", volume_id, &d.record)?;
         }
         Ok(())
     }
 
     fn forget(&self, volume_id: &str) -> anyhow::Result<()> {
         if let Some(d) = &self.durable {
-            d.store.delete_volume(DURABLE_TYPE, "default", volume_id)?;
+            d.store
+                .note_delete(DURABLE_TYPE, "default", volume_id, false)?;
         }
         Ok(())
     }
+
     /// Connects (detecting the version) and asks the capabilities and, if the plugin needs
     /// ControllerPublish, the node id, once — as any CO would.
     pub async fn connect(socket: &Path, root: PathBuf, plugin_type: &str) -> anyhow::Result<Self> {
@@ -150,7 +161,7 @@ impl Raw {
     /// volume dir, created with the staging dir).
     pub async fn publish(&self, volume_id: &str) -> anyhow::Result<()> {
         let mut publish_context = HashMap::new();
-        self.checkpoint(volume_id)?;
+        self.checkpoint(volume_id).await?;
         if let Some(node_id) = &self.node_id {
             publish_context = self
                 .client
@@ -163,7 +174,7 @@ impl Raw {
                 })
                 .await?
                 .publish_context;
-            self.checkpoint(volume_id)?;
+            self.note(volume_id)?;
         }
         let staging = self.staging(volume_id);
         if self.stage {
@@ -177,7 +188,7 @@ impl Raw {
                     ..Default::default()
                 })
                 .await?;
-            self.checkpoint(volume_id)?;
+            self.note(volume_id)?;
         } else {
             std::fs::create_dir_all(self.volume_dir(volume_id))?;
         }
@@ -196,13 +207,13 @@ impl Raw {
                 ..Default::default()
             })
             .await?;
-        self.checkpoint(volume_id)?;
+        self.note(volume_id)?;
         Ok(())
     }
 
     /// NodeUnpublish, NodeUnstage, rmdir staging and the volume dir, [ControllerUnpublish].
     pub async fn unpublish(&self, volume_id: &str) -> anyhow::Result<()> {
-        self.checkpoint(volume_id)?;
+        self.checkpoint(volume_id).await?;
         self.client
             .node_unpublish_volume(v1::NodeUnpublishVolumeRequest {
                 volume_id: volume_id.to_owned(),
@@ -210,7 +221,7 @@ impl Raw {
             })
             .await?;
         if self.stage {
-            self.checkpoint(volume_id)?;
+            self.note(volume_id)?;
             let staging = self.staging(volume_id);
             self.client
                 .node_unstage_volume(v1::NodeUnstageVolumeRequest {
@@ -222,7 +233,7 @@ impl Raw {
         }
         std::fs::remove_dir(self.volume_dir(volume_id))?;
         if let Some(node_id) = &self.node_id {
-            self.checkpoint(volume_id)?;
+            self.note(volume_id)?;
             self.client
                 .controller_unpublish_volume(v1::ControllerUnpublishVolumeRequest {
                     volume_id: volume_id.to_owned(),

@@ -90,6 +90,8 @@ pub struct Metrics {
     pub volumes: Family<VolumeStateLabels, Gauge>,
     pub operation_duration: Family<OperationLabels, Histogram, LatencyBuckets>,
     pub checkpoint_writes: Counter,
+    pub checkpoint_lazy_commits: Counter,
+    pub checkpoint_records: Counter,
     pub checkpoint_fsync_seconds: Histogram,
     pub recovery_seconds: Gauge<f64, AtomicU64>,
     pub config_errors: Family<ConfigFileLabels, Gauge>,
@@ -156,13 +158,25 @@ impl Metrics {
         let checkpoint_writes = Counter::default();
         registry.register(
             "checkpoint_writes",
-            "Durable record writes (each one fsyncs file and directory)",
+            "Durable writes: store commits (one fsync of the write-ahead log each, however many records they hold) and secrets files",
             checkpoint_writes.clone(),
+        );
+        let checkpoint_lazy_commits = Counter::default();
+        registry.register(
+            "checkpoint_lazy_commits",
+            "Store commits that held only progress notes (nobody waited for them)",
+            checkpoint_lazy_commits.clone(),
+        );
+        let checkpoint_records = Counter::default();
+        registry.register(
+            "checkpoint_records",
+            "Record writes and deletes committed (group commit puts many in one commit)",
+            checkpoint_records.clone(),
         );
         let checkpoint_fsync_seconds = Histogram::new(latency_buckets());
         registry.register(
             "checkpoint_fsync_seconds",
-            "Time spent in fsync per durable record write",
+            "Time per durable write (a whole store commit, or a secrets file)",
             checkpoint_fsync_seconds.clone(),
         );
         let recovery_seconds = Gauge::<f64, AtomicU64>::default();
@@ -188,6 +202,8 @@ impl Metrics {
             volumes,
             operation_duration,
             checkpoint_writes,
+            checkpoint_lazy_commits,
+            checkpoint_records,
             checkpoint_fsync_seconds,
             recovery_seconds,
             config_errors,

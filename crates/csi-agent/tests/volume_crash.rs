@@ -25,19 +25,25 @@ enum Phase {
     Unpublish,
 }
 
-/// Every crash point: (name, nth hit within the phase, phase, whether the claim was already
-/// durable when the crash happened — for the unpublish phase: whether its removal was not).
+/// Every crash point: (name, nth hit within the phase, phase, whether the claim was durable
+/// when the crash happened — for the unpublish phase: whether its removal was not). Each
+/// operation makes one durable write (its desired state: the claim or its removal, commit #1
+/// of the phase); every step after it is a progress note, committed by commit #2 (the child
+/// flushes after the operation, as a later operation's commit would).
 const POINTS: &[(&str, u64, Phase, bool)] = &[
-    // Publish: claim + ControllerPublish intent is the first write.
     ("volume.secrets.after_write", 1, Phase::Publish, false),
+    ("store.write.before_rename", 1, Phase::Publish, false),
+    ("store.write.after_rename", 1, Phase::Publish, false),
+    ("volume.desire.before_write", 1, Phase::Publish, false),
+    ("store.commit.before", 1, Phase::Publish, false),
+    ("store.commit.after", 1, Phase::Publish, true),
+    ("volume.desire.after_write", 1, Phase::Publish, true),
     (
         "volume.controller_publish.before_intent",
         1,
         Phase::Publish,
-        false,
+        true,
     ),
-    ("store.write.before_rename", 2, Phase::Publish, false),
-    ("store.write.after_rename", 2, Phase::Publish, true),
     (
         "volume.controller_publish.before_rpc",
         1,
@@ -51,29 +57,26 @@ const POINTS: &[(&str, u64, Phase, bool)] = &[
         true,
     ),
     ("volume.node_stage.before_intent", 1, Phase::Publish, true),
-    ("store.write.before_rename", 3, Phase::Publish, true),
-    ("store.write.after_rename", 3, Phase::Publish, true),
     ("volume.node_stage.before_rpc", 1, Phase::Publish, true),
     ("volume.node_stage.after_rpc", 1, Phase::Publish, true),
     ("volume.node_publish.before_intent", 1, Phase::Publish, true),
-    ("store.write.before_rename", 4, Phase::Publish, true),
-    ("store.write.after_rename", 4, Phase::Publish, true),
     ("volume.node_publish.before_rpc", 1, Phase::Publish, true),
     ("volume.node_publish.after_rpc", 1, Phase::Publish, true),
     ("volume.final.before_write", 1, Phase::Publish, true),
-    ("store.write.before_rename", 5, Phase::Publish, true),
-    ("store.write.after_rename", 5, Phase::Publish, true),
     ("volume.final.after_write", 1, Phase::Publish, true),
     ("volume.publish.before_answer", 1, Phase::Publish, true),
-    // Unpublish: claim removal + NodeUnpublish intent is the first write.
+    ("store.commit.before", 2, Phase::Publish, true),
+    ("store.commit.after", 2, Phase::Publish, true),
+    ("volume.desire.before_write", 1, Phase::Unpublish, true),
+    ("store.commit.before", 1, Phase::Unpublish, true),
+    ("store.commit.after", 1, Phase::Unpublish, false),
+    ("volume.desire.after_write", 1, Phase::Unpublish, false),
     (
         "volume.node_unpublish.before_intent",
         1,
         Phase::Unpublish,
-        true,
+        false,
     ),
-    ("store.write.before_rename", 1, Phase::Unpublish, true),
-    ("store.write.after_rename", 1, Phase::Unpublish, false),
     (
         "volume.node_unpublish.before_rpc",
         1,
@@ -92,8 +95,6 @@ const POINTS: &[(&str, u64, Phase, bool)] = &[
         Phase::Unpublish,
         false,
     ),
-    ("store.write.before_rename", 2, Phase::Unpublish, false),
-    ("store.write.after_rename", 2, Phase::Unpublish, false),
     ("volume.node_unstage.before_rpc", 1, Phase::Unpublish, false),
     ("volume.node_unstage.after_rpc", 1, Phase::Unpublish, false),
     (
@@ -102,8 +103,6 @@ const POINTS: &[(&str, u64, Phase, bool)] = &[
         Phase::Unpublish,
         false,
     ),
-    ("store.write.before_rename", 3, Phase::Unpublish, false),
-    ("store.write.after_rename", 3, Phase::Unpublish, false),
     (
         "volume.controller_unpublish.before_rpc",
         1,
@@ -118,6 +117,8 @@ const POINTS: &[(&str, u64, Phase, bool)] = &[
     ),
     ("volume.record.before_delete", 1, Phase::Unpublish, false),
     ("volume.record.after_delete", 1, Phase::Unpublish, false),
+    ("store.commit.before", 2, Phase::Unpublish, false),
+    ("store.commit.after", 2, Phase::Unpublish, false),
 ];
 
 const VOLUME: &str = "vol";
@@ -150,6 +151,8 @@ async fn child_scenario() {
     let manager = manager(Path::new(&work), Path::new(&socket), BOOT);
     if phase == "unpublish" {
         manager.publish(request()).await.unwrap();
+        // Its notes committed, so that the unpublish's commits are counted from its own.
+        manager.flush().await.unwrap();
     }
     failpoint::arm_nth(&point, nth, Action::Exit);
     if phase == "publish" {
@@ -157,6 +160,8 @@ async fn child_scenario() {
     } else {
         let _ = manager.unpublish(VOLUME, WORKLOAD).await;
     }
+    // The operation's progress notes, committed as a later operation's write would.
+    let _ = manager.flush().await;
     println!("CHILD COMPLETED WITHOUT CRASHING");
 }
 
@@ -221,6 +226,7 @@ async fn crash_at(point: &str, nth: u64, phase: Phase, claim_durable: bool) {
     }
     // Whatever happened, the workload's unpublish cleans everything.
     manager.unpublish(VOLUME, WORKLOAD).await.unwrap();
+    manager.flush().await.unwrap();
     assert!(mounts_under(&work).is_empty(), "{:?}", mounts_under(&work));
     assert!(records(&work).is_empty(), "{:?}", records(&work));
     assert!(mounts_under(&plugin.work).is_empty());
@@ -276,43 +282,43 @@ macro_rules! crash_tests {
 
 crash_tests! {
     crash_publish_after_secrets_write => 0;
-    crash_publish_before_first_intent => 1;
-    crash_publish_first_write_before_rename => 2;
-    crash_publish_first_write_after_rename => 3;
-    crash_before_controller_publish_rpc => 4;
-    crash_after_controller_publish_rpc => 5;
-    crash_before_node_stage_intent => 6;
-    crash_publish_second_write_before_rename => 7;
-    crash_publish_second_write_after_rename => 8;
-    crash_before_node_stage_rpc => 9;
-    crash_after_node_stage_rpc => 10;
-    crash_before_node_publish_intent => 11;
-    crash_publish_third_write_before_rename => 12;
-    crash_publish_third_write_after_rename => 13;
+    crash_publish_secrets_write_before_rename => 1;
+    crash_publish_secrets_write_after_rename => 2;
+    crash_publish_before_claim_write => 3;
+    crash_publish_claim_commit_before => 4;
+    crash_publish_claim_commit_after => 5;
+    crash_publish_after_claim_write => 6;
+    crash_before_controller_publish_intent => 7;
+    crash_before_controller_publish_rpc => 8;
+    crash_after_controller_publish_rpc => 9;
+    crash_before_node_stage_intent => 10;
+    crash_before_node_stage_rpc => 11;
+    crash_after_node_stage_rpc => 12;
+    crash_before_node_publish_intent => 13;
     crash_before_node_publish_rpc => 14;
     crash_after_node_publish_rpc => 15;
-    crash_before_final_publish_write => 16;
-    crash_publish_final_write_before_rename => 17;
-    crash_publish_final_write_after_rename => 18;
-    crash_after_final_publish_write => 19;
-    crash_before_publish_answer => 20;
-    crash_before_node_unpublish_intent => 21;
-    crash_unpublish_first_write_before_rename => 22;
-    crash_unpublish_first_write_after_rename => 23;
-    crash_before_node_unpublish_rpc => 24;
-    crash_after_node_unpublish_rpc => 25;
-    crash_before_node_unstage_intent => 26;
-    crash_unpublish_second_write_before_rename => 27;
-    crash_unpublish_second_write_after_rename => 28;
+    crash_before_final_publish_note => 16;
+    crash_after_final_publish_note => 17;
+    crash_before_publish_answer => 18;
+    crash_publish_notes_commit_before => 19;
+    crash_publish_notes_commit_after => 20;
+    crash_unpublish_before_claim_removal => 21;
+    crash_unpublish_removal_commit_before => 22;
+    crash_unpublish_removal_commit_after => 23;
+    crash_unpublish_after_claim_removal => 24;
+    crash_before_node_unpublish_intent => 25;
+    crash_before_node_unpublish_rpc => 26;
+    crash_after_node_unpublish_rpc => 27;
+    crash_before_node_unstage_intent => 28;
     crash_before_node_unstage_rpc => 29;
     crash_after_node_unstage_rpc => 30;
     crash_before_controller_unpublish_intent => 31;
-    crash_unpublish_third_write_before_rename => 32;
-    crash_unpublish_third_write_after_rename => 33;
-    crash_before_controller_unpublish_rpc => 34;
-    crash_after_controller_unpublish_rpc => 35;
-    crash_before_record_delete => 36;
-    crash_after_record_delete => 37;
+    crash_before_controller_unpublish_rpc => 32;
+    crash_after_controller_unpublish_rpc => 33;
+    crash_before_record_delete => 34;
+    crash_after_record_delete => 35;
+    crash_unpublish_notes_commit_before => 36;
+    crash_unpublish_notes_commit_after => 37;
 }
 
 #[test]

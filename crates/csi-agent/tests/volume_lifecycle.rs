@@ -41,6 +41,7 @@ async fn publish_write_unpublish(versions: &str) {
 
     manager.unpublish("vol1", "w1").await.unwrap();
     assert_eq!(mounts_under(&work), Vec::<std::path::PathBuf>::new());
+    manager.flush().await.unwrap(); // the last steps are progress notes: commit them
     assert!(records(&work).is_empty(), "{:?}", records(&work));
     assert!(!published.target_path.exists());
     assert!(manager.get("vol1").await.is_none());
@@ -128,6 +129,7 @@ async fn shared_volume_stays_until_the_last_claim_goes() {
 
     manager.unpublish("shared", "w2").await.unwrap();
     assert!(mounts_under(&work).is_empty());
+    manager.flush().await.unwrap(); // the last steps are progress notes: commit them
     assert!(records(&work).is_empty());
 }
 
@@ -232,10 +234,21 @@ async fn stage_and_publish_secrets_reach_the_plugin_and_nowhere_else() {
         .find(|c| c["method"] == "NodePublishVolume")
         .unwrap();
     assert_eq!(publish["secrets"]["publish-key"], "publish-s3cret");
-    // Only the 0600 secrets file holds them.
-    let record_dir = &records(&work)[0];
-    let record = std::fs::read_to_string(record_dir.join("volume.json")).unwrap();
-    assert!(!record.contains("s3cret"), "{record}");
+    // Only the 0600 secrets file holds them: not the database, nor its write-ahead log.
+    manager.flush().await.unwrap();
+    for file in ["state.db", "state.db-wal"] {
+        let bytes = std::fs::read(work.join(file)).unwrap_or_default();
+        assert!(
+            !bytes.windows(6).any(|w| w == b"s3cret"),
+            "{file} holds a secret"
+        );
+    }
+    assert!(!records(&work).is_empty());
+    let record_dir = csi_agent::layout::Layout::new(&work).volume_dir(
+        PLUGIN_TYPE,
+        "default",
+        &records(&work)[0],
+    );
     let secrets_file = record_dir.join("secrets.json");
     assert!(
         std::fs::read_to_string(&secrets_file)
@@ -272,6 +285,7 @@ async fn plugin_dies_during(method: &str) {
     manager.unpublish("v", "w1").await.unwrap();
     assert_ne!(plugin.pid(), first_pid, "the plugin was not restarted");
     assert!(mounts_under(&work).is_empty());
+    manager.flush().await.unwrap(); // the last steps are progress notes: commit them
     assert!(records(&work).is_empty());
     // The dying call and its successful repeat.
     assert_eq!(plugin.count(method), 2, "{method}");
@@ -348,6 +362,7 @@ async fn reboot_restages_claimed_volumes_and_cleans_unclaimed_ones() {
     );
     manager.unpublish("kept", "w1").await.unwrap();
     assert!(mounts_under(&work).is_empty());
+    manager.flush().await.unwrap(); // the last steps are progress notes: commit them
     assert!(records(&work).is_empty());
 }
 
@@ -360,14 +375,12 @@ async fn reboot_forgets_volumes_without_claims() {
     {
         let manager = manager(&work, &plugin.socket, "boot-a");
         manager.publish(publish_request("v", "w1")).await.unwrap();
-        // A crash after the claim was withdrawn but before the unpublish ran: simulate by
-        // editing the durable record directly.
-        let record_path = records(&work)[0].join("volume.json");
-        let mut record: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(&record_path).unwrap()).unwrap();
-        record["record"]["claims"] = json!([]);
-        std::fs::write(&record_path, serde_json::to_vec(&record).unwrap()).unwrap();
     }
+    // A crash after the claim was withdrawn but before the unpublish ran: simulate by
+    // editing the durable record directly (the manager is gone, its notes committed).
+    let mut record = record_json(&work, "v");
+    record["claims"] = json!([]);
+    set_record_raw(&work, "v", &record.to_string());
     for mount in mounts_under(&work).into_iter().rev() {
         rustix::mount::unmount(&mount, rustix::mount::UnmountFlags::DETACH).unwrap();
     }
@@ -422,6 +435,7 @@ async fn concurrent_operations_on_one_volume_never_interleave() {
     assert!(overlaps.is_empty(), "{overlaps:?}");
     assert!(plugin.count("NodePublishVolume") >= 1);
     assert!(mounts_under(&work).is_empty());
+    manager.flush().await.unwrap(); // the last steps are progress notes: commit them
     assert!(records(&work).is_empty());
 }
 
@@ -468,6 +482,7 @@ async fn a_thousand_volumes_published_and_unpublished_concurrently_leave_nothing
     }
     eprintln!("unpublished 1000 volumes in {:?}", started.elapsed());
     assert!(mounts_under(&work).is_empty());
+    manager.flush().await.unwrap(); // the last steps are progress notes: commit them
     assert!(records(&work).is_empty());
 }
 
@@ -520,22 +535,21 @@ async fn an_unreadable_record_is_moved_aside_and_the_others_recover() {
             .unwrap();
         manager.publish(publish_request("bad", "w1")).await.unwrap();
     }
-    let bad = csi_agent::layout::Layout::new(&work).volume_dir(PLUGIN_TYPE, "default", "bad");
-    std::fs::write(
-        bad.join("volume.json"),
-        b"{\"schema_version\": 1, \"record\": {\"volu",
-    )
-    .unwrap();
+    set_record_raw(&work, "bad", "{\"volu");
     let manager = manager(&work, &plugin.socket, "boot-a");
     let report = manager.recover().await.unwrap();
     assert_eq!(report.records, 1);
     assert_eq!(report.problems.len(), 1, "{report:?}");
     assert!(report.problems[0].contains("bad"), "{report:?}");
-    assert!(!bad.exists(), "the unreadable record was not moved aside");
-    let quarantine = csi_agent::layout::Layout::new(&work)
-        .plugin_dir(PLUGIN_TYPE, "default")
-        .join("quarantine");
-    assert_eq!(std::fs::read_dir(quarantine).unwrap().count(), 1);
+    assert!(
+        !records(&work).contains(&"bad".to_owned()),
+        "the unreadable record was not moved aside"
+    );
+    let quarantined: i64 = rusqlite::Connection::open(work.join("state.db"))
+        .unwrap()
+        .query_row("SELECT count(*) FROM quarantine", [], |row| row.get(0))
+        .unwrap();
+    assert_eq!(quarantined, 1);
     assert_eq!(
         manager.get("good").await.unwrap().state,
         VolumeState::Published
@@ -590,12 +604,10 @@ async fn recovery_trusts_the_mount_table_over_a_stale_record() {
     }
     // A record that lags behind reality (as after a lost write, MESOS-9281): it says
     // NODE_READY and unclaimed while the volume is staged and published.
-    let record_path = records(&work)[0].join("volume.json");
-    let mut record: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&record_path).unwrap()).unwrap();
-    record["record"]["state"] = json!("NODE_READY");
-    record["record"]["claims"] = json!([]);
-    std::fs::write(&record_path, serde_json::to_vec(&record).unwrap()).unwrap();
+    let mut record = record_json(&work, "v");
+    record["state"] = json!("NODE_READY");
+    record["claims"] = json!([]);
+    set_record_raw(&work, "v", &record.to_string());
     let manager = manager(&work, &plugin.socket, "boot-a");
     let report = manager.recover().await.unwrap();
     assert_eq!(report.corrected_by_mount_table, 1, "{report:?}");

@@ -406,7 +406,7 @@ impl VolumeManager {
                 // Already published for this workload. The bind is checked, not assumed: a
                 // crash may have come between recording it and mounting it.
                 if self.ensure_binds(&mut record)? {
-                    self.persist(&mut guard, record.clone()).await?;
+                    self.note(&mut guard, record.clone())?;
                 }
                 return Ok(Published {
                     target_path: self.target_path(&request.volume_id),
@@ -629,6 +629,18 @@ impl VolumeManager {
         up: bool,
     ) -> Result<VolumeState, VolumeError> {
         let deadline = Instant::now() + self.inner.config.operation_timeout;
+        if slot
+            .record
+            .as_ref()
+            .is_none_or(|old| !same_desire(old, &record))
+        {
+            // The operation's one durable write: its desired state (a claim added or removed,
+            // with its capability and bind), before the first RPC. Every step after it is a
+            // progress note.
+            failpoint::hit("volume.desire.before_write")?;
+            self.persist(slot, record.clone()).await?;
+            failpoint::hit("volume.desire.after_write")?;
+        }
         let mut dirty = slot.record.as_ref() != Some(&record);
         loop {
             let caps = if next_step(record.state, up, ALL_CAPS) == Step::Done {
@@ -661,10 +673,17 @@ impl VolumeManager {
                     if record.state.is_node_side() {
                         record.boot_id = Some(self.inner.boot_id.clone());
                     }
-                    if rpc == LifecycleRpc::ControllerPublish && record.node_id.is_none() {
+                    if matches!(
+                        rpc,
+                        LifecycleRpc::ControllerPublish | LifecycleRpc::ControllerUnpublish
+                    ) && record.node_id.is_none()
+                    {
+                        // For an unpublish too: the id noted with the publish may have been
+                        // lost, and an empty node_id would ask the plugin to unpublish the
+                        // volume from every node.
                         record.node_id = Some(self.node_id(deadline).await?);
                     }
-                    self.persist(slot, record.clone()).await?;
+                    self.note(slot, record.clone())?;
                     failpoint::hit(points.before_rpc)?;
                     let outcome = self.run_rpc(slot, &mut record, rpc, deadline).await;
                     failpoint::hit(points.after_rpc)?;
@@ -700,7 +719,7 @@ impl VolumeManager {
             self.cleanup_mount_dir(&record.volume_id);
             if record.origin == Origin::PreProvisioned {
                 failpoint::hit("volume.record.before_delete")?;
-                self.forget(slot, &record.volume_id).await?;
+                self.note_forget(slot, &record.volume_id).await?;
                 failpoint::hit("volume.record.after_delete")?;
                 return Ok(VolumeState::Created);
             }
@@ -723,7 +742,7 @@ impl VolumeManager {
         }
         if dirty || matches!(binds, Ok(true)) {
             failpoint::hit("volume.final.before_write")?;
-            self.persist(slot, record.clone()).await?;
+            self.note(slot, record.clone())?;
             failpoint::hit("volume.final.after_write")?;
         }
         binds?;
@@ -967,20 +986,26 @@ impl VolumeManager {
         Ok(secrets)
     }
 
-    /// Makes `record` durable and the slot's copy.
+    /// Makes `record` durable (waits for the commit holding it) and the slot's copy.
     async fn persist(&self, slot: &mut Slot, record: VolumeRecord) -> Result<(), VolumeError> {
-        let store = self.inner.store.clone();
-        let c = self.inner.config.clone();
-        let to_write = record.clone();
-        blocking(move || {
-            store.save_volume(
-                &c.plugin_type,
-                &c.plugin_name,
-                &to_write.volume_id,
-                &to_write,
-            )
-        })
-        .await?;
+        let c = &self.inner.config;
+        self.inner
+            .store
+            .save_volume(&c.plugin_type, &c.plugin_name, &record.volume_id, &record)
+            .await?;
+        self.count_state(slot.record.as_ref().map(|r| r.state), Some(record.state));
+        slot.record = Some(record);
+        Ok(())
+    }
+
+    /// Notes `record` as progress (committed with a later batch, never waited for) and makes
+    /// it the slot's copy. Safe to lose: a record on disk that is behind only makes recovery
+    /// repeat RPCs, which CSI makes idempotent (docs/recovery.md).
+    fn note(&self, slot: &mut Slot, record: VolumeRecord) -> Result<(), VolumeError> {
+        let c = &self.inner.config;
+        self.inner
+            .store
+            .note_volume(&c.plugin_type, &c.plugin_name, &record.volume_id, &record)?;
         self.count_state(slot.record.as_ref().map(|r| r.state), Some(record.state));
         slot.record = Some(record);
         Ok(())
@@ -1006,12 +1031,29 @@ impl VolumeManager {
         }
     }
 
-    /// Deletes the record (and secrets) of an idle volume.
+    /// Deletes the record (and secrets) of an idle volume durably (controller DeleteVolume).
     async fn forget(&self, slot: &mut Slot, volume_id: &str) -> Result<(), VolumeError> {
+        let c = &self.inner.config;
+        self.inner
+            .store
+            .delete_volume(&c.plugin_type, &c.plugin_name, volume_id)
+            .await?;
+        self.count_state(slot.record.as_ref().map(|r| r.state), None);
+        slot.record = None;
+        slot.secrets = None;
+        Ok(())
+    }
+
+    /// Forgets an idle pre-provisioned volume as a progress note: if the note is lost, the
+    /// record left on disk has no claim and recovery winds it down again (every teardown RPC
+    /// answers OK for what is not there) before forgetting it.
+    async fn note_forget(&self, slot: &mut Slot, volume_id: &str) -> Result<(), VolumeError> {
+        let had_secrets = slot.record.as_ref().is_some_and(|r| r.has_secrets);
         let store = self.inner.store.clone();
         let c = self.inner.config.clone();
         let id = volume_id.to_owned();
-        blocking(move || store.delete_volume(&c.plugin_type, &c.plugin_name, &id)).await?;
+        blocking(move || store.note_delete(&c.plugin_type, &c.plugin_name, &id, had_secrets))
+            .await?;
         self.count_state(slot.record.as_ref().map(|r| r.state), None);
         slot.record = None;
         slot.secrets = None;
@@ -1038,6 +1080,11 @@ impl VolumeManager {
 
     fn caps_now(&self) -> Option<LifecycleCaps> {
         *lock(&self.inner.caps)
+    }
+
+    /// Waits until every progress note queued so far is committed (a clean shutdown, tests).
+    pub async fn flush(&self) -> Result<(), VolumeError> {
+        Ok(self.inner.store.flush().await?)
     }
 
     /// Forgets the plugin's capabilities (after its configuration changed): they are asked
@@ -1123,6 +1170,22 @@ impl VolumeManager {
                 .observe(started.elapsed().as_secs_f64());
         }
     }
+}
+
+/// True when two records want the same thing: the same claims, binds and way of use. A
+/// change here is what an operation must make durable before its first RPC.
+fn same_desire(a: &VolumeRecord, b: &VolumeRecord) -> bool {
+    a.claims == b.claims
+        && a.capability == b.capability
+        && a.readonly == b.readonly
+        && a.volume_context == b.volume_context
+        && a.has_secrets == b.has_secrets
+        && a.origin == b.origin
+        && a.bind_mounts.len() == b.bind_mounts.len()
+        && a.bind_mounts
+            .iter()
+            .zip(&b.bind_mounts)
+            .all(|((wa, ba), (wb, bb))| wa == wb && ba.path == bb.path)
 }
 
 /// Every capability on: used to ask "is anything left to do at all?" without the plugin.

@@ -81,19 +81,29 @@ impl VolumeManager {
                 report.reset_by_reboot += 1;
                 changed = true;
             }
-            // A mount the record does not account for: make the step uncertain, so that the
-            // reconciler completes it or undoes it instead of leaking it.
+            // A mount the record does not account for (its progress notes were lost in a
+            // crash): when the volume is to go down, make the step uncertain so that the
+            // reconciler undoes it instead of leaking it. A volume going up needs no
+            // correction: it repeats every step from where the record is, and CSI makes each
+            // one idempotent — which also gets back a publish_context a lost note held.
             let volume_dir = mounts_root.join(crate::layout::encode_id(&record.volume_id));
             let target_mounted =
                 !mounted.is_empty() && mounted.contains(&volume_dir.join("target"));
             let staging_mounted =
                 !mounted.is_empty() && mounted.contains(&volume_dir.join("staging"));
-            if target_mounted && record.state.level() < VolumeState::NodePublish.level() {
+            let going_down = !record.wants_published();
+            if going_down
+                && target_mounted
+                && record.state.level() < VolumeState::NodePublish.level()
+            {
                 record.state = VolumeState::NodePublish;
                 record.boot_id = Some(self.inner.boot_id.clone());
                 report.corrected_by_mount_table += 1;
                 changed = true;
-            } else if staging_mounted && record.state.level() < VolumeState::NodeStage.level() {
+            } else if going_down
+                && staging_mounted
+                && record.state.level() < VolumeState::NodeStage.level()
+            {
                 record.state = VolumeState::NodeStage;
                 record.boot_id = Some(self.inner.boot_id.clone());
                 report.corrected_by_mount_table += 1;

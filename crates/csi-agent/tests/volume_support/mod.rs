@@ -267,13 +267,40 @@ pub fn mounts_under(dir: &Path) -> Vec<PathBuf> {
         .collect()
 }
 
-/// Volume records left under the work dir.
-pub fn records(work_dir: &Path) -> Vec<PathBuf> {
-    let dir = Layout::new(work_dir).volumes_dir(PLUGIN_TYPE, "default");
-    match std::fs::read_dir(dir) {
-        Ok(entries) => entries.flatten().map(|e| e.path()).collect(),
-        Err(_) => Vec::new(),
-    }
+/// Volume records left in the work dir's database (volume ids), as committed so far.
+pub fn records(work_dir: &Path) -> Vec<String> {
+    csi_agent::store::db::dump(work_dir)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|row| row.plugin_type == PLUGIN_TYPE)
+        .filter_map(|row| csi_agent::layout::decode_id(&row.volume_key))
+        .collect()
+}
+
+/// The committed record of `volume_id` as JSON (the daemon or manager must be gone).
+pub fn record_json(work_dir: &Path, volume_id: &str) -> serde_json::Value {
+    let key = csi_agent::layout::encode_id(volume_id);
+    let row = csi_agent::store::db::dump(work_dir)
+        .unwrap()
+        .into_iter()
+        .find(|row| row.plugin_type == PLUGIN_TYPE && row.volume_key == key)
+        .unwrap_or_else(|| panic!("no record of {volume_id}"));
+    serde_json::from_str(&row.record).unwrap()
+}
+
+/// Replaces the committed record of `volume_id` by `record` (a hand edit), raw.
+pub fn set_record_raw(work_dir: &Path, volume_id: &str, record: &str) {
+    csi_agent::store::db::put_raw(
+        work_dir,
+        &csi_agent::store::db::RawRow {
+            plugin_type: PLUGIN_TYPE.to_owned(),
+            plugin_name: "default".to_owned(),
+            volume_key: csi_agent::layout::encode_id(volume_id),
+            schema_version: 1,
+            record: record.to_owned(),
+        },
+    )
+    .unwrap();
 }
 
 /// Waits until `check` holds (for background reconciliation).

@@ -1,0 +1,557 @@
+//! The records' database: one SQLite file (`<work_dir>/state.db`, WAL, `synchronous=FULL`)
+//! written by a single writer thread with group commit.
+//!
+//! Why SQLite: it is the most widely crash-tested embedded store, its WAL commit is one fsync
+//! of the log, and a single transaction can hold the writes of many operations — which
+//! per-volume files cannot (docs/benchmarks.md measured 7 fsyncs per publish with them).
+//!
+//! # Group commit
+//! Every write goes to the writer thread over a channel. A *durable* write carries a waiter;
+//! a *note* does not. The writer gathers everything queued, commits it in one transaction (one
+//! fsync) as soon as any waiter is among it, and only then answers the waiters of that batch.
+//! Notes alone are committed after [`StoreOptions::note_flush`] at the latest, so in steady
+//! operation they ride along with the next durable write for free. Writes are applied in the
+//! order they were sent, so a later write of the same record always wins.
+//!
+//! A failed commit (disk full, read-only file system, I/O error) fails every waiter of its
+//! batch with the error and rolls the batch back; earlier commits are untouched.
+//!
+//! It must not interpret records (the caller's types), and reads go through a separate
+//! connection (WAL readers never block the writer).
+
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use rusqlite::{Connection, OpenFlags, OptionalExtension, params};
+
+use crate::failpoint;
+use crate::metrics::Metrics;
+
+/// The database file inside the work dir.
+pub const DB_FILE: &str = "state.db";
+/// The schema this build writes and reads.
+pub const DB_SCHEMA_VERSION: u32 = 1;
+/// Failpoint hit in the writer just before a batch commits.
+pub const FP_COMMIT_BEFORE: &str = "store.commit.before";
+/// Failpoint hit after a batch committed, before its waiters are answered.
+pub const FP_COMMIT_AFTER: &str = "store.commit.after";
+/// A batch never holds more operations than this (memory bound under a storm).
+const MAX_BATCH: usize = 8192;
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS meta (
+    key TEXT PRIMARY KEY NOT NULL,
+    value TEXT NOT NULL
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS volumes (
+    plugin_type TEXT NOT NULL,
+    plugin_name TEXT NOT NULL,
+    volume_key TEXT NOT NULL,
+    schema_version INTEGER NOT NULL,
+    record TEXT NOT NULL,
+    PRIMARY KEY (plugin_type, plugin_name, volume_key)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS quarantine (
+    id INTEGER PRIMARY KEY,
+    plugin_type TEXT NOT NULL,
+    plugin_name TEXT NOT NULL,
+    volume_key TEXT NOT NULL,
+    record BLOB NOT NULL,
+    reason TEXT NOT NULL,
+    quarantined_at INTEGER NOT NULL
+);
+";
+
+/// Tuning of the writer.
+#[derive(Clone, Copy, Debug)]
+pub struct StoreOptions {
+    /// The longest a note waits for a durable write to ride along with before it is
+    /// committed alone.
+    pub note_flush: Duration,
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        Self {
+            note_flush: Duration::from_millis(500),
+        }
+    }
+}
+
+/// A row key: the plugin and the volume's encoded id (`layout::encode_id`: one safe ASCII
+/// token, so no NUL or odd text ever reaches SQLite).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Key {
+    pub plugin_type: String,
+    pub plugin_name: String,
+    pub volume_key: String,
+}
+
+/// One change to the database.
+#[derive(Clone, Debug)]
+pub enum Op {
+    Put {
+        key: Key,
+        schema_version: u32,
+        record: String,
+    },
+    Delete {
+        key: Key,
+    },
+}
+
+/// Why a batch did not commit; cloned to every waiter of the batch.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum CommitError {
+    #[error("commit to {}: {source}", path.display())]
+    Sqlite {
+        path: PathBuf,
+        #[source]
+        source: Arc<rusqlite::Error>,
+    },
+    #[error("commit interrupted by failpoint {0}")]
+    Failpoint(String),
+    #[error("the store's writer has stopped")]
+    Closed,
+}
+
+enum Msg {
+    Note(Op),
+    Durable(
+        Vec<Op>,
+        tokio::sync::oneshot::Sender<Result<(), CommitError>>,
+    ),
+}
+
+/// The open database: the writer's channel and the reader connection.
+#[derive(Debug)]
+pub struct Database {
+    path: PathBuf,
+    sender: Mutex<Option<Sender<Msg>>>,
+    reader: Mutex<Connection>,
+    writer: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl Drop for Database {
+    /// Lets the writer commit what is queued and waits for it: a store dropped in order
+    /// (a clean shutdown, a test) loses no note; a crash may, which is allowed.
+    fn drop(&mut self) {
+        self.sender
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(writer) = self
+            .writer
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+        {
+            let _ = writer.join();
+        }
+    }
+}
+
+impl std::fmt::Debug for Msg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Msg::Note(_) => f.write_str("Note"),
+            Msg::Durable(ops, _) => write!(f, "Durable({})", ops.len()),
+        }
+    }
+}
+
+/// Errors of opening the database.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error("cannot open the state database {}: {source}", path.display())]
+    Sqlite {
+        path: PathBuf,
+        #[source]
+        source: rusqlite::Error,
+    },
+    #[error("cannot create the state database {}: {source}", path.display())]
+    Create {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "the state database {} has schema_version {found}, newer than this csi-agentd reads ({supported}): run a csi-agentd at least as new as the one that wrote it",
+        path.display()
+    )]
+    NewerSchema {
+        path: PathBuf,
+        found: u32,
+        supported: u32,
+    },
+    #[error("the state database {} is not csi-agent's: {reason}", path.display())]
+    Foreign { path: PathBuf, reason: String },
+}
+
+impl Database {
+    /// Opens (creating if needed, mode 0600) `<work_dir>/state.db`, checks its schema, and
+    /// returns the writer connection (for migration before the writer starts) and the
+    /// database handle (whose writer has not started yet: call [`Database::start`]).
+    pub fn open(work_dir: &Path) -> Result<(Connection, PathBuf), OpenError> {
+        let path = work_dir.join(DB_FILE);
+        // Created 0600 before SQLite sees it; SQLite gives the -wal and -shm files the
+        // database file's mode.
+        {
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .mode(0o600)
+                .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+                .open(&path)
+                .map_err(|source| OpenError::Create {
+                    path: path.clone(),
+                    source,
+                })?;
+        }
+        let sqlite = |source| OpenError::Sqlite {
+            path: path.clone(),
+            source,
+        };
+        let conn = Connection::open_with_flags(
+            &path,
+            OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )
+        .map_err(sqlite)?;
+        configure(&conn).map_err(sqlite)?;
+        let has_meta: Option<String> = conn
+            .query_row(
+                "SELECT name FROM sqlite_master WHERE type = 'table' AND name = 'meta'",
+                [],
+                |row| row.get(0),
+            )
+            .optional()
+            .map_err(sqlite)?;
+        if has_meta.is_some() {
+            let found: Option<String> = conn
+                .query_row(
+                    "SELECT value FROM meta WHERE key = 'schema_version'",
+                    [],
+                    |row| row.get(0),
+                )
+                .optional()
+                .map_err(sqlite)?;
+            match found.as_deref().map(str::parse::<u32>) {
+                Some(Ok(found)) if found > DB_SCHEMA_VERSION => {
+                    return Err(OpenError::NewerSchema {
+                        path,
+                        found,
+                        supported: DB_SCHEMA_VERSION,
+                    });
+                }
+                Some(Ok(_)) | None => {}
+                Some(Err(_)) => {
+                    return Err(OpenError::Foreign {
+                        path,
+                        reason: "its meta.schema_version is not a number".to_owned(),
+                    });
+                }
+            }
+        }
+        conn.execute_batch(SCHEMA).map_err(sqlite)?;
+        conn.execute(
+            "INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?1)",
+            params![DB_SCHEMA_VERSION.to_string()],
+        )
+        .map_err(sqlite)?;
+        Ok((conn, path))
+    }
+
+    /// Starts the writer thread on `writer` and opens the reader connection.
+    pub fn start(
+        path: PathBuf,
+        writer: Connection,
+        metrics: Option<Arc<Metrics>>,
+        options: StoreOptions,
+    ) -> Result<Self, OpenError> {
+        let reader = Connection::open_with_flags(
+            &path,
+            OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )
+        .and_then(|conn| configure(&conn).map(|()| conn))
+        .map_err(|source| OpenError::Sqlite {
+            path: path.clone(),
+            source,
+        })?;
+        let (sender, receiver) = mpsc::channel();
+        let writer_path = path.clone();
+        let handle = std::thread::Builder::new()
+            .name("csi-agent-store".to_owned())
+            .spawn(move || write_loop(writer, &writer_path, receiver, metrics, options))
+            .map_err(|source| OpenError::Create {
+                path: path.clone(),
+                source,
+            })?;
+        Ok(Self {
+            path,
+            sender: Mutex::new(Some(sender)),
+            reader: Mutex::new(reader),
+            writer: Mutex::new(Some(handle)),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Sends `ops` and waits until the batch holding them is committed.
+    pub async fn commit(&self, ops: Vec<Op>) -> Result<(), CommitError> {
+        let (done, answer) = tokio::sync::oneshot::channel();
+        self.send(Msg::Durable(ops, done))?;
+        answer.await.unwrap_or(Err(CommitError::Closed))
+    }
+
+    /// Queues `op` without waiting: it is committed with a later batch.
+    pub fn note(&self, op: Op) {
+        if self.send(Msg::Note(op)).is_err() {
+            tracing::warn!("store writer stopped; a progress note was dropped");
+        }
+    }
+
+    fn send(&self, msg: Msg) -> Result<(), CommitError> {
+        match self
+            .sender
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+        {
+            Some(sender) => sender.send(msg).map_err(|_| CommitError::Closed),
+            None => Err(CommitError::Closed),
+        }
+    }
+
+    /// Runs `read` on the reader connection.
+    pub fn read<T>(
+        &self,
+        read: impl FnOnce(&Connection) -> rusqlite::Result<T>,
+    ) -> rusqlite::Result<T> {
+        let conn = self.reader.lock().unwrap_or_else(PoisonError::into_inner);
+        read(&conn)
+    }
+}
+
+fn configure(conn: &Connection) -> rusqlite::Result<()> {
+    // WAL: one fsync per commit, readers never block the writer. FULL: that fsync happens at
+    // every commit (NORMAL would let a power cut lose the last commits).
+    let mode: String = conn.query_row("PRAGMA journal_mode = WAL", [], |row| row.get(0))?;
+    if !mode.eq_ignore_ascii_case("wal") {
+        return Err(rusqlite::Error::InvalidParameterName(format!(
+            "journal_mode is {mode}, WAL was asked"
+        )));
+    }
+    conn.pragma_update(None, "synchronous", "FULL")?;
+    conn.busy_timeout(Duration::from_secs(10))?;
+    Ok(())
+}
+
+/// Applies `ops` in order in one transaction.
+pub fn apply(conn: &mut Connection, ops: &[Op]) -> rusqlite::Result<()> {
+    apply_inner(conn, ops, None)
+}
+
+/// Applies `ops` and sets `meta.<key> = <value>` in the same transaction.
+pub fn apply_with_meta(
+    conn: &mut Connection,
+    ops: &[Op],
+    meta: (&str, &str),
+) -> rusqlite::Result<()> {
+    apply_inner(conn, ops, Some(meta))
+}
+
+fn apply_inner(
+    conn: &mut Connection,
+    ops: &[Op],
+    meta: Option<(&str, &str)>,
+) -> rusqlite::Result<()> {
+    let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+    if let Some((key, value)) = meta {
+        tx.execute(
+            "INSERT INTO meta (key, value) VALUES (?1, ?2)
+             ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+            params![key, value],
+        )?;
+    }
+    {
+        let mut put = tx.prepare_cached(
+            "INSERT INTO volumes (plugin_type, plugin_name, volume_key, schema_version, record)
+             VALUES (?1, ?2, ?3, ?4, ?5)
+             ON CONFLICT (plugin_type, plugin_name, volume_key)
+             DO UPDATE SET schema_version = excluded.schema_version, record = excluded.record",
+        )?;
+        let mut delete = tx.prepare_cached(
+            "DELETE FROM volumes WHERE plugin_type = ?1 AND plugin_name = ?2 AND volume_key = ?3",
+        )?;
+        for op in ops {
+            match op {
+                Op::Put {
+                    key,
+                    schema_version,
+                    record,
+                } => {
+                    put.execute(params![
+                        key.plugin_type,
+                        key.plugin_name,
+                        key.volume_key,
+                        schema_version,
+                        record
+                    ])?;
+                }
+                Op::Delete { key } => {
+                    delete.execute(params![key.plugin_type, key.plugin_name, key.volume_key])?;
+                }
+            }
+        }
+    }
+    tx.commit()
+}
+
+fn write_loop(
+    mut conn: Connection,
+    path: &Path,
+    receiver: Receiver<Msg>,
+    metrics: Option<Arc<Metrics>>,
+    options: StoreOptions,
+) {
+    let mut ops: Vec<Op> = Vec::new();
+    let mut waiters: Vec<tokio::sync::oneshot::Sender<Result<(), CommitError>>> = Vec::new();
+    let mut oldest_note: Option<Instant> = None;
+    let mut open = true;
+    while open || !ops.is_empty() || !waiters.is_empty() {
+        let msg = match oldest_note {
+            _ if !open => None,
+            None => match receiver.recv() {
+                Ok(msg) => Some(msg),
+                Err(_) => {
+                    open = false;
+                    None
+                }
+            },
+            Some(oldest) => {
+                match receiver.recv_timeout(options.note_flush.saturating_sub(oldest.elapsed())) {
+                    Ok(msg) => Some(msg),
+                    Err(RecvTimeoutError::Timeout) => None,
+                    Err(RecvTimeoutError::Disconnected) => {
+                        open = false;
+                        None
+                    }
+                }
+            }
+        };
+        let mut absorb = |msg: Msg, ops: &mut Vec<Op>| match msg {
+            Msg::Note(op) => {
+                oldest_note.get_or_insert_with(Instant::now);
+                ops.push(op);
+            }
+            Msg::Durable(more, done) => {
+                ops.extend(more);
+                waiters.push(done);
+            }
+        };
+        if let Some(msg) = msg {
+            absorb(msg, &mut ops);
+            // Everything queued meanwhile joins this batch: that is the group commit.
+            while ops.len() < MAX_BATCH {
+                match receiver.try_recv() {
+                    Ok(msg) => absorb(msg, &mut ops),
+                    Err(_) => break,
+                }
+            }
+        }
+        let notes_due = oldest_note.is_some_and(|t| t.elapsed() >= options.note_flush);
+        if waiters.is_empty() && !notes_due && open && ops.len() < MAX_BATCH {
+            continue;
+        }
+        if ops.is_empty() && waiters.is_empty() {
+            continue;
+        }
+        let started = Instant::now();
+        let result = commit_batch(&mut conn, path, &ops);
+        if let Some(metrics) = &metrics {
+            metrics.checkpoint_writes.inc();
+            if waiters.is_empty() {
+                metrics.checkpoint_lazy_commits.inc();
+            }
+            metrics.checkpoint_records.inc_by(ops.len() as u64);
+            metrics
+                .checkpoint_fsync_seconds
+                .observe(started.elapsed().as_secs_f64());
+        }
+        if let Err(err) = &result {
+            tracing::error!(error = %err, operations = ops.len(), "store commit failed; its waiters get the error");
+        }
+        ops.clear();
+        oldest_note = None;
+        for waiter in waiters.drain(..) {
+            let _ = waiter.send(result.clone());
+        }
+    }
+}
+
+fn commit_batch(conn: &mut Connection, path: &Path, ops: &[Op]) -> Result<(), CommitError> {
+    failpoint::hit(FP_COMMIT_BEFORE).map_err(|e| CommitError::Failpoint(e.to_string()))?;
+    apply(conn, ops).map_err(|source| CommitError::Sqlite {
+        path: path.to_path_buf(),
+        source: Arc::new(source),
+    })?;
+    failpoint::hit(FP_COMMIT_AFTER).map_err(|e| CommitError::Failpoint(e.to_string()))?;
+    Ok(())
+}
+
+/// One row of the `volumes` table, as stored.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RawRow {
+    pub plugin_type: String,
+    pub plugin_name: String,
+    /// The encoded volume id (`layout::encode_id`).
+    pub volume_key: String,
+    pub schema_version: u32,
+    pub record: String,
+}
+
+/// Offline access for tests and tooling, while no daemon uses the work dir: every row of
+/// `volumes`, sorted. (Operators can do the same with `sqlite3 -readonly`.)
+pub fn dump(work_dir: &Path) -> rusqlite::Result<Vec<RawRow>> {
+    let conn = Connection::open_with_flags(
+        work_dir.join(DB_FILE),
+        OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )?;
+    let mut stmt = conn.prepare(
+        "SELECT plugin_type, plugin_name, volume_key, schema_version, record FROM volumes
+         ORDER BY plugin_type, plugin_name, volume_key",
+    )?;
+    stmt.query_map([], |row| {
+        Ok(RawRow {
+            plugin_type: row.get(0)?,
+            plugin_name: row.get(1)?,
+            volume_key: row.get(2)?,
+            schema_version: row.get(3)?,
+            record: row.get(4)?,
+        })
+    })?
+    .collect()
+}
+
+/// Offline access for tests and tooling: writes one row as given (a hand edit).
+pub fn put_raw(work_dir: &Path, row: &RawRow) -> rusqlite::Result<()> {
+    let mut conn = Connection::open(work_dir.join(DB_FILE))?;
+    conn.busy_timeout(Duration::from_secs(10))?;
+    apply(
+        &mut conn,
+        &[Op::Put {
+            key: Key {
+                plugin_type: row.plugin_type.clone(),
+                plugin_name: row.plugin_name.clone(),
+                volume_key: row.volume_key.clone(),
+            },
+            schema_version: row.schema_version,
+            record: row.record.clone(),
+        }],
+    )
+}
