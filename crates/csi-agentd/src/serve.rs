@@ -65,6 +65,9 @@ pub struct ServeArgs {
     /// Where the short socket dirs of managed plugins are created.
     #[arg(long)]
     socket_root: Option<PathBuf>,
+    /// Read the boot id from this file instead of the kernel's (tests simulate a reboot).
+    #[arg(long, hide = true)]
+    boot_id_file: Option<PathBuf>,
 }
 
 /// The TOML file: the same settings as the flags.
@@ -94,6 +97,7 @@ pub struct Settings {
     pub log_format: LogFormat,
     pub node_id: String,
     pub socket_root: PathBuf,
+    pub boot_id_file: PathBuf,
 }
 
 pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
@@ -153,6 +157,9 @@ pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
             .socket_root
             .or(file.socket_root)
             .unwrap_or_else(csi_agent::service_manager::default_socket_root),
+        boot_id_file: args
+            .boot_id_file
+            .unwrap_or_else(|| PathBuf::from(csi_agent::bootid::BOOT_ID_PATH)),
     })
 }
 
@@ -180,9 +187,9 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         .with_context(|| format!("cannot create the work dir {}", settings.work_dir.display()))?;
     std::fs::set_permissions(&settings.work_dir, std::fs::Permissions::from_mode(0o700))
         .with_context(|| format!("cannot make {} private", settings.work_dir.display()))?;
-    let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
-        .map(|s| s.trim().to_owned())
-        .context("cannot read /proc/sys/kernel/random/boot_id")?;
+    let boot_id = csi_agent::bootid::BootIdSource::boot_id(
+        &csi_agent::bootid::ProcBootId::with_path(&settings.boot_id_file),
+    )?;
     let metrics = Arc::new(Metrics::new());
     let server = CsiServer::new(
         ServerOptions {
