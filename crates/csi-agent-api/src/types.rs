@@ -18,7 +18,8 @@ pub struct ErrorBody {
     pub grpc_code: Option<String>,
 }
 
-/// Kinds of errors, each with one HTTP status.
+/// Kinds of errors, each with one HTTP status ([`ErrorCode::http_status`]); `invalid_request`
+/// also comes with the statuses of the HTTP layer's refusals ([`ErrorCode::other_statuses`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ErrorCode {
@@ -63,6 +64,17 @@ impl ErrorCode {
             ErrorCode::PluginProtocol => 502,
             ErrorCode::Unavailable => 503,
             ErrorCode::Internal => 500,
+        }
+    }
+
+    /// The statuses other than [`Self::http_status`] this code comes with. Only
+    /// `invalid_request` has any: a request refused at the HTTP level, before a route sees it,
+    /// gets that level's status: method not allowed 405, body too slow 408, body too large 413,
+    /// body not JSON 415, head too large 431.
+    pub fn other_statuses(self) -> &'static [u16] {
+        match self {
+            ErrorCode::InvalidRequest => &[405, 408, 413, 415, 431],
+            _ => &[],
         }
     }
 }

@@ -1,7 +1,8 @@
 //! Keeps `openapi.yaml` and the Rust contract in step: the routes it describes are exactly
 //! `routes::ALL_ROUTES`, each schema's properties are exactly the serde field names of its Rust
 //! type, its `required` lists are what serde really requires (requests) or always sends
-//! (responses), and its error responses carry the statuses of `ErrorCode::http_status`.
+//! (responses), and its error responses carry the statuses of `ErrorCode::http_status` (or
+//! `ErrorCode::other_statuses`).
 //!
 //! Samples are built with every optional field set, so that serializing one shows every key.
 
@@ -499,11 +500,19 @@ fn each_route_carries_its_rust_types() -> Result<()> {
                 );
             }
         }
-        // Every route may be refused for a bad token (TCP) or fail internally.
-        for status in ["401", "500"] {
+        // Every route may be refused for a bad token (TCP) or a head too large, fail
+        // internally, or meet a listener at its connection cap.
+        for status in ["401", "431", "500", "503"] {
             ensure!(
                 op["responses"].get(status).is_some(),
                 "{method} {path}: no {status} response"
+            );
+        }
+        // Only a route that takes a body documents the refusals of a body.
+        for status in ["408", "413", "415"] {
+            ensure!(
+                op["responses"].get(status).is_some() == request.is_some(),
+                "{method} {path}: {status} response is for routes with a body, and only for them"
             );
         }
     }
@@ -554,16 +563,24 @@ fn error_responses_use_the_error_shape_and_statuses() -> Result<()> {
                 let Some(code) = code_of.get(reference) else {
                     bail!("{method} {path} {status}: not a components/responses error");
                 };
+                let status: u16 = status.parse()?;
                 ensure!(
-                    status == &code.http_status().to_string(),
-                    "{method} {path}: {status} refers to {reference} ({})",
-                    code.http_status()
+                    status == code.http_status() || code.other_statuses().contains(&status),
+                    "{method} {path}: {status} refers to {reference} ({} or {:?})",
+                    code.http_status(),
+                    code.other_statuses()
                 );
-                statuses_used.insert(code.http_status());
+                statuses_used.insert(status);
             }
         }
     }
-    let all: BTreeSet<u16> = ErrorCode::ALL.iter().map(|c| c.http_status()).collect();
+    // Every status of every code appears, except 405: the spec describes only the methods
+    // each route takes.
+    let all: BTreeSet<u16> = ErrorCode::ALL
+        .iter()
+        .flat_map(|c| std::iter::once(c.http_status()).chain(c.other_statuses().iter().copied()))
+        .filter(|status| *status != 405)
+        .collect();
     ensure!(
         statuses_used == all,
         "statuses used {statuses_used:?} != {all:?}"

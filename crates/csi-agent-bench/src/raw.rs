@@ -21,11 +21,10 @@ use csi_agent::client::{ClientOptions, CsiClient};
 use csi_agent::endpoints::FixedEndpoints;
 use csi_agent::layout::Layout;
 use csi_agent::metrics::Metrics;
-use csi_agent::mounts::HostMounter;
 use csi_agent::store::Store;
 use csi_agent::volume::{
-    AccessMode, AccessType, Capability, Origin, PublishRequest, VolumeConfig, VolumeManager,
-    VolumeRecord, VolumeSecrets, VolumeState,
+    AccessMode, AccessType, Capability, NodeContext, Origin, PublishRequest, VolumeConfig,
+    VolumeManager, VolumeRecord, VolumeSecrets, VolumeState,
 };
 use csi_proto::v1;
 
@@ -262,14 +261,12 @@ impl Engine {
             socket.to_path_buf(),
             client_options(plugin_type, Some(metrics.clone())),
         );
+        let mut context = NodeContext::new(layout, store, boot_id);
+        context.metrics = Some(metrics.clone());
         let manager = VolumeManager::new(
             VolumeConfig::new(plugin_type, "default"),
-            layout,
-            store,
             Arc::new(endpoints),
-            Arc::new(HostMounter),
-            boot_id,
-            Some(metrics.clone()),
+            context,
         );
         Ok(Self { manager, metrics })
     }

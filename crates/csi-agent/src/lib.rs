@@ -6,6 +6,8 @@
 //! format API responses: that is the daemon's job (`csi-agentd`).
 
 pub mod backoff;
+pub mod beneath;
+pub mod binaries;
 pub mod bootid;
 pub mod client;
 pub mod config;
@@ -19,3 +21,4 @@ pub mod server;
 pub mod service_manager;
 pub mod store;
 pub mod volume;
+pub mod workdir;

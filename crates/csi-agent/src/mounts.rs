@@ -373,6 +373,11 @@ pub trait Mounter: Send + Sync + std::fmt::Debug {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct HostMounter;
 
+/// Makes the bind mount at `dst` read-only (see [`HostMounter::bind_mount`]).
+pub(crate) fn remount_read_only(dst: &Path) -> Result<(), MountError> {
+    HostMounter::remount_read_only(dst)
+}
+
 impl HostMounter {
     fn remount_read_only(dst: &Path) -> Result<(), MountError> {
         let remount_error = |source: io::Error| MountError::Remount {

@@ -23,8 +23,9 @@ use crate::layout::Layout;
 use crate::metrics::Metrics;
 use crate::service_manager::{ComponentStatus, ManagerOptions, ServiceManager};
 use crate::store::{Store, StoreError};
+use crate::volume::bind::Binder;
 use crate::volume::recovery::RecoveryReport;
-use crate::volume::{PluginEndpoints, VolumeConfig, VolumeError, VolumeManager};
+use crate::volume::{NodeContext, PluginEndpoints, VolumeConfig, VolumeError, VolumeManager};
 
 /// Settings of the engine.
 #[derive(Clone, Debug)]
@@ -38,6 +39,9 @@ pub struct ServerOptions {
     pub node_id: String,
     /// The current boot id (`/proc/sys/kernel/random/boot_id`).
     pub boot_id: String,
+    /// Dirs beneath which a publish's `bind_to` may go (`--bind-root`), absolute and
+    /// canonical; empty: `bind_to` is refused.
+    pub bind_roots: Vec<PathBuf>,
 }
 
 /// Errors of engine operations.
@@ -99,6 +103,9 @@ impl PluginEndpoints for ManagedEndpoints {
                 Ok(ready) => Ok(ready.client),
                 // Not ready (starting, restarting, backing off): transient, so the caller
                 // retries with backoff and waits through the restart.
+                Err(err @ crate::service_manager::ManagerError::NotReady { .. }) => {
+                    Err(RpcError::not_ready("connect", err))
+                }
                 Err(err) if err.is_transient() => Err(RpcError::transport("connect", err)),
                 Err(err) => Err(RpcError::protocol("connect", err.to_string())),
             }
@@ -171,6 +178,7 @@ struct Inner {
     layout: Layout,
     store: Store,
     metrics: Arc<Metrics>,
+    binder: Arc<Binder>,
     started: watch::Sender<bool>,
     table: Mutex<Table>,
 }
@@ -181,12 +189,14 @@ impl CsiServer {
         let layout = Layout::new(&options.work_dir);
         let store = Store::open(layout.clone(), Some(metrics.clone()))?;
         let (started, _) = watch::channel(false);
+        let binder = Arc::new(Binder::new(options.bind_roots.clone(), layout.work_dir()));
         let server = Self {
             inner: Arc::new(Inner {
                 options,
                 layout,
                 store,
                 metrics,
+                binder,
                 started,
                 table: Mutex::new(Table::default()),
             }),
@@ -347,12 +357,14 @@ impl CsiServer {
         let endpoints = Arc::new(ManagedEndpoints::new(Arc::new(manager)));
         let volumes = VolumeManager::new(
             self.volume_config(config),
-            self.inner.layout.clone(),
-            self.inner.store.clone(),
             endpoints.clone(),
-            Arc::new(crate::mounts::HostMounter),
-            self.inner.options.boot_id.clone(),
-            Some(self.inner.metrics.clone()),
+            NodeContext {
+                layout: self.inner.layout.clone(),
+                store: self.inner.store.clone(),
+                boot_id: self.inner.options.boot_id.clone(),
+                metrics: Some(self.inner.metrics.clone()),
+                binder: self.inner.binder.clone(),
+            },
         );
         let recovery = volumes
             .recover()

@@ -21,20 +21,7 @@ use csi_agent::service_manager::{
 };
 
 fn testplugin() -> PathBuf {
-    if let Some(path) = std::env::var_os("CSI_TESTPLUGIN") {
-        return PathBuf::from(path);
-    }
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target"));
-    let path = target.join("debug/csi-testplugin");
-    assert!(
-        path.exists(),
-        "the test plugin is missing at {}: build it first with `cargo build -p csi-testplugin` \
-         (or point CSI_TESTPLUGIN at the binary)",
-        path.display()
-    );
-    path
+    csi_agent::binaries::required("csi-testplugin", Some("CSI_TESTPLUGIN"))
 }
 
 struct Fixture {

@@ -15,9 +15,8 @@ use csi_agent::config::Service;
 use csi_agent::endpoints::FixedEndpoints;
 use csi_agent::layout::Layout;
 use csi_agent::metrics::Metrics;
-use csi_agent::mounts::HostMounter;
 use csi_agent::store::Store;
-use csi_agent::volume::{PluginEndpoints, VolumeConfig, VolumeManager};
+use csi_agent::volume::{NodeContext, PluginEndpoints, VolumeConfig, VolumeManager};
 use volume_support::*;
 
 fn counted_manager(
@@ -27,14 +26,12 @@ fn counted_manager(
 ) -> VolumeManager {
     let layout = Layout::new(work);
     let store = Store::open(layout.clone(), Some(metrics.clone())).unwrap();
+    let mut context = NodeContext::new(layout, store, "boot-a".to_owned());
+    context.metrics = Some(metrics);
     VolumeManager::new(
         VolumeConfig::new(PLUGIN_TYPE, "default"),
-        layout,
-        store,
         endpoints,
-        Arc::new(HostMounter),
-        "boot-a".to_owned(),
-        Some(metrics),
+        context,
     )
 }
 

@@ -289,15 +289,8 @@ async fn publish(State(state): State<AppState>, body: Bytes) -> ApiResult<api::P
         ));
     }
     let capability = convert::capability(&request.capability)?;
-    let bind_to = match &request.bind_to {
-        None => None,
-        Some(path) if path.starts_with('/') => Some(PathBuf::from(path)),
-        Some(path) => {
-            return Err(ApiFailure::invalid(format!(
-                "bind_to {path:?} is not an absolute path"
-            )));
-        }
-    };
+    // The engine checks bind_to (roots, form, NUL) before anything else happens.
+    let bind_to = request.bind_to.as_ref().map(PathBuf::from);
     let secrets = request.secrets.clone().unwrap_or_default();
     let plugin = state.server.plugin(&request.plugin).await?;
     let published = plugin

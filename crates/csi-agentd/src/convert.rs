@@ -45,6 +45,13 @@ impl From<VolumeError> for ApiFailure {
                 })
             }
             VolumeError::Protocol(_) => Self::new(api::ErrorCode::PluginProtocol, message),
+            VolumeError::Bind(bind) if bind.is_invalid_request() => {
+                Self::new(api::ErrorCode::InvalidRequest, message)
+            }
+            VolumeError::Bind(bind) if bind.is_conflict() => {
+                Self::new(api::ErrorCode::Conflict, message)
+            }
+            VolumeError::Bind(_) => Self::new(api::ErrorCode::Internal, message),
             VolumeError::Store(_) | VolumeError::Io { .. } | VolumeError::Failpoint(_) => {
                 Self::new(api::ErrorCode::Internal, message)
             }

@@ -3,6 +3,7 @@
 
 mod api;
 mod convert;
+mod listener;
 mod probe;
 mod serve;
 
@@ -24,7 +25,7 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run the daemon: supervise plugins and serve the HTTP/JSON API.
-    Serve(serve::ServeArgs),
+    Serve(Box<serve::ServeArgs>),
     /// Connect to a CSI plugin endpoint and print, as JSON, its CSI version, name, vendor
     /// version and capabilities.
     Probe(probe::ProbeArgs),
@@ -41,7 +42,7 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         match cli.command {
-            Command::Serve(args) => match serve::settings(args) {
+            Command::Serve(args) => match serve::settings(*args) {
                 Ok(settings) => {
                     serve::init_logging(settings.log_format);
                     serve::run(settings).await

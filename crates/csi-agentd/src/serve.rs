@@ -4,6 +4,7 @@
 //! workloads keep their volumes; SIGHUP reloads the plugin configs.
 
 use std::net::SocketAddr;
+use std::num::{NonZeroU64, NonZeroUsize};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -15,6 +16,7 @@ use serde::Deserialize;
 use tokio::signal::unix::{SignalKind, signal};
 
 use crate::api::{self, AppState};
+use crate::listener::{self, Limits};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -47,9 +49,25 @@ pub struct ServeArgs {
     /// The API's unix socket (mode 0600). Default: `<work-dir>/api.sock`.
     #[arg(long)]
     api_socket: Option<PathBuf>,
-    /// Also listen on TCP at this address (requires --token-file).
+    /// Also listen on TCP at this address (requires --token-file; loopback only, unless
+    /// --allow-insecure-listen).
     #[arg(long)]
     listen: Option<SocketAddr>,
+    /// Allow --listen on a non-loopback address: plain HTTP, the token and secrets in the clear.
+    #[arg(long)]
+    allow_insecure_listen: bool,
+    /// Open connections per listener; more are answered 503 and closed (default 1024).
+    #[arg(long)]
+    max_connections: Option<NonZeroUsize>,
+    /// Close a connection whose request head is incomplete after this long (default 10000).
+    #[arg(long)]
+    header_timeout_ms: Option<NonZeroU64>,
+    /// Close a connection idle (no request in flight, no traffic) this long (default 60000).
+    #[arg(long)]
+    idle_timeout_ms: Option<NonZeroU64>,
+    /// Answer 408 to a request whose body is incomplete after this long (default 30000).
+    #[arg(long)]
+    body_timeout_ms: Option<NonZeroU64>,
     /// File holding the bearer token required on the TCP listener.
     #[arg(long)]
     token_file: Option<PathBuf>,
@@ -68,6 +86,10 @@ pub struct ServeArgs {
     /// Read the boot id from this file instead of the kernel's (tests simulate a reboot).
     #[arg(long, hide = true)]
     boot_id_file: Option<PathBuf>,
+    /// A dir beneath which a publish's `bind_to` may go (repeatable), e.g. the dir of the
+    /// orchestrator's container sandboxes. None: `bind_to` is refused.
+    #[arg(long = "bind-root", value_name = "DIR")]
+    bind_roots: Vec<PathBuf>,
 }
 
 /// The TOML file: the same settings as the flags.
@@ -78,11 +100,18 @@ struct FileSettings {
     plugin_config_dir: Option<PathBuf>,
     api_socket: Option<PathBuf>,
     listen: Option<SocketAddr>,
+    allow_insecure_listen: Option<bool>,
+    max_connections: Option<NonZeroUsize>,
+    header_timeout_ms: Option<NonZeroU64>,
+    idle_timeout_ms: Option<NonZeroU64>,
+    body_timeout_ms: Option<NonZeroU64>,
     token_file: Option<PathBuf>,
     start: Option<StartMode>,
     log_format: Option<LogFormat>,
     node_id: Option<String>,
     socket_root: Option<PathBuf>,
+    #[serde(default)]
+    bind_roots: Vec<PathBuf>,
 }
 
 /// The effective settings.
@@ -92,12 +121,14 @@ pub struct Settings {
     pub plugin_config_dir: Option<PathBuf>,
     pub api_socket: PathBuf,
     pub listen: Option<SocketAddr>,
+    pub limits: Limits,
     pub token_file: Option<PathBuf>,
     pub start: StartMode,
     pub log_format: LogFormat,
     pub node_id: String,
     pub socket_root: PathBuf,
     pub boot_id_file: PathBuf,
+    pub bind_roots: Vec<PathBuf>,
 }
 
 pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
@@ -130,6 +161,10 @@ pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
             "--listen needs --token-file: the TCP listener only serves requests with the bearer token"
         );
     }
+    if let Some(addr) = listen {
+        let allow = args.allow_insecure_listen || file.allow_insecure_listen == Some(true);
+        listener::check_listen_address(addr, allow)?;
+    }
     let node_id = match args.node_id.or(file.node_id) {
         Some(id) => id,
         None => rustix::system::uname()
@@ -137,7 +172,17 @@ pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
             .to_string_lossy()
             .into_owned(),
     };
+    let bind_roots = if args.bind_roots.is_empty() {
+        file.bind_roots
+    } else {
+        args.bind_roots
+    };
+    let bind_roots = bind_roots
+        .iter()
+        .map(|root| bind_root(root, &work_dir))
+        .collect::<anyhow::Result<Vec<_>>>()?;
     Ok(Settings {
+        bind_roots,
         work_dir,
         plugin_config_dir: args
             .plugin_config_dir
@@ -146,6 +191,12 @@ pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
             .transpose()?,
         api_socket,
         listen,
+        limits: Limits::new(
+            args.max_connections.or(file.max_connections),
+            args.header_timeout_ms.or(file.header_timeout_ms),
+            args.idle_timeout_ms.or(file.idle_timeout_ms),
+            args.body_timeout_ms.or(file.body_timeout_ms),
+        ),
         token_file,
         start: args.start.or(file.start).unwrap_or(StartMode::Immediate),
         log_format: args
@@ -161,6 +212,32 @@ pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
             .boot_id_file
             .unwrap_or_else(|| PathBuf::from(csi_agent::bootid::BOOT_ID_PATH)),
     })
+}
+
+/// A `--bind-root` must be an existing dir, is used canonical (the operator's symlinks are
+/// trusted, a workload's never are), and must not overlap the work dir.
+fn bind_root(root: &Path, work_dir: &Path) -> anyhow::Result<PathBuf> {
+    let canonical = std::fs::canonicalize(root).with_context(|| {
+        format!(
+            "--bind-root {}: cannot resolve it (it must be an existing directory)",
+            root.display()
+        )
+    })?;
+    if !canonical.is_dir() {
+        bail!("--bind-root {}: not a directory", root.display());
+    }
+    if canonical == Path::new("/") {
+        bail!("--bind-root /: the whole host is not a bind root; name the sandboxes dir");
+    }
+    let work = std::fs::canonicalize(work_dir).unwrap_or_else(|_| work_dir.to_path_buf());
+    if work.starts_with(&canonical) || canonical.starts_with(&work) {
+        bail!(
+            "--bind-root {} overlaps the work dir {}: workloads must not be able to bind over csi-agent's own state; use disjoint dirs",
+            root.display(),
+            work_dir.display()
+        );
+    }
+    Ok(canonical)
 }
 
 fn absolute(path: &Path) -> anyhow::Result<PathBuf> {
@@ -183,10 +260,22 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     if let Err(err) = csi_agent::failpoint::init_from_env() {
         bail!("{}: {err}", csi_agent::failpoint::ENV_VAR);
     }
+    // Refusals come before anything is created or served.
+    let token = match (settings.listen, &settings.token_file) {
+        (Some(_), Some(file)) => Some(Arc::new(listener::read_token(file)?)),
+        _ => None,
+    };
     std::fs::create_dir_all(&settings.work_dir)
         .with_context(|| format!("cannot create the work dir {}", settings.work_dir.display()))?;
+    // Before anything else in the work dir is read or written: one daemon per work dir.
+    let _work_dir_lock = csi_agent::workdir::lock(&settings.work_dir)?;
     std::fs::set_permissions(&settings.work_dir, std::fs::Permissions::from_mode(0o700))
         .with_context(|| format!("cannot make {} private", settings.work_dir.display()))?;
+    // Before the store is opened: a live socket means another daemon may be using this work dir.
+    let socket = &settings.api_socket;
+    let mut limits = settings.limits;
+    limits.fit_fd_limit(1 + usize::from(token.is_some()));
+    let unix = listener::bind_unix(socket).await?;
     let boot_id = csi_agent::bootid::BootIdSource::boot_id(
         &csi_agent::bootid::ProcBootId::with_path(&settings.boot_id_file),
     )?;
@@ -198,6 +287,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
             socket_root: settings.socket_root.clone(),
             node_id: settings.node_id.clone(),
             boot_id,
+            bind_roots: settings.bind_roots.clone(),
         },
         metrics,
     )
@@ -206,61 +296,32 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         server: server.clone(),
     };
 
-    let socket = &settings.api_socket;
-    match std::fs::remove_file(socket) {
-        Ok(()) => {}
-        Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
-        Err(err) => {
-            return Err(err).with_context(|| {
-                format!("cannot remove the stale API socket {}", socket.display())
-            });
-        }
-    }
-    let unix = tokio::net::UnixListener::bind(socket)
-        .with_context(|| format!("cannot listen on {}", socket.display()))?;
-    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))
-        .with_context(|| format!("cannot set mode 0600 on {}", socket.display()))?;
     let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
     let mut servers = tokio::task::JoinSet::new();
-    {
-        let app = api::router(state.clone());
-        let mut rx = shutdown_rx.clone();
-        servers.spawn(async move {
-            axum::serve(unix, app)
-                .with_graceful_shutdown(async move {
-                    let _ = rx.wait_for(|stop| *stop).await;
-                })
-                .await
-        });
-    }
-    if let (Some(addr), Some(token_file)) = (settings.listen, &settings.token_file) {
-        let token = std::fs::read_to_string(token_file)
-            .with_context(|| format!("cannot read the token file {}", token_file.display()))?
-            .trim()
-            .to_owned();
-        if token.is_empty() {
-            bail!(
-                "token file {} is empty: put the bearer token in it",
-                token_file.display()
-            );
-        }
+    let app = listener::guard(api::router(state.clone()), &limits);
+    if let (Some(addr), Some(token)) = (settings.listen, token) {
         let tcp = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("cannot listen on {addr}"))?;
-        let app = api::router(state.clone()).layer(axum::middleware::from_fn_with_state(
-            Arc::new(token),
+        let addr = tcp.local_addr().unwrap_or(addr);
+        let app = app.clone().layer(axum::middleware::from_fn_with_state(
+            token,
             api::require_token,
         ));
-        let mut rx = shutdown_rx.clone();
-        servers.spawn(async move {
-            axum::serve(tcp, app)
-                .with_graceful_shutdown(async move {
-                    let _ = rx.wait_for(|stop| *stop).await;
-                })
-                .await
-        });
-        tracing::info!(%addr, "listening on TCP (bearer token required)");
+        servers.spawn(listener::serve(
+            tcp,
+            "tcp",
+            app,
+            limits,
+            shutdown_rx.clone(),
+        ));
+        if addr.ip().to_canonical().is_loopback() {
+            tracing::info!(%addr, "listening on TCP (bearer token required)");
+        } else {
+            tracing::warn!(%addr, "listening on TCP on a non-loopback address (--allow-insecure-listen): plain HTTP, the bearer token and volume secrets cross the network in the clear");
+        }
     }
+    servers.spawn(listener::serve(unix, "unix", app, limits, shutdown_rx));
     tracing::info!(socket = %socket.display(), work_dir = %settings.work_dir.display(), "csi-agentd serving");
 
     match settings.start {
@@ -289,8 +350,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
             }
             Some(done) = servers.join_next() => {
                 match done {
-                    Ok(Ok(())) => bail!("an API listener stopped unexpectedly"),
-                    Ok(Err(err)) => bail!("an API listener failed: {err}"),
+                    Ok(()) => bail!("an API listener stopped unexpectedly"),
                     Err(err) => bail!("an API listener task failed: {err}"),
                 }
             }

@@ -3,203 +3,18 @@
 //! (and TCP), and `csictl`. Real bind mounts: run under `unshare -m --propagation private`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use csi_agent::mounts::{MountTable, require_private_mount_namespace};
-use csi_agent_api::{
-    ApiClient, ApiError, CapabilitySpec, ErrorCode, MountSpec, PublishRequest, UnpublishRequest,
-};
+use csi_agent::mounts::require_private_mount_namespace;
+use csi_agent_api::{ApiClient, ErrorCode};
 use serde_json::json;
 
-const PLUGIN: &str = "org.example.test";
-
-fn target_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/debug")
-}
-
-fn binary(name: &str) -> PathBuf {
-    let path = target_dir().join(name);
-    assert!(
-        path.exists(),
-        "{} is missing: build the workspace first (cargo build --workspace)",
-        path.display()
-    );
-    path
-}
-
-/// A managed plugin config launching the test plugin with its state in `plugin_dir`.
-fn managed_config(plugin_type: &str, plugin_dir: &Path, volumes: &str) -> serde_json::Value {
-    json!({
-        "type": plugin_type,
-        "containers": [{
-            "services": ["CONTROLLER_SERVICE", "NODE_SERVICE"],
-            "command": {
-                "shell": false,
-                "value": binary("csi-testplugin"),
-                "arguments": ["csi-testplugin", "--endpoint", "$CSI_ENDPOINT",
-                              "--work-dir", plugin_dir, "--volumes", volumes,
-                              "--node-id", "node-1"]
-            }
-        }],
-        "startup_timeout_ms": 20000
-    })
-}
-
-struct Daemon {
-    work: PathBuf,
-    configs: PathBuf,
-    socket: PathBuf,
-    socket_root: PathBuf,
-    child: Option<Child>,
-    extra: Vec<String>,
-}
-
-impl Daemon {
-    fn new(dir: &Path, extra: &[&str]) -> Self {
-        let configs = dir.join("configs");
-        std::fs::create_dir_all(&configs).unwrap();
-        let work = dir.join("work");
-        Self {
-            socket: work.join("api.sock"),
-            socket_root: dir.join("sockets"),
-            work,
-            configs,
-            child: None,
-            extra: extra.iter().map(|s| (*s).to_owned()).collect(),
-        }
-    }
-
-    fn add_config(&self, file: &str, config: &serde_json::Value) {
-        std::fs::write(
-            self.configs.join(file),
-            serde_json::to_vec_pretty(config).unwrap(),
-        )
-        .unwrap();
-    }
-
-    fn start(&mut self) {
-        let _ = std::fs::remove_file(&self.socket);
-        let child = Command::new(env!("CARGO_BIN_EXE_csi-agentd"))
-            .arg("serve")
-            .arg("--work-dir")
-            .arg(&self.work)
-            .arg("--plugin-config-dir")
-            .arg(&self.configs)
-            .arg("--socket-root")
-            .arg(&self.socket_root)
-            .args(&self.extra)
-            .env("CSI_AGENT_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(self.work.parent().unwrap().join("daemon.log"))
-                    .unwrap(),
-            )
-            .spawn()
-            .unwrap();
-        self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while !self.socket.exists() {
-            assert!(
-                Instant::now() < deadline,
-                "the daemon never opened its socket"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
-    fn kill9(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            child.kill().unwrap();
-            child.wait().unwrap();
-        }
-    }
-
-    fn api(&self) -> ApiClient {
-        ApiClient::unix(&self.socket).with_timeout(Some(Duration::from_secs(60)))
-    }
-
-    fn csictl(&self, args: &[&str]) -> std::process::Output {
-        Command::new(binary("csictl"))
-            .arg("--socket")
-            .arg(&self.socket)
-            .args(args)
-            .output()
-            .unwrap()
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        self.kill9();
-        // The daemon leaves its plugins running on purpose; the test does not.
-        let _ = Command::new("pkill")
-            .arg("-f")
-            .arg(self.work.parent().unwrap().to_string_lossy().as_ref())
-            .status();
-    }
-}
-
-fn capability() -> CapabilitySpec {
-    CapabilitySpec {
-        mount: Some(MountSpec::default()),
-        block: None,
-        access_mode: "SINGLE_NODE_WRITER".to_owned(),
-    }
-}
-
-fn publish(volume: &str, workload: &str) -> PublishRequest {
-    PublishRequest {
-        plugin: PLUGIN.to_owned(),
-        volume_id: volume.to_owned(),
-        workload: workload.to_owned(),
-        capability: capability(),
-        readonly: false,
-        volume_context: None,
-        secrets: None,
-        bind_to: None,
-    }
-}
-
-fn unpublish(volume: &str, workload: &str) -> UnpublishRequest {
-    UnpublishRequest {
-        plugin: PLUGIN.to_owned(),
-        volume_id: volume.to_owned(),
-        workload: workload.to_owned(),
-    }
-}
-
-fn mounts_under(dir: &Path) -> Vec<PathBuf> {
-    MountTable::read()
-        .unwrap()
-        .mounts_under(dir)
-        .into_iter()
-        .map(|m| m.mount_point.clone())
-        .collect()
-}
-
-fn api_error(result: Result<impl std::fmt::Debug, ApiError>) -> (u16, csi_agent_api::ErrorBody) {
-    match result {
-        Err(ApiError::Api { status, body }) => (status, body),
-        other => panic!("expected an API error, got {other:?}"),
-    }
-}
-
-fn setup(dir: &Path, extra: &[&str]) -> Daemon {
-    require_private_mount_namespace();
-    let mut daemon = Daemon::new(dir, extra);
-    daemon.add_config(
-        "test.json",
-        &managed_config(PLUGIN, &dir.join("plugin"), "vol1:1M,vol2:1M"),
-    );
-    daemon.start();
-    daemon
-}
+use common::*;
 
 #[tokio::test]
 async fn publish_write_unpublish_through_csictl_leaves_nothing_mounted() {
@@ -267,9 +82,11 @@ async fn publish_write_unpublish_through_csictl_leaves_nothing_mounted() {
 #[tokio::test]
 async fn bind_to_mounts_for_the_workload_and_readonly_refuses_writes() {
     let dir = tempfile::tempdir().unwrap();
-    let daemon = setup(dir.path(), &[]);
+    let sandboxes = dir.path().join("sandboxes");
+    std::fs::create_dir_all(&sandboxes).unwrap();
+    let daemon = setup(dir.path(), &["--bind-root", sandboxes.to_str().unwrap()]);
     let api = daemon.api();
-    let bind = dir.path().join("container-rootfs/data");
+    let bind = sandboxes.join("container-rootfs/data");
     let mut request = publish("vol1", "w1");
     request.bind_to = Some(bind.to_string_lossy().into_owned());
     let published = api.publish(&request).await.unwrap();
@@ -281,7 +98,7 @@ async fn bind_to_mounts_for_the_workload_and_readonly_refuses_writes() {
     assert!(mounts_under(&daemon.work).is_empty());
 
     // Read-only: the target and the workload's bind both refuse writes.
-    let ro_bind = dir.path().join("ro-rootfs/data");
+    let ro_bind = sandboxes.join("ro-rootfs/data");
     let mut request = publish("vol2", "w2");
     request.readonly = true;
     request.bind_to = Some(ro_bind.to_string_lossy().into_owned());
@@ -418,7 +235,8 @@ async fn the_tcp_listener_requires_the_token_and_the_socket_is_private() {
     require_private_mount_namespace();
     let dir = tempfile::tempdir().unwrap();
     let token_file = dir.path().join("token");
-    std::fs::write(&token_file, "s3cret-token\n").unwrap();
+    std::fs::write(&token_file, "s3cret-token-0123456789\n").unwrap();
+    std::fs::set_permissions(&token_file, std::fs::Permissions::from_mode(0o600)).unwrap();
     let port = {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         listener.local_addr().unwrap().port()
@@ -443,7 +261,7 @@ async fn the_tcp_listener_requires_the_token_and_the_socket_is_private() {
     let url = format!("http://{listen}");
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        match ApiClient::tcp(&url, Some("s3cret-token"))
+        match ApiClient::tcp(&url, Some("s3cret-token-0123456789"))
             .unwrap()
             .health()
             .await
@@ -463,7 +281,7 @@ async fn the_tcp_listener_requires_the_token_and_the_socket_is_private() {
     let (status, _) = api_error(ApiClient::tcp(&url, Some("wrong")).unwrap().health().await);
     assert_eq!(status, 401);
     let (status, _) = api_error(
-        ApiClient::tcp(&url, Some("s3cret-token-and-more"))
+        ApiClient::tcp(&url, Some("s3cret-token-0123456789-and-more"))
             .unwrap()
             .volumes()
             .await,
@@ -545,6 +363,8 @@ async fn bad_requests_get_clear_4xx_errors_and_change_nothing() {
                 "-X",
                 "POST",
                 "http://localhost/v1/volumes/publish",
+                "-H",
+                "content-type: application/json",
                 "-d",
                 body,
             ])
@@ -588,7 +408,15 @@ async fn the_router_serves_exactly_the_documented_routes() {
         let out = Command::new("curl")
             .args(["-s", "-m", "1", "-w", "\n%{http_code}", "--unix-socket"])
             .arg(&daemon.socket)
-            .args(["-X", method, &url, "-d", "{}"])
+            .args([
+                "-X",
+                method,
+                &url,
+                "-H",
+                "content-type: application/json",
+                "-d",
+                "{}",
+            ])
             .output()
             .unwrap();
         let text = String::from_utf8_lossy(&out.stdout).to_string();
@@ -800,4 +628,52 @@ async fn secrets_reach_the_plugin_but_no_log_record_or_response() {
         "{}",
         String::from_utf8_lossy(&leftover.stdout)
     );
+}
+
+#[tokio::test]
+async fn a_publish_waits_no_longer_than_the_startup_timeout_and_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let daemon = setup(dir.path(), &[]);
+    // One plugin that never creates its socket, one that exits at once (a crash loop).
+    for (plugin_type, command) in [
+        ("org.example.silent", "sleep 600"),
+        ("org.example.crashing", "exit 3"),
+    ] {
+        daemon.add_config(
+            &format!("{plugin_type}.json"),
+            &json!({
+                "type": plugin_type,
+                "containers": [{
+                    "services": ["CONTROLLER_SERVICE", "NODE_SERVICE"],
+                    "command": {"shell": true, "value": command}
+                }],
+                "startup_timeout_ms": 2000
+            }),
+        );
+    }
+    daemon.api().reload().await.unwrap();
+    for plugin_type in ["org.example.silent", "org.example.crashing"] {
+        let mut request = publish("vol1", "w1");
+        request.plugin = plugin_type.to_owned();
+        let started = Instant::now();
+        let (status, body) = api_error(daemon.api().publish(&request).await);
+        let took = started.elapsed();
+        println!("{plugin_type}: publish answered {status} after {took:?}");
+        assert_eq!(status, 503, "{}", body.message);
+        assert!(
+            body.message.contains("startup_timeout_ms"),
+            "says which budget ran out: {}",
+            body.message
+        );
+        // The startup timeout (2 s) plus the capability and RPC attempts of one operation,
+        // far below the 120 s operation timeout the report measured.
+        assert!(took < Duration::from_secs(10), "{plugin_type}: {took:?}");
+    }
+    // The working plugin was never held up.
+    daemon.api().publish(&publish("vol1", "w1")).await.unwrap();
+    daemon
+        .api()
+        .unpublish(&unpublish("vol1", "w1"))
+        .await
+        .unwrap();
 }

@@ -1,20 +1,13 @@
 //! `csi-agentd probe` against the real test plugin in each version mode.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 fn probe(versions: &str) -> serde_json::Value {
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("csi.sock");
-    let testplugin =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/debug/csi-testplugin");
-    assert!(
-        testplugin.exists(),
-        "build the workspace first: {}",
-        testplugin.display()
-    );
+    let testplugin = csi_agent::binaries::required("csi-testplugin", None);
     let mut plugin = Command::new(testplugin)
         .arg("--endpoint")
         .arg(&socket)

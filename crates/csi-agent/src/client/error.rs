@@ -41,6 +41,10 @@ pub enum RpcErrorKind {
     Transport(String),
     /// The plugin answered, but the answer breaks the CSI specification.
     Protocol(String),
+    /// The plugin did not become ready within its startup timeout. Transient (it may come up
+    /// later, and the reconciler keeps trying), but the wait already spent the operation's
+    /// budget for the plugin's start, so an operation answers at once instead of waiting again.
+    NotReady(String),
 }
 
 /// An error of one CSI call, naming the method.
@@ -65,6 +69,11 @@ impl fmt::Display for RpcError {
             RpcErrorKind::Protocol(detail) => {
                 write!(f, "{} answer breaks the CSI spec: {}", self.method, detail)
             }
+            RpcErrorKind::NotReady(detail) => write!(
+                f,
+                "{}: the plugin did not become ready within its startup_timeout_ms: {}",
+                self.method, detail
+            ),
         }
     }
 }
@@ -87,6 +96,18 @@ impl RpcError {
         }
     }
 
+    pub fn not_ready(method: &'static str, detail: impl fmt::Display) -> Self {
+        Self {
+            method,
+            kind: RpcErrorKind::NotReady(detail.to_string()),
+        }
+    }
+
+    /// True when waiting for the plugin's start ran out (see [`RpcErrorKind::NotReady`]).
+    pub fn is_not_ready(&self) -> bool {
+        matches!(self.kind, RpcErrorKind::NotReady(_))
+    }
+
     pub fn protocol(method: &'static str, detail: impl Into<String>) -> Self {
         Self {
             method,
@@ -99,7 +120,9 @@ impl RpcError {
     pub fn class(&self) -> ErrorClass {
         match &self.kind {
             RpcErrorKind::Status { code, .. } => classify(*code),
-            RpcErrorKind::DeadlineExceeded | RpcErrorKind::Transport(_) => ErrorClass::Transient,
+            RpcErrorKind::DeadlineExceeded
+            | RpcErrorKind::Transport(_)
+            | RpcErrorKind::NotReady(_) => ErrorClass::Transient,
             RpcErrorKind::Protocol(_) => ErrorClass::Final,
         }
     }
@@ -114,7 +137,7 @@ impl RpcError {
         match &self.kind {
             RpcErrorKind::Status { code, .. } => *code,
             RpcErrorKind::DeadlineExceeded => Code::DeadlineExceeded,
-            RpcErrorKind::Transport(_) => Code::Unavailable,
+            RpcErrorKind::Transport(_) | RpcErrorKind::NotReady(_) => Code::Unavailable,
             RpcErrorKind::Protocol(_) => Code::Internal,
         }
     }
@@ -133,7 +156,7 @@ impl RpcError {
     /// The label used in metrics: the gRPC code name, or `TRANSPORT`.
     pub fn metric_code(&self) -> &'static str {
         match &self.kind {
-            RpcErrorKind::Transport(_) => "TRANSPORT",
+            RpcErrorKind::Transport(_) | RpcErrorKind::NotReady(_) => "TRANSPORT",
             RpcErrorKind::Protocol(_) => "PROTOCOL",
             _ => code_name(self.code()),
         }

@@ -10,6 +10,7 @@
 //! It must not launch or supervise plugins (it asks [`PluginEndpoints`] for a client) and
 //! must not parse or format the API.
 
+pub mod bind;
 pub mod controller;
 pub mod machine;
 pub mod record;
@@ -32,8 +33,9 @@ use crate::config::Service;
 use crate::failpoint;
 use crate::layout::{Layout, encode_id};
 use crate::metrics::{Metrics, OperationLabels, VolumeStateLabels};
-use crate::mounts::{MountTable, Mounter};
+use crate::mounts::MountTable;
 use crate::store::{Record, Store, StoreError};
+use bind::{BindError, BindMount, BindOwner, Binder};
 use machine::{LifecycleCaps, LifecycleRpc, Step, next_step};
 pub use record::{AccessMode, AccessType, Capability, Origin, VolumeRecord, VolumeState};
 
@@ -163,6 +165,9 @@ pub enum VolumeError {
         #[source]
         source: std::io::Error,
     },
+    /// A `bind_to` was refused, or binding or unbinding it failed.
+    #[error(transparent)]
+    Bind(#[from] BindError),
     #[error("interrupted by failpoint {0}")]
     Failpoint(String),
 }
@@ -187,15 +192,41 @@ pub struct VolumeManager {
     inner: Arc<Inner>,
 }
 
+/// What every plugin's volume manager on one node shares.
+#[derive(Clone, Debug)]
+pub struct NodeContext {
+    pub layout: Layout,
+    pub store: Store,
+    /// The current boot id (`/proc/sys/kernel/random/boot_id`).
+    pub boot_id: String,
+    pub metrics: Option<Arc<Metrics>>,
+    /// Where workloads' `bind_to` may go, and which are in use.
+    pub binder: Arc<Binder>,
+}
+
+impl NodeContext {
+    /// A context with `bind_to` disabled and no metrics (tests, benchmarks).
+    pub fn new(layout: Layout, store: Store, boot_id: String) -> Self {
+        let binder = Arc::new(Binder::disabled(layout.work_dir()));
+        Self {
+            layout,
+            store,
+            boot_id,
+            metrics: None,
+            binder,
+        }
+    }
+}
+
 #[derive(Debug)]
 struct Inner {
     config: VolumeConfig,
     layout: Layout,
     store: Store,
     endpoints: Arc<dyn PluginEndpoints>,
-    mounter: Arc<dyn Mounter>,
     boot_id: String,
     metrics: Option<Arc<Metrics>>,
+    binder: Arc<Binder>,
     slots: StdMutex<HashMap<String, Arc<Mutex<Slot>>>>,
     /// Asked once, forgotten when the plugin's configuration changes.
     caps: StdMutex<Option<LifecycleCaps>>,
@@ -230,22 +261,23 @@ pub fn validate_id(what: &str, id: &str) -> Result<(), VolumeError> {
 impl VolumeManager {
     pub fn new(
         config: VolumeConfig,
-        layout: Layout,
-        store: Store,
         endpoints: Arc<dyn PluginEndpoints>,
-        mounter: Arc<dyn Mounter>,
-        boot_id: String,
-        metrics: Option<Arc<Metrics>>,
+        context: NodeContext,
     ) -> Self {
+        if let Some(root) = &config.target_path_root {
+            context
+                .binder
+                .forbid(root, "is or overlaps a plugin's target_path_root");
+        }
         Self {
             inner: Arc::new(Inner {
                 config,
-                layout,
-                store,
+                layout: context.layout,
+                store: context.store,
                 endpoints,
-                mounter,
-                boot_id,
-                metrics,
+                boot_id: context.boot_id,
+                metrics: context.metrics,
+                binder: context.binder,
                 slots: StdMutex::new(HashMap::new()),
                 caps: StdMutex::new(None),
                 node_id: OnceCell::new(),
@@ -327,6 +359,16 @@ impl VolumeManager {
                 access_mode_name(request.capability.access_mode)
             )));
         }
+        if let Some(bind_to) = &request.bind_to {
+            // Refused up front, before any lock, write or RPC (a bad path changes nothing).
+            self.inner.binder.check(bind_to)?;
+            if matches!(request.capability.access_type, AccessType::Block {}) {
+                return Err(BindError::NotADirectory {
+                    path: bind_to.clone(),
+                }
+                .into());
+            }
+        }
         let slot = self.slot(&request.volume_id);
         let mut guard = slot.lock().await;
         let mut record = match guard.record.clone() {
@@ -346,17 +388,8 @@ impl VolumeManager {
                     describe_use(&record)
                 )));
             }
-            if record.claims.contains(&request.workload)
-                && record.state == VolumeState::Published
-                && record.bind_mounts.get(&request.workload) == request.bind_to.as_ref()
-            {
-                return Ok(Published {
-                    target_path: self.target_path(&request.volume_id),
-                    state: record.state,
-                    bind_to: request.bind_to.clone(),
-                });
-            }
-            if let Some(existing) = record.bind_mounts.get(&request.workload)
+            let recorded_bind = record.bind_mounts.get(&request.workload).map(|b| &b.path);
+            if let Some(existing) = recorded_bind
                 && request.bind_to.as_ref() != Some(existing)
             {
                 return Err(VolumeError::Conflict(format!(
@@ -366,6 +399,21 @@ impl VolumeManager {
                     existing.display()
                 )));
             }
+            if record.claims.contains(&request.workload)
+                && record.state == VolumeState::Published
+                && recorded_bind == request.bind_to.as_ref()
+            {
+                // Already published for this workload. The bind is checked, not assumed: a
+                // crash may have come between recording it and mounting it.
+                if self.ensure_binds(&mut record)? {
+                    self.persist(&mut guard, record.clone()).await?;
+                }
+                return Ok(Published {
+                    target_path: self.target_path(&request.volume_id),
+                    state: record.state,
+                    bind_to: request.bind_to.clone(),
+                });
+            }
         } else {
             record.capability = Some(request.capability.clone());
             record.readonly = request.readonly;
@@ -373,16 +421,26 @@ impl VolumeManager {
                 record.volume_context = context.clone();
             }
         }
+        let owner = self.bind_owner(&request.volume_id, &request.workload);
+        if let Some(bind_to) = &request.bind_to {
+            self.inner.binder.reserve(bind_to, &owner)?;
+        }
         // Secrets first: the steps below may need them after a crash.
         if !request.secrets.is_empty() {
             let store = self.inner.store.clone();
             let c = self.inner.config.clone();
             let secrets = request.secrets.clone();
             let volume_id = request.volume_id.clone();
-            blocking(move || {
+            let saved = blocking(move || {
                 store.save_secrets(&c.plugin_type, &c.plugin_name, &volume_id, &secrets)
             })
-            .await?;
+            .await;
+            if let Err(err) = saved {
+                if let Some(bind_to) = &request.bind_to {
+                    self.inner.binder.release(bind_to, &owner);
+                }
+                return Err(err);
+            }
             record.has_secrets = true;
             guard.secrets = Some(request.secrets.clone());
             failpoint::hit("volume.secrets.after_write")?;
@@ -392,7 +450,8 @@ impl VolumeManager {
             // The binding is durable with the claim, before anything is mounted.
             record
                 .bind_mounts
-                .insert(request.workload.clone(), bind_to.clone());
+                .entry(request.workload.clone())
+                .or_insert_with(|| BindMount::new(bind_to.clone()));
         }
         let outcome = self.drive(&mut guard, record, true).await;
         match outcome {
@@ -407,15 +466,34 @@ impl VolumeManager {
             Err(err) => {
                 if added_claim && let Some(mut record) = guard.record.clone() {
                     record.claims.remove(&request.workload);
-                    if let Some(bind_to) = record.bind_mounts.remove(&request.workload) {
-                        let _ = self.unbind(&bind_to);
+                    let mut bind_kept = false;
+                    if let Some(bind) = record.bind_mounts.get(&request.workload).cloned() {
+                        match self.unbind(&request.volume_id, &bind) {
+                            Ok(()) => {
+                                record.bind_mounts.remove(&request.workload);
+                            }
+                            Err(unbind_err) => {
+                                // Keep the entry (and the claim) so that a later unpublish
+                                // still knows what to undo.
+                                tracing::warn!(plugin = %self.inner.config.plugin_type, volume_id = ?request.volume_id, error = %unbind_err, "bind mount of a failed publish could not be undone");
+                                record.claims.insert(request.workload.clone());
+                                bind_kept = true;
+                            }
+                        }
                     }
                     record.last_error = Some(err.to_string());
                     // Best effort: if this write fails, the claim stays and the reconciler
                     // publishes the volume; a later unpublish for the workload cleans it.
                     if self.persist(&mut guard, record).await.is_ok() {
+                        if !bind_kept && let Some(bind_to) = &request.bind_to {
+                            self.inner.binder.release(bind_to, &owner);
+                        }
                         self.spawn_reconcile(&request.volume_id);
                     }
+                } else if !added_claim {
+                    // The claim existed before this request; its reservation stays.
+                } else if let Some(bind_to) = &request.bind_to {
+                    self.inner.binder.release(bind_to, &owner);
                 }
                 Err(err)
             }
@@ -439,10 +517,13 @@ impl VolumeManager {
         let Some(mut record) = guard.record.clone() else {
             return Ok(());
         };
-        if let Some(bind_to) = record.bind_mounts.get(workload).cloned() {
+        if let Some(bind) = record.bind_mounts.get(workload).cloned() {
             // The workload's own bind mount goes first; its record entry only once it is gone.
-            self.unbind(&bind_to)?;
+            self.unbind(volume_id, &bind)?;
             record.bind_mounts.remove(workload);
+            self.inner
+                .binder
+                .release(&bind.path, &self.bind_owner(volume_id, workload));
         }
         record.claims.remove(workload);
         let up = record.wants_published();
@@ -450,40 +531,56 @@ impl VolumeManager {
         Ok(())
     }
 
-    /// Unmounts a workload's bind mount (and the dir csi-agent created for it, if empty).
-    fn unbind(&self, bind_to: &Path) -> Result<(), VolumeError> {
-        self.inner
-            .mounter
-            .unmount(bind_to)
-            .map_err(|err| VolumeError::Io {
-                path: bind_to.to_path_buf(),
-                source: std::io::Error::other(err.to_string()),
-            })?;
+    fn bind_owner(&self, volume_id: &str, workload: &str) -> BindOwner {
+        BindOwner {
+            plugin: self.inner.config.plugin_type.clone(),
+            volume_id: volume_id.to_owned(),
+            workload: workload.to_owned(),
+        }
+    }
+
+    /// Unmounts a workload's bind mount of `volume_id` (and the dirs csi-agent created for
+    /// it): only the mount csi-agent made, found by its mount id ([`Binder::remove`]).
+    fn unbind(&self, volume_id: &str, bind: &BindMount) -> Result<(), VolumeError> {
+        self.inner.binder.remove(
+            &self.mounts_root(),
+            &self.target_path(volume_id),
+            bind,
+            &self.inner.boot_id,
+        )?;
         failpoint::hit("volume.unbind.after_unmount")?;
         Ok(())
     }
 
-    /// Makes sure every recorded bind mount of a published volume exists (after a crash
-    /// between recording and mounting, or after a reboot).
-    fn ensure_binds(&self, record: &VolumeRecord) -> Result<(), VolumeError> {
+    /// Makes sure every recorded bind mount of a published volume is this volume's bind,
+    /// mounting the missing ones (after a crash between recording and mounting, or after a
+    /// reboot). Returns true when a bind's entry changed (mount id noted, dirs counted).
+    fn ensure_binds(&self, record: &mut VolumeRecord) -> Result<bool, VolumeError> {
         if record.bind_mounts.is_empty() {
-            return Ok(());
+            return Ok(false);
         }
         let target = self.target_path(&record.volume_id);
-        for bind_to in record.bind_mounts.values() {
-            if is_mount_point(bind_to)? {
-                continue;
-            }
-            create_dir_all(bind_to)?;
+        let mounts_root = self.mounts_root();
+        let mut changed = false;
+        for (workload, bind) in record.bind_mounts.iter_mut() {
+            // A bind read back from disk is held to the same rules as a new request.
             self.inner
-                .mounter
-                .bind_mount(&target, bind_to, record.readonly)
-                .map_err(|err| VolumeError::Io {
-                    path: bind_to.clone(),
-                    source: std::io::Error::other(err.to_string()),
-                })?;
+                .binder
+                .reserve(&bind.path, &self.bind_owner(&record.volume_id, workload))?;
+            let now = self.inner.binder.ensure(
+                &mounts_root,
+                &target,
+                bind,
+                record.readonly,
+                &self.inner.boot_id,
+            )?;
+            if now != *bind {
+                failpoint::hit("volume.bind.after_mount")?;
+                *bind = now;
+                changed = true;
+            }
         }
-        Ok(())
+        Ok(changed)
     }
 
     /// Drives one volume toward what its claims want (used by recovery and after failures).
@@ -608,14 +705,28 @@ impl VolumeManager {
                 return Ok(VolumeState::Created);
             }
         }
-        if dirty {
+        // Binds before the last write, so that their mount ids are durable with it; a bind
+        // that fails still lets the progress above be written.
+        let binds = if record.state == VolumeState::Published {
+            self.ensure_binds(&mut record)
+        } else {
+            Ok(false)
+        };
+        if let Err(err) = &binds {
+            // Shown on the volume for operators; written only when it changes, so that a
+            // reconciler retrying a bad bind does not write on every attempt.
+            let message = err.to_string();
+            if slot.record.as_ref().and_then(|r| r.last_error.as_ref()) != Some(&message) {
+                record.last_error = Some(message);
+                dirty = true;
+            }
+        }
+        if dirty || matches!(binds, Ok(true)) {
             failpoint::hit("volume.final.before_write")?;
             self.persist(slot, record.clone()).await?;
             failpoint::hit("volume.final.after_write")?;
         }
-        if record.state == VolumeState::Published {
-            self.ensure_binds(&record)?;
-        }
+        binds?;
         Ok(record.state)
     }
 
@@ -683,7 +794,7 @@ impl VolumeManager {
                     );
                     return Ok(());
                 }
-                Err(VolumeError::Plugin(err)) if err.is_transient() => {
+                Err(VolumeError::Plugin(err)) if err.is_transient() && !err.is_not_ready() => {
                     let delay = backoff.next_delay();
                     if Instant::now() + delay >= deadline {
                         return Err(VolumeError::Plugin(err));
@@ -1049,7 +1160,12 @@ where
     loop {
         match call().await {
             Ok(value) => return Ok(value),
-            Err(err) if err.is_transient() && !final_codes.contains(&err.code()) => {
+            // NotReady: the wait for the plugin's start is the whole budget for it.
+            Err(err)
+                if err.is_transient()
+                    && !err.is_not_ready()
+                    && !final_codes.contains(&err.code()) =>
+            {
                 let delay = backoff.next_delay();
                 if Instant::now() + delay >= deadline {
                     return Err(err.into());

@@ -239,7 +239,7 @@ pub struct VolumeRecord {
     /// Paths where csi-agent bind-mounts the target for a workload (`bind_to`), by workload.
     /// Recorded with the claim, before the mount, so that a crash never leaks one.
     #[serde(default)]
-    pub bind_mounts: BTreeMap<String, std::path::PathBuf>,
+    pub bind_mounts: BTreeMap<String, super::bind::BindMount>,
     /// The last final error met while driving the volume, for operators.
     #[serde(default)]
     pub last_error: Option<String>,

@@ -99,7 +99,26 @@ impl VolumeManager {
                 report.corrected_by_mount_table += 1;
                 changed = true;
             }
+            // Every recorded bind is held to the rules of a new request, and its path is
+            // reserved so that no new claim can take it.
+            for (workload, bind) in &record.bind_mounts {
+                let checked = self.inner.binder.check(&bind.path).and_then(|_| {
+                    self.inner
+                        .binder
+                        .reserve(&bind.path, &self.bind_owner(&record.volume_id, workload))
+                });
+                if let Err(err) = checked {
+                    tracing::error!(plugin = %self.inner.config.plugin_type, volume_id = ?record.volume_id, workload = ?workload, error = %err, "recorded bind_to refused");
+                    report.problems.push(format!(
+                        "volume {:?}: recorded bind_to of workload {workload:?}: {err}",
+                        record.volume_id
+                    ));
+                }
+            }
+            // A published volume's binds are verified (and redone) by the reconciler: a
+            // crash may have come between recording a bind and mounting it.
             let needs_work = record.state.is_transient()
+                || (record.state == VolumeState::Published && !record.bind_mounts.is_empty())
                 || (record.wants_published() && record.state != VolumeState::Published)
                 || (!record.wants_published()
                     && (record.state != VolumeState::Created

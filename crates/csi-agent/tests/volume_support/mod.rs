@@ -13,10 +13,11 @@ use csi_agent::client::ClientOptions;
 use csi_agent::config::Service;
 use csi_agent::endpoints::FixedEndpoints;
 use csi_agent::layout::Layout;
-use csi_agent::mounts::{HostMounter, MountTable};
+use csi_agent::mounts::MountTable;
 use csi_agent::store::Store;
 use csi_agent::volume::{
-    AccessMode, AccessType, Capability, PublishRequest, VolumeConfig, VolumeManager, VolumeSecrets,
+    AccessMode, AccessType, Capability, NodeContext, PublishRequest, VolumeConfig, VolumeManager,
+    VolumeSecrets,
 };
 
 pub const PLUGIN_TYPE: &str = "org.example.test";
@@ -24,16 +25,7 @@ pub const PLUGIN_TYPE: &str = "org.example.test";
 /// The test plugin binary, built by `cargo build --workspace` (CI builds everything before
 /// testing); `CSI_TESTPLUGIN` overrides.
 pub fn testplugin_bin() -> PathBuf {
-    if let Ok(path) = std::env::var("CSI_TESTPLUGIN") {
-        return PathBuf::from(path);
-    }
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/debug/csi-testplugin");
-    assert!(
-        root.exists(),
-        "{} is missing: run `cargo build -p csi-testplugin` first",
-        root.display()
-    );
-    root
+    csi_agent::binaries::required("csi-testplugin", Some("CSI_TESTPLUGIN"))
 }
 
 /// A running `csi-testplugin`.
@@ -231,12 +223,8 @@ pub fn manager_configured(
     tweak(&mut config);
     VolumeManager::new(
         config,
-        layout,
-        store,
         Arc::new(endpoints),
-        Arc::new(HostMounter),
-        boot_id.to_owned(),
-        None,
+        NodeContext::new(layout, store, boot_id.to_owned()),
     )
 }
 

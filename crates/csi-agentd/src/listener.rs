@@ -1,0 +1,909 @@
+//! The API's listeners: binding the unix socket and the TCP address safely, checking the token
+//! file, and serving a [`Router`] on each listener with hyper's HTTP/1 connection builder under
+//! bounds that a hostile or broken client cannot lift: a cap on open connections, a deadline for
+//! each request head, an idle timeout, limits on the size of heads and bodies, a deadline for
+//! reading a body, and the `Content-Type` rule (see docs/api.md, "Limits and timeouts").
+//!
+//! This module owns connections and the framing of requests. It must not know the routes, parse
+//! request bodies as JSON, compare tokens (`api::require_token` does, layered outside
+//! [`guard`] so that it runs before any body is read), or touch the engine's state.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::io;
+use std::net::SocketAddr;
+use std::num::{NonZeroU64, NonZeroUsize};
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::path::Path;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context as TaskContext, Poll};
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use csi_agent_api as api;
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, UnixListener};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, watch};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use crate::convert::ApiFailure;
+
+/// Request heads (request line and header fields) larger than this are answered 431 in the
+/// error shape.
+pub const MAX_HEAD_BYTES: usize = 16 * 1024;
+/// The most hyper buffers for one connection. A head that does not fit is answered 431 by hyper
+/// itself, without a body, and the connection is closed.
+pub const READ_BUFFER_BYTES: usize = 128 * 1024;
+/// Request bodies larger than this are answered 413.
+pub const MAX_BODY_BYTES: usize = 1024 * 1024;
+/// The shortest token the TCP listener accepts.
+pub const MIN_TOKEN_BYTES: usize = 16;
+/// File descriptors kept for everything but API connections (plugin sockets, store files, the
+/// runtime) when the connection cap is fitted to the process's limit.
+const RESERVED_FDS: u64 = 128;
+/// Pause after a failed accept (EMFILE, ENFILE, ENOBUFS, ...) before the next try.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+/// At most one warning per this long about refused connections, and one about failed accepts.
+const WARN_EVERY: Duration = Duration::from_secs(10);
+
+/// The bounds each listener enforces; the defaults are those documented in
+/// docs/configuration.md.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Open connections per listener; more are answered 503 and closed at once.
+    pub max_connections: usize,
+    /// From accepting a connection, or from the first byte of a later request, to the end of
+    /// its head.
+    pub header_timeout: Duration,
+    /// A connection with no request in flight and no traffic for this long is closed.
+    pub idle_timeout: Duration,
+    /// From the end of a request head to the end of its body.
+    pub body_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_connections: 1024,
+            header_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(60),
+            body_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+impl Limits {
+    /// The defaults, with what the flags or the config file set.
+    pub fn new(
+        max_connections: Option<NonZeroUsize>,
+        header_timeout_ms: Option<NonZeroU64>,
+        idle_timeout_ms: Option<NonZeroU64>,
+        body_timeout_ms: Option<NonZeroU64>,
+    ) -> Self {
+        let default = Self::default();
+        let ms =
+            |v: Option<NonZeroU64>, d: Duration| v.map_or(d, |v| Duration::from_millis(v.get()));
+        Self {
+            max_connections: max_connections.map_or(default.max_connections, NonZeroUsize::get),
+            header_timeout: ms(header_timeout_ms, default.header_timeout),
+            idle_timeout: ms(idle_timeout_ms, default.idle_timeout),
+            body_timeout: ms(body_timeout_ms, default.body_timeout),
+        }
+    }
+
+    /// Makes room for `listeners × max_connections` descriptors: raises the soft `RLIMIT_NOFILE`
+    /// as far as needed (up to the hard limit), and lowers the cap, loudly, when even the hard
+    /// limit is too low. A process out of descriptors can accept nothing on any listener.
+    pub fn fit_fd_limit(&mut self, listeners: usize) {
+        use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+        let listeners = listeners.max(1) as u64;
+        let needed = (self.max_connections as u64)
+            .saturating_mul(listeners)
+            .saturating_add(RESERVED_FDS);
+        let limit = getrlimit(Resource::Nofile);
+        let soft = limit.current.unwrap_or(u64::MAX);
+        if soft >= needed {
+            return;
+        }
+        let hard = limit.maximum.unwrap_or(u64::MAX);
+        let mut usable = soft;
+        if hard > soft {
+            let target = needed.min(hard);
+            match setrlimit(
+                Resource::Nofile,
+                Rlimit {
+                    current: Some(target),
+                    maximum: limit.maximum,
+                },
+            ) {
+                Ok(()) => {
+                    tracing::info!(
+                        from = soft,
+                        to = target,
+                        "raised the open file limit for the API connections"
+                    );
+                    usable = target;
+                }
+                Err(err) => tracing::warn!(
+                    error = %err,
+                    soft,
+                    "cannot raise the open file limit"
+                ),
+            }
+        }
+        if usable < needed {
+            let fit = (usable.saturating_sub(RESERVED_FDS) / listeners).max(1);
+            tracing::warn!(
+                max_connections = self.max_connections,
+                lowered_to = fit,
+                open_file_limit = usable,
+                "the open file limit is too low for --max-connections on every listener: \
+                 lowering the connection cap; raise the limit (LimitNOFILE=, ulimit -n) instead"
+            );
+            self.max_connections = usize::try_from(fit).unwrap_or(1);
+        }
+    }
+}
+
+/// Refuses `--listen` on an address other than loopback unless `allow_insecure`: the listener
+/// speaks plain HTTP, so the token and volume secrets would cross the network in the clear.
+pub fn check_listen_address(addr: SocketAddr, allow_insecure: bool) -> anyhow::Result<()> {
+    if addr.ip().to_canonical().is_loopback() || allow_insecure {
+        return Ok(());
+    }
+    bail!(
+        "--listen {addr} is not a loopback address: csi-agentd has no TLS, so the bearer token \
+         and volume secrets would cross the network in the clear; listen on 127.0.0.1 or ::1 and \
+         put a TLS proxy or an SSH tunnel in front, or pass --allow-insecure-listen to accept the risk"
+    )
+}
+
+/// The bearer token from `path`, refused when the file is readable by group or others or the
+/// token is shorter than [`MIN_TOKEN_BYTES`]. Surrounding whitespace is not part of the token.
+pub fn read_token(path: &Path) -> anyhow::Result<String> {
+    let shown = path.display();
+    let mode = std::fs::metadata(path)
+        .with_context(|| format!("cannot read the token file {shown}"))?
+        .permissions()
+        .mode();
+    if mode & 0o077 != 0 {
+        bail!(
+            "token file {shown} is readable by group or others (mode {:04o}): anyone who can \
+             read it can publish volumes; run `chmod 600 {shown}`",
+            mode & 0o7777
+        );
+    }
+    let token = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read the token file {shown}"))?
+        .trim()
+        .to_owned();
+    if token.is_empty() {
+        bail!("token file {shown} is empty: put the bearer token in it");
+    }
+    if token.len() < MIN_TOKEN_BYTES {
+        bail!(
+            "the token in {shown} is {} bytes long; at least {MIN_TOKEN_BYTES} are required \
+             (e.g. `head -c 32 /dev/urandom | base64 > {shown}`)",
+            token.len()
+        );
+    }
+    Ok(token)
+}
+
+/// Binds the API's unix socket at `path`, created with mode 0600 (no window in which it is
+/// more open). Only a stale socket (a socket nobody accepts on) is replaced; a live socket or
+/// any other file (regular file, directory, symlink: never followed) is refused and left alone.
+pub async fn bind_unix(path: &Path) -> anyhow::Result<UnixListener> {
+    let shown = path.display();
+    match std::fs::symlink_metadata(path) {
+        Err(err) if err.kind() == io::ErrorKind::NotFound => {}
+        Err(err) => {
+            return Err(err).with_context(|| format!("cannot inspect the API socket path {shown}"));
+        }
+        Ok(meta) if meta.file_type().is_socket() => {
+            let probe = tokio::time::timeout(
+                Duration::from_secs(2),
+                tokio::net::UnixStream::connect(path),
+            )
+            .await;
+            match probe {
+                Ok(Err(err)) if err.kind() == io::ErrorKind::ConnectionRefused => {
+                    tracing::info!(socket = %shown, "replacing a stale API socket");
+                    std::fs::remove_file(path)
+                        .with_context(|| format!("cannot remove the stale API socket {shown}"))?;
+                }
+                Ok(Ok(_)) => bail!(
+                    "another process is serving on the API socket {shown} (is another csi-agentd \
+                     running with this work dir?); stop it, or give this daemon another --api-socket"
+                ),
+                Ok(Err(err)) => bail!(
+                    "{shown} is a unix socket that may be in use (connecting to it failed: {err}); \
+                     csi-agentd only replaces a socket that refuses connections: remove it if it is \
+                     stale, or give another --api-socket"
+                ),
+                Err(_) => bail!(
+                    "{shown} is a unix socket that accepts no connection within 2 s, so it may be \
+                     in use; remove it if it is stale, or give another --api-socket"
+                ),
+            }
+        }
+        Ok(meta) => {
+            let kind = if meta.file_type().is_symlink() {
+                "a symbolic link"
+            } else if meta.is_dir() {
+                "a directory"
+            } else if meta.is_file() {
+                "a regular file"
+            } else {
+                "a special file"
+            };
+            bail!(
+                "refusing to use --api-socket {shown}: it is {kind}, not a unix socket, and \
+                 csi-agentd only replaces a stale socket; move it away or choose another path"
+            );
+        }
+    }
+    use rustix::fs::Mode;
+    let previous = rustix::process::umask(Mode::from_raw_mode(0o177));
+    let bound = UnixListener::bind(path);
+    rustix::process::umask(previous);
+    let listener = bound.with_context(|| format!("cannot listen on {shown}"))?;
+    let mode = std::fs::symlink_metadata(path)
+        .with_context(|| format!("cannot inspect the new API socket {shown}"))?
+        .permissions()
+        .mode()
+        & 0o777;
+    if mode != 0o600 {
+        bail!("the API socket {shown} has mode {mode:04o}, not 0600");
+    }
+    Ok(listener)
+}
+
+/// A source of connections; one implementation per kind of listener.
+pub trait Accept: Send + 'static {
+    type Io: AsyncRead + AsyncWrite + Unpin + Send + 'static;
+    fn accept(&mut self) -> impl Future<Output = io::Result<Self::Io>> + Send;
+    /// Answers `response` if it can without waiting, then closes: the connection is over the
+    /// cap.
+    fn refuse(io: Self::Io, response: &[u8]);
+}
+
+impl Accept for UnixListener {
+    type Io = tokio::net::UnixStream;
+    async fn accept(&mut self) -> io::Result<Self::Io> {
+        UnixListener::accept(self).await.map(|(io, _)| io)
+    }
+    fn refuse(io: Self::Io, response: &[u8]) {
+        let _ = io.try_read(&mut [0; 1024]);
+        let _ = io.try_write(response);
+    }
+}
+
+impl Accept for TcpListener {
+    type Io = tokio::net::TcpStream;
+    async fn accept(&mut self) -> io::Result<Self::Io> {
+        let (io, _) = TcpListener::accept(self).await?;
+        let _ = io.set_nodelay(true);
+        Ok(io)
+    }
+    fn refuse(io: Self::Io, response: &[u8]) {
+        let _ = io.try_read(&mut [0; 1024]);
+        let _ = io.try_write(response);
+    }
+}
+
+/// Counts occurrences of one problem and says when to log them: the first at once, then at
+/// most once per [`WARN_EVERY`], so that a flood cannot flood the log too.
+#[derive(Debug, Default)]
+struct Throttled {
+    last: Option<Instant>,
+    unlogged: u64,
+}
+
+impl Throttled {
+    /// One more occurrence; `Some(count since the last log)` when it is time to log.
+    fn hit(&mut self) -> Option<u64> {
+        self.unlogged += 1;
+        let now = Instant::now();
+        if self.last.is_some_and(|last| now < last + WARN_EVERY) {
+            return None;
+        }
+        self.last = Some(now);
+        Some(std::mem::take(&mut self.unlogged))
+    }
+}
+
+/// Serves `app` on `listener` until `shutdown` turns true, then lets the requests in flight
+/// finish. Accept errors (EMFILE, ...) never end it: they are logged (at most every
+/// [`WARN_EVERY`]) and retried after a short pause.
+pub async fn serve<A: Accept>(
+    mut listener: A,
+    name: &'static str,
+    app: Router,
+    limits: Limits,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let refusal = over_capacity_response(limits.max_connections);
+    let mut connections = JoinSet::new();
+    let mut accept_errors = Throttled::default();
+    let mut refused = Throttled::default();
+    loop {
+        while connections.try_join_next().is_some() {}
+        let accepted = tokio::select! {
+            _ = shutdown.wait_for(|stop| *stop) => break,
+            accepted = listener.accept() => accepted,
+        };
+        let io = match accepted {
+            Ok(io) => io,
+            Err(err) => {
+                if let Some(count) = accept_errors.hit() {
+                    tracing::warn!(
+                        listener = name,
+                        error = %err,
+                        count,
+                        "cannot accept connections; retrying after {ACCEPT_BACKOFF:?} each time \
+                         (logged at most every {WARN_EVERY:?})"
+                    );
+                }
+                if !matches!(
+                    err.kind(),
+                    io::ErrorKind::ConnectionAborted
+                        | io::ErrorKind::ConnectionReset
+                        | io::ErrorKind::Interrupted
+                ) {
+                    tokio::select! {
+                        _ = shutdown.wait_for(|stop| *stop) => break,
+                        () = tokio::time::sleep(ACCEPT_BACKOFF) => {}
+                    }
+                }
+                continue;
+            }
+        };
+        match slots.clone().try_acquire_owned() {
+            Ok(permit) => {
+                connections.spawn(connection(
+                    io,
+                    app.clone(),
+                    limits,
+                    permit,
+                    shutdown.clone(),
+                ));
+            }
+            Err(_) => {
+                A::refuse(io, &refusal);
+                if let Some(count) = refused.hit() {
+                    tracing::warn!(
+                        listener = name,
+                        max_connections = limits.max_connections,
+                        refused = count,
+                        "connection cap reached: new connections are answered 503 and closed \
+                         (logged at most every {WARN_EVERY:?})"
+                    );
+                }
+            }
+        }
+    }
+    drop(listener);
+    while connections.join_next().await.is_some() {}
+}
+
+/// A complete HTTP response in the error shape, for a connection over the cap.
+fn over_capacity_response(max: usize) -> Vec<u8> {
+    let body = api::ErrorBody {
+        code: api::ErrorCode::Unavailable,
+        message: format!(
+            "csi-agentd already serves {max} connections on this listener (--max-connections); \
+             retry shortly"
+        ),
+        grpc_code: None,
+    };
+    let body = serde_json::to_string(&body).unwrap_or_default();
+    format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nretry-after: 1\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+/// One connection, from accept to close, holding its slot.
+async fn connection<I>(
+    io: I,
+    app: Router,
+    limits: Limits,
+    _slot: OwnedSemaphorePermit,
+    mut shutdown: watch::Receiver<bool>,
+) where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let activity = Arc::new(Activity::new());
+    let service = Tracked {
+        app,
+        activity: activity.clone(),
+    };
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        // The watchdog below enforces the header and idle timeouts; hyper's own timer (which
+        // starts when a connection goes idle) is only a backstop behind both.
+        .header_read_timeout(limits.header_timeout + limits.idle_timeout)
+        .max_buf_size(READ_BUFFER_BYTES)
+        .keep_alive(true);
+    let conn = builder.serve_connection(
+        TokioIo::new(Watched {
+            inner: io,
+            activity: activity.clone(),
+        }),
+        service,
+    );
+    tokio::pin!(conn);
+    let mut stopping = false;
+    loop {
+        let changed = activity.changed.notified();
+        let deadline = activity.deadline(&limits);
+        tokio::select! {
+            done = conn.as_mut() => {
+                if let Err(err) = done {
+                    tracing::debug!(error = %err, "API connection ended with an error");
+                }
+                return;
+            }
+            () = changed => {}
+            () = sleep_until(deadline) => {
+                if activity.deadline(&limits).is_some_and(|d| d <= Instant::now()) {
+                    tracing::debug!(phase = ?activity.phase(), "closing an API connection that timed out");
+                    return;
+                }
+            }
+            _ = shutdown.wait_for(|stop| *stop), if !stopping => {
+                stopping = true;
+                if matches!(activity.phase(), Phase::Head(_)) {
+                    // No request yet: nothing to finish.
+                    return;
+                }
+                conn.as_mut().graceful_shutdown();
+            }
+        }
+    }
+}
+
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Where a connection is in its request cycle, for the header and idle timeouts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    /// Waiting for the rest of a request head, since then.
+    Head(Instant),
+    /// This many requests are being served (their bodies read, their handlers running).
+    Busy(usize),
+    /// Nothing in flight; the last traffic was then.
+    Idle(Instant),
+}
+
+#[derive(Debug)]
+struct Activity {
+    phase: Mutex<Phase>,
+    changed: Notify,
+}
+
+impl Activity {
+    fn new() -> Self {
+        Self {
+            phase: Mutex::new(Phase::Head(Instant::now())),
+            changed: Notify::new(),
+        }
+    }
+
+    fn phase(&self) -> Phase {
+        *self.phase.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn update(&self, f: impl FnOnce(Phase) -> Phase) {
+        let mut phase = self.phase.lock().unwrap_or_else(PoisonError::into_inner);
+        let before = *phase;
+        *phase = f(before);
+        let wake = matches!(
+            (before, *phase),
+            (Phase::Idle(_), Phase::Head(_)) | (Phase::Busy(_), Phase::Idle(_))
+        );
+        drop(phase);
+        if wake {
+            self.changed.notify_one();
+        }
+    }
+
+    fn deadline(&self, limits: &Limits) -> Option<Instant> {
+        match self.phase() {
+            Phase::Head(since) => Some(since + limits.header_timeout),
+            Phase::Idle(since) => Some(since + limits.idle_timeout),
+            Phase::Busy(_) => None,
+        }
+    }
+
+    fn on_read(&self) {
+        self.update(|phase| match phase {
+            Phase::Idle(_) => Phase::Head(Instant::now()),
+            other => other,
+        });
+    }
+
+    fn on_write(&self) {
+        self.update(|phase| match phase {
+            Phase::Idle(_) => Phase::Idle(Instant::now()),
+            other => other,
+        });
+    }
+
+    fn request_started(self: &Arc<Self>) -> InFlight {
+        self.update(|phase| match phase {
+            Phase::Busy(n) => Phase::Busy(n + 1),
+            _ => Phase::Busy(1),
+        });
+        InFlight(self.clone())
+    }
+}
+
+/// A request being served; dropping it (done or cancelled) ends it.
+struct InFlight(Arc<Activity>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.update(|phase| match phase {
+            Phase::Busy(n) if n > 1 => Phase::Busy(n - 1),
+            _ => Phase::Idle(Instant::now()),
+        });
+    }
+}
+
+/// The connection's I/O, reporting traffic to its [`Activity`].
+struct Watched<I> {
+    inner: I,
+    activity: Arc<Activity>,
+}
+
+impl<I: AsyncRead + Unpin> AsyncRead for Watched<I> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut TaskContext<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut this.inner).poll_read(cx, buf);
+        if matches!(polled, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            this.activity.on_read();
+        }
+        polled
+    }
+}
+
+impl<I: AsyncWrite + Unpin> AsyncWrite for Watched<I> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut TaskContext<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.inner).poll_write(cx, buf);
+        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
+            this.activity.on_write();
+        }
+        polled
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut TaskContext<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
+        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
+            this.activity.on_write();
+        }
+        polled
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
+
+/// The router as hyper's service, marking each request in flight while it is served.
+#[derive(Clone)]
+struct Tracked {
+    app: Router,
+    activity: Arc<Activity>,
+}
+
+impl hyper::service::Service<hyper::Request<Incoming>> for Tracked {
+    type Response = Response;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Send>>;
+
+    fn call(&self, request: hyper::Request<Incoming>) -> Self::Future {
+        use tower::ServiceExt;
+        let in_flight = self.activity.request_started();
+        let app = self.app.clone();
+        Box::pin(async move {
+            let response = app.oneshot(request).await;
+            drop(in_flight);
+            response
+        })
+    }
+}
+
+/// Adds the framing checks to every route of `router` (and its fallbacks): the head size, the
+/// body's size, type and reading time. Layer the token check outside it, so that it runs first.
+pub fn guard(router: Router, limits: &Limits) -> Router {
+    router.layer(axum::middleware::from_fn_with_state(
+        limits.body_timeout,
+        guard_request,
+    ))
+}
+
+/// A refusal in the error shape (`invalid_request`) with a status of the HTTP layer; the
+/// connection is closed after it, as the body may be unread.
+fn refusal(status: StatusCode, message: impl Into<String>) -> Response {
+    let mut response = ApiFailure::invalid(message).into_response();
+    *response.status_mut() = status;
+    response
+        .headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    response
+}
+
+/// The size of the request line and header fields, as sent.
+fn head_len(request: &Request) -> usize {
+    let line = request.method().as_str().len() + request.uri().to_string().len() + 11;
+    request.headers().iter().fold(line, |total, (name, value)| {
+        total + name.as_str().len() + value.len() + 4
+    })
+}
+
+/// `Content-Type` absent (taken as JSON) or `application/json`, with any parameters.
+fn is_json(headers: &HeaderMap) -> bool {
+    match headers.get(header::CONTENT_TYPE) {
+        None => true,
+        Some(value) => value
+            .to_str()
+            .ok()
+            .and_then(|v| v.split(';').next())
+            .is_some_and(|media| media.trim().eq_ignore_ascii_case("application/json")),
+    }
+}
+
+async fn guard_request(
+    State(body_timeout): State<Duration>,
+    request: Request,
+    next: Next,
+) -> Response {
+    if head_len(&request) > MAX_HEAD_BYTES {
+        return refusal(
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            format!(
+                "the request line and header fields exceed {MAX_HEAD_BYTES} bytes; send fewer or \
+                 shorter headers"
+            ),
+        );
+    }
+    let headers = request.headers();
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let has_body = match declared {
+        Some(len) => len > 0,
+        None => headers.contains_key(header::TRANSFER_ENCODING),
+    };
+    if !has_body {
+        return next.run(request).await;
+    }
+    if declared.is_some_and(|len| len > MAX_BODY_BYTES as u64) {
+        return too_large();
+    }
+    if !is_json(headers) {
+        return refusal(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "request bodies are JSON: send \"Content-Type: application/json\" (or no Content-Type)",
+        );
+    }
+    let (parts, body) = request.into_parts();
+    let read = tokio::time::timeout(body_timeout, Limited::new(body, MAX_BODY_BYTES).collect());
+    match read.await {
+        Ok(Ok(collected)) => {
+            let request = Request::from_parts(parts, Body::from(collected.to_bytes()));
+            next.run(request).await
+        }
+        Ok(Err(err)) if err.downcast_ref::<LengthLimitError>().is_some() => too_large(),
+        Ok(Err(err)) => refusal(
+            StatusCode::BAD_REQUEST,
+            format!("the request body could not be read: {err}"),
+        ),
+        Err(_) => refusal(
+            StatusCode::REQUEST_TIMEOUT,
+            format!(
+                "the request body did not arrive within {} ms (--body-timeout-ms)",
+                body_timeout.as_millis()
+            ),
+        ),
+    }
+}
+
+fn too_large() -> Response {
+    refusal(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        format!("request bodies are limited to {MAX_BODY_BYTES} bytes"),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use std::collections::VecDeque;
+
+    use axum::routing::get;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
+
+    use super::*;
+
+    /// Hands out what it was given, then waits forever.
+    struct Scripted(VecDeque<io::Result<DuplexStream>>);
+
+    impl Accept for Scripted {
+        type Io = DuplexStream;
+        async fn accept(&mut self) -> io::Result<DuplexStream> {
+            match self.0.pop_front() {
+                Some(next) => next,
+                None => std::future::pending().await,
+            }
+        }
+        fn refuse(io: DuplexStream, _response: &[u8]) {
+            drop(io);
+        }
+    }
+
+    fn app() -> Router {
+        Router::new().route("/ping", get(|| async { "pong" }))
+    }
+
+    async fn ask(client: &mut DuplexStream) -> String {
+        client
+            .write_all(b"GET /ping HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut answer = vec![0; 4096];
+        let n = tokio::time::timeout(Duration::from_secs(5), client.read(&mut answer))
+            .await
+            .expect("an answer within 5 s")
+            .unwrap();
+        String::from_utf8_lossy(&answer[..n]).into_owned()
+    }
+
+    #[tokio::test]
+    async fn accept_errors_do_not_end_the_listener() {
+        let (mut client, server) = tokio::io::duplex(4096);
+        let script = Scripted(VecDeque::from([
+            Err(io::Error::from_raw_os_error(24)),  // EMFILE
+            Err(io::Error::from_raw_os_error(23)),  // ENFILE
+            Err(io::Error::from_raw_os_error(103)), // ECONNABORTED
+            Ok(server),
+        ]));
+        let (_stop, stopped) = watch::channel(false);
+        let served = tokio::spawn(serve(script, "test", app(), Limits::default(), stopped));
+        let answer = ask(&mut client).await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        assert!(answer.ends_with("pong"), "{answer}");
+        assert!(!served.is_finished());
+        served.abort();
+    }
+
+    #[tokio::test]
+    async fn over_the_cap_is_refused_and_the_holder_keeps_its_connection() {
+        let (mut first, first_server) = tokio::io::duplex(4096);
+        let (mut second, second_server) = tokio::io::duplex(4096);
+        let script = Scripted(VecDeque::from([Ok(first_server), Ok(second_server)]));
+        let limits = Limits {
+            max_connections: 1,
+            ..Limits::default()
+        };
+        let (stop, stopped) = watch::channel(false);
+        let served = tokio::spawn(serve(script, "test", app(), limits, stopped));
+        let mut buf = [0; 16];
+        let n = tokio::time::timeout(Duration::from_secs(5), second.read(&mut buf))
+            .await
+            .expect("the second connection is closed at once")
+            .unwrap();
+        assert_eq!(n, 0);
+        let answer = ask(&mut first).await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        stop.send(true).unwrap();
+        tokio::time::timeout(Duration::from_secs(5), served)
+            .await
+            .expect("shutdown completes")
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_silent_connection_is_closed_after_the_header_timeout() {
+        let (mut client, server) = tokio::io::duplex(4096);
+        let script = Scripted(VecDeque::from([Ok(server)]));
+        let limits = Limits {
+            header_timeout: Duration::from_millis(200),
+            ..Limits::default()
+        };
+        let (_stop, stopped) = watch::channel(false);
+        let served = tokio::spawn(serve(script, "test", app(), limits, stopped));
+        client.write_all(b"GET /ping HTTP/1.1\r\n").await.unwrap();
+        let started = std::time::Instant::now();
+        let n = tokio::time::timeout(Duration::from_secs(5), client.read(&mut [0; 16]))
+            .await
+            .expect("closed within 5 s")
+            .unwrap();
+        assert_eq!(n, 0);
+        assert!(started.elapsed() >= Duration::from_millis(150));
+        served.abort();
+    }
+
+    #[test]
+    fn repeated_warnings_are_throttled() {
+        let mut throttled = Throttled::default();
+        assert_eq!(throttled.hit(), Some(1));
+        assert_eq!(throttled.hit(), None);
+        assert_eq!(throttled.hit(), None);
+        throttled.last = Some(Instant::now() - WARN_EVERY);
+        assert_eq!(throttled.hit(), Some(3));
+    }
+
+    #[test]
+    fn content_types() {
+        let with = |v: &str| {
+            let mut h = HeaderMap::new();
+            h.insert(header::CONTENT_TYPE, HeaderValue::from_str(v).unwrap());
+            is_json(&h)
+        };
+        assert!(is_json(&HeaderMap::new()));
+        assert!(with("application/json"));
+        assert!(with("Application/JSON; charset=utf-8"));
+        assert!(!with("text/plain"));
+        assert!(!with("application/x-www-form-urlencoded"));
+        assert!(!with("application/jsonx"));
+    }
+
+    #[test]
+    fn listen_addresses() {
+        assert!(check_listen_address("127.0.0.1:1".parse().unwrap(), false).is_ok());
+        assert!(check_listen_address("[::1]:1".parse().unwrap(), false).is_ok());
+        assert!(check_listen_address("[::ffff:127.0.0.1]:1".parse().unwrap(), false).is_ok());
+        let err = check_listen_address("0.0.0.0:1".parse().unwrap(), false).unwrap_err();
+        assert!(err.to_string().contains("--allow-insecure-listen"), "{err}");
+        assert!(check_listen_address("[::]:1".parse().unwrap(), false).is_err());
+        assert!(check_listen_address("0.0.0.0:1".parse().unwrap(), true).is_ok());
+    }
+}

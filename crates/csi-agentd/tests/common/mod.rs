@@ -1,0 +1,211 @@
+//! The real `csi-agentd` for end-to-end tests: start, kill -9, restart, its API and
+//! `csictl`, with the real `csi-testplugin` as a managed plugin. Real bind mounts: callers
+//! run under `unshare -m --propagation private` (`setup` checks).
+#![allow(clippy::unwrap_used, clippy::expect_used, dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use csi_agent::mounts::{MountTable, require_private_mount_namespace};
+use csi_agent_api::{
+    ApiClient, ApiError, CapabilitySpec, MountSpec, PublishRequest, UnpublishRequest,
+};
+use serde_json::json;
+
+pub const PLUGIN: &str = "org.example.test";
+
+pub fn binary(name: &str) -> PathBuf {
+    csi_agent::binaries::required(name, None)
+}
+
+/// A managed plugin config launching the test plugin with its state in `plugin_dir`.
+pub fn managed_config(plugin_type: &str, plugin_dir: &Path, volumes: &str) -> serde_json::Value {
+    json!({
+        "type": plugin_type,
+        "containers": [{
+            "services": ["CONTROLLER_SERVICE", "NODE_SERVICE"],
+            "command": {
+                "shell": false,
+                "value": binary("csi-testplugin"),
+                "arguments": ["csi-testplugin", "--endpoint", "$CSI_ENDPOINT",
+                              "--work-dir", plugin_dir, "--volumes", volumes,
+                              "--node-id", "node-1"]
+            }
+        }],
+        "startup_timeout_ms": 20000
+    })
+}
+
+pub struct Daemon {
+    pub work: PathBuf,
+    pub configs: PathBuf,
+    pub socket: PathBuf,
+    pub socket_root: PathBuf,
+    pub child: Option<Child>,
+    pub extra: Vec<String>,
+    /// Extra environment of the next `start`.
+    pub env: Vec<(String, String)>,
+}
+
+impl Daemon {
+    pub fn new(dir: &Path, extra: &[&str]) -> Self {
+        let configs = dir.join("configs");
+        std::fs::create_dir_all(&configs).unwrap();
+        let work = dir.join("work");
+        Self {
+            socket: work.join("api.sock"),
+            socket_root: dir.join("sockets"),
+            work,
+            configs,
+            child: None,
+            extra: extra.iter().map(|s| (*s).to_owned()).collect(),
+            env: Vec::new(),
+        }
+    }
+
+    pub fn add_config(&self, file: &str, config: &serde_json::Value) {
+        std::fs::write(
+            self.configs.join(file),
+            serde_json::to_vec_pretty(config).unwrap(),
+        )
+        .unwrap();
+    }
+
+    pub fn start(&mut self) {
+        let _ = std::fs::remove_file(&self.socket);
+        let child = Command::new(env!("CARGO_BIN_EXE_csi-agentd"))
+            .arg("serve")
+            .arg("--work-dir")
+            .arg(&self.work)
+            .arg("--plugin-config-dir")
+            .arg(&self.configs)
+            .arg("--socket-root")
+            .arg(&self.socket_root)
+            .args(&self.extra)
+            .env("CSI_AGENT_LOG", "info")
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .stdout(Stdio::null())
+            .stderr(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(self.work.parent().unwrap().join("daemon.log"))
+                    .unwrap(),
+            )
+            .spawn()
+            .unwrap();
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !self.socket.exists() {
+            assert!(
+                Instant::now() < deadline,
+                "the daemon never opened its socket"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Kills the daemon if it runs, and sets `key=value` for the next `start`.
+    pub fn stop_and_set_env(&mut self, key: &str, value: &str) {
+        self.kill9();
+        self.env.retain(|(k, _)| k != key);
+        self.env.push((key.to_owned(), value.to_owned()));
+    }
+
+    /// Waits for a daemon that is dying by itself (a failpoint) to be gone.
+    pub fn wait_exit(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            child.wait().unwrap();
+        }
+    }
+
+    pub fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            child.kill().unwrap();
+            child.wait().unwrap();
+        }
+    }
+
+    pub fn api(&self) -> ApiClient {
+        ApiClient::unix(&self.socket).with_timeout(Some(Duration::from_secs(60)))
+    }
+
+    pub fn csictl(&self, args: &[&str]) -> std::process::Output {
+        Command::new(binary("csictl"))
+            .arg("--socket")
+            .arg(&self.socket)
+            .args(args)
+            .output()
+            .unwrap()
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.kill9();
+        // The daemon leaves its plugins running on purpose; the test does not.
+        let _ = Command::new("pkill")
+            .arg("-f")
+            .arg(self.work.parent().unwrap().to_string_lossy().as_ref())
+            .status();
+    }
+}
+
+pub fn capability() -> CapabilitySpec {
+    CapabilitySpec {
+        mount: Some(MountSpec::default()),
+        block: None,
+        access_mode: "SINGLE_NODE_WRITER".to_owned(),
+    }
+}
+
+pub fn publish(volume: &str, workload: &str) -> PublishRequest {
+    PublishRequest {
+        plugin: PLUGIN.to_owned(),
+        volume_id: volume.to_owned(),
+        workload: workload.to_owned(),
+        capability: capability(),
+        readonly: false,
+        volume_context: None,
+        secrets: None,
+        bind_to: None,
+    }
+}
+
+pub fn unpublish(volume: &str, workload: &str) -> UnpublishRequest {
+    UnpublishRequest {
+        plugin: PLUGIN.to_owned(),
+        volume_id: volume.to_owned(),
+        workload: workload.to_owned(),
+    }
+}
+
+pub fn mounts_under(dir: &Path) -> Vec<PathBuf> {
+    MountTable::read()
+        .unwrap()
+        .mounts_under(dir)
+        .into_iter()
+        .map(|m| m.mount_point.clone())
+        .collect()
+}
+
+pub fn api_error(
+    result: Result<impl std::fmt::Debug, ApiError>,
+) -> (u16, csi_agent_api::ErrorBody) {
+    match result {
+        Err(ApiError::Api { status, body }) => (status, body),
+        other => panic!("expected an API error, got {other:?}"),
+    }
+}
+
+pub fn setup(dir: &Path, extra: &[&str]) -> Daemon {
+    require_private_mount_namespace();
+    let mut daemon = Daemon::new(dir, extra);
+    daemon.add_config(
+        "test.json",
+        &managed_config(PLUGIN, &dir.join("plugin"), "vol1:1M,vol2:1M"),
+    );
+    daemon.start();
+    daemon
+}

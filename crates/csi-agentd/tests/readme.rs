@@ -1,0 +1,51 @@
+//! README.md's two commands are the ones CI runs: a newcomer types exactly what is tested.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::Path;
+
+fn repo_file(name: &str) -> String {
+    std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../..")
+            .join(name),
+    )
+    .unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+/// The first `sh` code blocks of the README, one command each.
+fn first_commands(readme: &str, count: usize) -> Vec<String> {
+    readme
+        .split("```sh\n")
+        .skip(1)
+        .take(count)
+        .map(|block| block.split("```").next().unwrap_or("").trim().to_owned())
+        .collect()
+}
+
+#[test]
+fn the_readme_starts_with_the_demo_and_the_test_command_and_ci_runs_both() {
+    let readme = repo_file("README.md");
+    let two = readme
+        .find("## Two commands")
+        .expect("a 'Two commands' section");
+    assert!(
+        readme[..two].matches("```").count() == 0,
+        "the two commands come before any other code block"
+    );
+    assert_eq!(
+        first_commands(&readme, 2),
+        vec!["./scripts/demo".to_owned(), "./scripts/test".to_owned()]
+    );
+    let ci = repo_file(".ci/run");
+    let lines: Vec<&str> = ci.lines().map(str::trim).collect();
+    assert!(
+        lines.contains(&"./scripts/test"),
+        ".ci/run runs ./scripts/test as written"
+    );
+    assert!(lines.iter().any(|l| l.ends_with(".ci/demo-check")));
+    let demo_check = repo_file(".ci/demo-check");
+    assert!(
+        demo_check.contains("./scripts/demo "),
+        ".ci/demo-check runs ./scripts/demo"
+    );
+}
