@@ -83,6 +83,9 @@ pub struct ServeArgs {
     /// Where the short socket dirs of managed plugins are created.
     #[arg(long)]
     socket_root: Option<PathBuf>,
+    /// Read the boot id from this file instead of the kernel's (tests simulate a reboot).
+    #[arg(long, hide = true)]
+    boot_id_file: Option<PathBuf>,
     /// A dir beneath which a publish's `bind_to` may go (repeatable), e.g. the dir of the
     /// orchestrator's container sandboxes. None: `bind_to` is refused.
     #[arg(long = "bind-root", value_name = "DIR")]
@@ -124,6 +127,7 @@ pub struct Settings {
     pub log_format: LogFormat,
     pub node_id: String,
     pub socket_root: PathBuf,
+    pub boot_id_file: PathBuf,
     pub bind_roots: Vec<PathBuf>,
 }
 
@@ -204,6 +208,9 @@ pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
             .socket_root
             .or(file.socket_root)
             .unwrap_or_else(csi_agent::service_manager::default_socket_root),
+        boot_id_file: args
+            .boot_id_file
+            .unwrap_or_else(|| PathBuf::from(csi_agent::bootid::BOOT_ID_PATH)),
     })
 }
 
@@ -269,9 +276,9 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     let mut limits = settings.limits;
     limits.fit_fd_limit(1 + usize::from(token.is_some()));
     let unix = listener::bind_unix(socket).await?;
-    let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
-        .map(|s| s.trim().to_owned())
-        .context("cannot read /proc/sys/kernel/random/boot_id")?;
+    let boot_id = csi_agent::bootid::BootIdSource::boot_id(
+        &csi_agent::bootid::ProcBootId::with_path(&settings.boot_id_file),
+    )?;
     let metrics = Arc::new(Metrics::new());
     let server = CsiServer::new(
         ServerOptions {

@@ -1,0 +1,788 @@
+//! The crash matrix on the real daemon: the real `csi-agentd` process killed (SIGKILL, by an
+//! armed failpoint) at every hit of every failpoint of docs/recovery.md during a publish and
+//! an unpublish made through the real API; the real `csi-testplugin` killed during each RPC;
+//! and reboots simulated in each steady (or stuck) state. After each, the daemon restarts
+//! without failpoints and the node must converge, as seen from outside: the mount table, the
+//! API, the plugin's own state dir and processes, and the files of the work dir.
+//!
+//! Real bind mounts: run as root under `unshare -m --propagation private` (see
+//! docs/recovery.md, "Crash matrix on the real daemon").
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use csi_agent::mounts::require_private_mount_namespace;
+use serde_json::json;
+use support::*;
+
+const VOLUME: &str = "vol";
+const WORKLOAD: &str = "w1";
+
+/// Points that cannot be reached without `bind_to`, which stays out of the matrix while
+/// bind handling is being rewritten (it is added after that merge). They are still probed:
+/// a point listed here that a plain publish/unpublish reaches is simply covered.
+const BIND_ONLY: &[&str] = &["volume.bind.after_mount", "volume.unbind.after_unmount"];
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// The failpoints of the table in docs/recovery.md ("## Failpoints"), in table order.
+fn documented_points() -> Vec<String> {
+    let doc = std::fs::read_to_string(repo_root().join("docs/recovery.md")).unwrap();
+    let section = doc
+        .split("\n## ")
+        .find(|s| s.starts_with("Failpoints"))
+        .expect("docs/recovery.md has a `## Failpoints` section");
+    let mut points = Vec::new();
+    for line in section.lines() {
+        let Some(rest) = line.strip_prefix("| `") else {
+            continue;
+        };
+        let name = rest.split('`').next().unwrap();
+        assert!(
+            !points.iter().any(|p| p == name),
+            "{name} is listed twice in docs/recovery.md"
+        );
+        points.push(name.to_owned());
+    }
+    assert!(
+        points.len() > 10,
+        "the failpoint table of docs/recovery.md did not parse: {points:?}"
+    );
+    points
+}
+
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            rust_files(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
+}
+
+/// The string literals of a `"a", $x, "b"`-style argument list, split around its one
+/// metavariable.
+fn concat_template(args: &str) -> Option<(String, String)> {
+    let mut before = String::new();
+    let mut after = String::new();
+    let mut seen_var = false;
+    for part in args.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        if part.starts_with('$') {
+            if seen_var {
+                return None;
+            }
+            seen_var = true;
+        } else {
+            let literal = part.strip_prefix('"')?.strip_suffix('"')?;
+            if seen_var {
+                after.push_str(literal);
+            } else {
+                before.push_str(literal);
+            }
+        }
+    }
+    seen_var.then_some((before, after))
+}
+
+/// Every failpoint name the engine's sources pass to `failpoint::hit`, resolved from what
+/// the call names: a string literal, a `const NAME: &str = "…"`, or a field of a struct
+/// built by a `macro_rules!` from `concat!("…", $step, "…")` (the per-step points).
+/// Anything else fails, so that a new way of naming points cannot slip past this check.
+fn points_in_sources() -> BTreeSet<String> {
+    let mut files = Vec::new();
+    rust_files(&repo_root().join("crates/csi-agent/src"), &mut files);
+    let sources: Vec<(PathBuf, String)> = files
+        .into_iter()
+        .map(|path| {
+            let text = std::fs::read_to_string(&path).unwrap();
+            // Comments may quote calls; only code counts.
+            let code: String = text
+                .lines()
+                .filter(|l| !l.trim_start().starts_with("//"))
+                .map(|l| format!("{l}\n"))
+                .collect();
+            (path, code)
+        })
+        .collect();
+    let all_code: String = sources.iter().map(|(_, c)| c.as_str()).collect();
+    let mut names = BTreeSet::new();
+    for (path, code) in &sources {
+        for (at, _) in code.match_indices("failpoint::hit(") {
+            let rest = &code[at + "failpoint::hit(".len()..];
+            let arg = rest[..rest.find(')').unwrap()].trim();
+            let where_ = format!("{}: failpoint::hit({arg})", path.display());
+            if let Some(literal) = arg.strip_prefix('"') {
+                names.insert(literal.strip_suffix('"').expect(&where_).to_owned());
+            } else if let Some((_, field)) = arg.rsplit_once('.') {
+                // `points.before_intent`: `before_intent: concat!("volume.", $step, ".…")`
+                // in a macro, expanded for each `name!("…")` invocation of that macro.
+                let pattern = format!("{field}: concat!(");
+                let defining: Vec<&String> = sources
+                    .iter()
+                    .map(|(_, c)| c)
+                    .filter(|c| c.contains(&pattern))
+                    .collect();
+                assert_eq!(defining.len(), 1, "{where_}: where is `{pattern}`?");
+                let code = defining[0];
+                let at = code.find(&pattern).unwrap() + pattern.len();
+                let args = &code[at..at + code[at..].find(')').unwrap()];
+                let (before, after) =
+                    concat_template(args).unwrap_or_else(|| panic!("{where_}: {args}"));
+                let macro_at = code[..at].rfind("macro_rules! ").expect(&where_);
+                let macro_name: String = code[macro_at + "macro_rules! ".len()..]
+                    .chars()
+                    .take_while(|c| c.is_alphanumeric() || *c == '_')
+                    .collect();
+                let invocation = format!("{macro_name}!(\"");
+                let mut steps = 0;
+                for (i, _) in code.match_indices(&invocation) {
+                    let step_rest = &code[i + invocation.len()..];
+                    let step = &step_rest[..step_rest.find('"').unwrap()];
+                    names.insert(format!("{before}{step}{after}"));
+                    steps += 1;
+                }
+                assert!(steps > 0, "{where_}: no `{invocation}…)` found");
+            } else {
+                let ident = arg.rsplit("::").next().unwrap();
+                let pattern = format!("const {ident}: &str = \"");
+                let at = all_code
+                    .find(&pattern)
+                    .unwrap_or_else(|| panic!("{where_}: cannot resolve `{arg}`"))
+                    + pattern.len();
+                names.insert(all_code[at..at + all_code[at..].find('"').unwrap()].to_owned());
+            }
+        }
+    }
+    assert!(names.len() > 10, "no failpoint found in the sources");
+    names
+}
+
+/// The table and the code name the same points, and the bind-only exceptions are real rows.
+#[test]
+fn the_failpoint_table_matches_the_sources() {
+    let documented: BTreeSet<String> = documented_points().into_iter().collect();
+    let in_code = points_in_sources();
+    let undocumented: Vec<&String> = in_code.difference(&documented).collect();
+    let stale: Vec<&String> = documented.difference(&in_code).collect();
+    assert!(
+        undocumented.is_empty() && stale.is_empty(),
+        "hit in crates/csi-agent/src but not in the table of docs/recovery.md: {undocumented:?}; \
+         in the table but hit nowhere: {stale:?}"
+    );
+    for point in BIND_ONLY {
+        assert!(documented.contains(*point), "{point} is not in the table");
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Phase {
+    Publish,
+    Unpublish,
+}
+
+/// The one case known not to converge (bug in the service manager, not fixed here): the
+/// daemon killed at the publish's second durable write — the component record of the
+/// plugin it has just launched, renamed into place after the launch — leaves a plugin
+/// process that no record accounts for. The next daemon can neither adopt nor stop it, and
+/// launches a second plugin on the same plugin state. This case is run and checked like
+/// the others except for that one orphan process; the check below fails if the orphan
+/// appears anywhere else, or no longer appears here (then remove this entry).
+const KNOWN_ORPHAN: (&str, Phase, u64) = ("store.write.before_rename", Phase::Publish, 2);
+
+/// One kill, as observed.
+#[derive(Debug)]
+struct Kill {
+    phase: Phase,
+    /// Which hit of the point within its phase (1-based).
+    nth: u64,
+    /// Whether the workload's claim was on disk when the daemon died.
+    claim_durable: bool,
+}
+
+/// The record on disk, what the plugin holds and what is mounted, at the moment of a kill,
+/// must obey the two rules of docs/recovery.md: the intent is durable before its RPC, and a
+/// step's result is durable (with the next step's intent) before anything else happens. So
+/// the node differs from the record only by the one step in flight. Returns whether the
+/// workload's claim is durable.
+fn check_at_kill(node: &mut Node, point: &str, phase: Phase, nth: u64) -> bool {
+    let what = &format!("{point} #{nth} ({phase:?})");
+    // Every running plugin process is one the daemon recorded: otherwise the next daemon
+    // can neither adopt nor stop it.
+    let recorded = node.component_record_pid();
+    let orphans: BTreeSet<i32> = node
+        .plugin_pids()
+        .into_iter()
+        .filter(|pid| recorded != Some(*pid))
+        .collect();
+    if (point, phase, nth) == KNOWN_ORPHAN {
+        assert!(
+            !orphans.is_empty(),
+            "{what}: the known plugin leak is gone; remove KNOWN_ORPHAN"
+        );
+        println!("{what}: known bug, plugin process {orphans:?} leaked (no component record)");
+        node.known_orphans = orphans;
+    } else {
+        assert!(
+            orphans.is_empty(),
+            "{what}: plugin processes {orphans:?} run without a component record"
+        );
+    }
+    let record = node.disk_record(VOLUME);
+    let holds = node
+        .plugin_holds(VOLUME)
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    let mounts = node.mounts();
+    // No RPC is in flight at a failpoint: the plugin's bookkeeping matches the mounts.
+    let staging_mounted = mounts.contains(&node.staging(VOLUME));
+    let target_mounted = mounts.contains(&node.target(VOLUME));
+    assert_eq!(
+        (holds.staged, holds.published),
+        (staging_mounted, target_mounted),
+        "{what}: the plugin's state {holds:?} does not match the mounts {mounts:?}"
+    );
+    assert!(
+        mounts
+            .iter()
+            .all(|m| *m == node.staging(VOLUME) || *m == node.target(VOLUME)),
+        "{what}: foreign mounts {mounts:?}"
+    );
+    let Some(record) = record else {
+        // Nothing may exist on the node that no record accounts for.
+        assert_eq!(
+            holds,
+            PluginHolds::default(),
+            "{what}: the plugin holds {holds:?} of a volume without a record (intent not durable before the RPC)"
+        );
+        return false;
+    };
+    let level = level(&record.state);
+    let claimed = record.claims.contains(WORKLOAD);
+    assert!(
+        level % 2 == 1 || (record.state == "PUBLISHED" && claimed),
+        "{what}: a steady state other than the final one is on disk: {record:?} \
+         (a step's result and the next intent are one write)"
+    );
+    for (step, step_level, done) in holds.steps() {
+        if step_level < level {
+            assert!(
+                done,
+                "{what}: the record says {} but the {step} is not done in the plugin ({holds:?})",
+                record.state
+            );
+        }
+        if step_level > level {
+            assert!(
+                !done,
+                "{what}: the {step} is done in the plugin ({holds:?}) but the record says only {}",
+                record.state
+            );
+        }
+    }
+    match phase {
+        // The claim is written with the first intent, before any RPC.
+        Phase::Publish => assert!(
+            claimed && level >= 1,
+            "{what}: a record without the claim or the first intent: {record:?}"
+        ),
+        // Its removal is written with the first unpublish intent.
+        Phase::Unpublish => assert_eq!(
+            claimed,
+            record.state == "PUBLISHED",
+            "{what}: claim removal and the first unpublish intent are not one write: {record:?}"
+        ),
+    }
+    claimed
+}
+
+/// After a kill: restart without failpoints, converge to what the durable claim wants, then
+/// the workload's retried request, then the end of the cycle leaves nothing.
+async fn recover_and_finish(node: &mut Node, phase: Phase, claim_durable: bool, what: &str) {
+    let claimed = want(&[(VOLUME, &[WORKLOAD])]);
+    let nothing = Want::new();
+    node.start(None).await;
+    node.wait_recovered().await;
+    let expected = if claim_durable { &claimed } else { &nothing };
+    node.converged(
+        expected,
+        &[VOLUME],
+        &format!("{what}: convergence after restart"),
+    )
+    .await;
+    match phase {
+        Phase::Publish => {
+            // The workload got no answer: it repeats the publish (idempotent, one claim).
+            let published = node
+                .publish(VOLUME, WORKLOAD)
+                .await
+                .unwrap_or_else(|e| panic!("{what}: retried publish: {e}"));
+            assert_eq!(published.state, "PUBLISHED", "{what}");
+            assert_eq!(Path::new(&published.target_path), node.target(VOLUME));
+            node.assert_consistent(
+                &claimed,
+                &[VOLUME],
+                &format!("{what}: after the retried publish"),
+            )
+            .await;
+            node.unpublish(VOLUME, WORKLOAD)
+                .await
+                .unwrap_or_else(|e| panic!("{what}: unpublish: {e}"));
+        }
+        Phase::Unpublish => {
+            node.unpublish(VOLUME, WORKLOAD)
+                .await
+                .unwrap_or_else(|e| panic!("{what}: retried unpublish: {e}"));
+        }
+    }
+    node.assert_consistent(
+        &nothing,
+        &[VOLUME],
+        &format!("{what}: after the final unpublish"),
+    )
+    .await;
+}
+
+/// One publish + unpublish cycle with `point` armed to kill the daemon at its `n`-th hit.
+/// Returns the kill, or `None` when the point was hit fewer than `n` times (the cycle then
+/// completed normally, with the point armed). `publish_hits` is how often the point is hit
+/// by a publish (known once a run got past the publish).
+async fn run_cycle(point: &str, n: u64, publish_hits: &mut Option<u64>) -> Option<Kill> {
+    let mut node = Node::new(&format!("{VOLUME}:1M"));
+    let spec = format!("{point}={n}*exit");
+    node.start(Some(&spec)).await;
+    node.wait_recovered().await;
+    let claimed = want(&[(VOLUME, &[WORKLOAD])]);
+    match node.publish(VOLUME, WORKLOAD).await {
+        Ok(published) => {
+            assert_eq!(published.state, "PUBLISHED");
+            node.assert_consistent(&claimed, &[VOLUME], &format!("{spec}: published"))
+                .await;
+            // The first publish that gets through tells how often a publish hits the point.
+            publish_hits.get_or_insert(n - 1);
+        }
+        Err(err) => {
+            assert!(
+                publish_hits.is_none(),
+                "{spec}: the publish hit counts vary"
+            );
+            let what = format!("{point} #{n} (publish)");
+            node.expect_failpoint_kill(point, &err).await;
+            let durable = check_at_kill(&mut node, point, Phase::Publish, n);
+            recover_and_finish(&mut node, Phase::Publish, durable, &what).await;
+            return Some(Kill {
+                phase: Phase::Publish,
+                nth: n,
+                claim_durable: durable,
+            });
+        }
+    }
+    match node.unpublish(VOLUME, WORKLOAD).await {
+        Ok(()) => {
+            assert!(
+                node.daemon_alive(),
+                "{spec}: the daemon died after the unpublish"
+            );
+            node.assert_consistent(&Want::new(), &[VOLUME], &format!("{spec}: unpublished"))
+                .await;
+            None
+        }
+        Err(err) => {
+            let nth = n - publish_hits.unwrap();
+            let what = format!("{point} #{nth} (unpublish)");
+            node.expect_failpoint_kill(point, &err).await;
+            let durable = check_at_kill(&mut node, point, Phase::Unpublish, nth);
+            recover_and_finish(&mut node, Phase::Unpublish, durable, &what).await;
+            Some(Kill {
+                phase: Phase::Unpublish,
+                nth,
+                claim_durable: durable,
+            })
+        }
+    }
+}
+
+/// Every hit of every documented failpoint, in a publish and in an unpublish.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_daemon_killed_at_every_failpoint_converges() {
+    require_private_mount_namespace();
+    let started = Instant::now();
+    let points = documented_points();
+    let mut runs = 0u64;
+    let mut kills: BTreeMap<String, Vec<Kill>> = BTreeMap::new();
+    let mut unreached = Vec::new();
+    for point in &points {
+        let mut publish_hits = None;
+        let mut found = Vec::new();
+        for n in 1.. {
+            runs += 1;
+            match run_cycle(point, n, &mut publish_hits).await {
+                Some(kill) => found.push(kill),
+                None => break,
+            }
+            assert!(n < 20, "{point}: more than 20 hits in one cycle?");
+        }
+        println!(
+            "{point}: {}",
+            if found.is_empty() {
+                "not hit".to_owned()
+            } else {
+                found
+                    .iter()
+                    .map(|k| {
+                        format!(
+                            "{:?}#{}{}",
+                            k.phase,
+                            k.nth,
+                            if k.claim_durable { "(claim)" } else { "" }
+                        )
+                    })
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            }
+        );
+        if found.is_empty() {
+            unreached.push(point.clone());
+        }
+        kills.insert(point.clone(), found);
+    }
+    let not_excused: Vec<&String> = unreached
+        .iter()
+        .filter(|p| !BIND_ONLY.contains(&p.as_str()))
+        .collect();
+    assert!(
+        not_excused.is_empty(),
+        "documented failpoints never hit by a publish/unpublish cycle: {not_excused:?}"
+    );
+    let pairs: BTreeSet<(&String, Phase)> = kills
+        .iter()
+        .flat_map(|(p, ks)| ks.iter().map(move |k| (p, k.phase)))
+        .collect();
+    let total: usize = kills.values().map(Vec::len).sum();
+    let known = kills
+        .iter()
+        .filter(|(p, ks)| {
+            ks.iter()
+                .any(|k| (p.as_str(), k.phase, k.nth) == KNOWN_ORPHAN)
+        })
+        .count();
+    assert_eq!(known, 1, "KNOWN_ORPHAN names no case of the matrix");
+    let publish = pairs.iter().filter(|(_, ph)| *ph == Phase::Publish).count();
+    println!(
+        "crash matrix: {} points in docs/recovery.md, {} hit ({} not reached without bind_to), \
+         {} point×phase pairs ({publish} publish, {} unpublish), {total} daemon kills, \
+         {total} volume convergences, {} full ({known} leaked a plugin process: KNOWN_ORPHAN), \
+         {runs} cycles, {:.0} s",
+        points.len(),
+        points.len() - unreached.len(),
+        unreached.len(),
+        pairs.len(),
+        pairs.len() - publish,
+        total - known,
+        started.elapsed().as_secs_f64()
+    );
+}
+
+/// The RPCs a publish/unpublish cycle makes, each with the request it happens in.
+const PLUGIN_RPCS: &[(&str, Phase)] = &[
+    ("Probe", Phase::Publish),
+    ("NodeGetCapabilities", Phase::Publish),
+    ("ControllerGetCapabilities", Phase::Publish),
+    ("NodeGetInfo", Phase::Publish),
+    ("ControllerPublishVolume", Phase::Publish),
+    ("NodeStageVolume", Phase::Publish),
+    ("NodePublishVolume", Phase::Publish),
+    ("NodeUnpublishVolume", Phase::Unpublish),
+    ("NodeUnstageVolume", Phase::Unpublish),
+    ("ControllerUnpublishVolume", Phase::Unpublish),
+];
+
+/// The plugin SIGKILLed while an RPC is in flight (held by a `delay` fault): the request
+/// still completes once the supervisor has restarted the plugin, and the node is consistent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_plugin_killed_during_each_rpc_is_restarted_and_the_request_completes() {
+    require_private_mount_namespace();
+    let started = Instant::now();
+    let claimed = want(&[(VOLUME, &[WORKLOAD])]);
+    let nothing = Want::new();
+    for (method, phase) in PLUGIN_RPCS {
+        let what = format!("plugin killed during {method}");
+        let mut node = Node::new(&format!("{VOLUME}:1M"));
+        node.start(None).await;
+        node.wait_recovered().await;
+        let id = format!("kill-{method}");
+        node.set_faults(&json!({"rules": [
+            {"method": method, "delay_ms": 20000, "times": 1, "id": id}
+        ]}));
+        if *phase == Phase::Unpublish {
+            node.publish(VOLUME, WORKLOAD).await.unwrap();
+            node.assert_consistent(&claimed, &[VOLUME], &what).await;
+        }
+        let request = {
+            let api = node.api();
+            let phase = *phase;
+            tokio::spawn(async move {
+                match phase {
+                    Phase::Publish => api
+                        .publish(&publish_request(VOLUME, WORKLOAD))
+                        .await
+                        .map(|_| ()),
+                    Phase::Unpublish => api
+                        .unpublish(&unpublish_request(VOLUME, WORKLOAD))
+                        .await
+                        .map(|_| ()),
+                }
+            })
+        };
+        eventually(
+            &format!("{method} in flight"),
+            Duration::from_secs(20),
+            || async {
+                if node.fault_fired(&id) == 1 {
+                    Ok(())
+                } else {
+                    Err("the delayed call has not arrived".to_owned())
+                }
+            },
+        )
+        .await;
+        let pid = node.component_record_pid().expect("a component record");
+        assert_eq!(node.plugin_pids(), [pid].into(), "{what}");
+        let calls_before = node
+            .calls()
+            .iter()
+            .filter(|c| c["method"] == *method)
+            .count();
+        let killed_at_ns = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos();
+        kill9_pid(pid);
+        tokio::time::timeout(Duration::from_secs(60), request)
+            .await
+            .unwrap_or_else(|_| panic!("{what}: the request never completed"))
+            .unwrap()
+            .unwrap_or_else(|e| panic!("{what}: {e}\n{}", node.log_text()));
+        let expected = if *phase == Phase::Publish {
+            &claimed
+        } else {
+            &nothing
+        };
+        node.assert_consistent(expected, &[VOLUME], &what).await;
+        // The call in flight died with its plugin; a new one, to the restarted plugin,
+        // answered the request.
+        let (pids, restarts) = node.api_plugin_pids().await.unwrap();
+        assert!(
+            !pids.contains(&pid) && restarts >= 1,
+            "{what}: {pids:?}, {restarts} restarts"
+        );
+        let calls = node.calls();
+        let retried: Vec<_> = calls.iter().filter(|c| c["method"] == *method).collect();
+        // Exactly one more call, except for Probe, which the supervisor also sends on its own.
+        if *method == "Probe" {
+            assert!(retried.len() > calls_before, "{what}: {retried:?}");
+        } else {
+            assert_eq!(retried.len(), calls_before + 1, "{what}: {retried:?}");
+        }
+        let last = retried.last().unwrap();
+        assert_eq!(last["code"], "OK", "{what}: {last}");
+        assert!(
+            u128::from(last["start_ns"].as_u64().unwrap()) > killed_at_ns,
+            "{what}: the answered call started before the kill: {last}"
+        );
+        assert!(
+            calls.iter().all(|c| c["overlap"] == false),
+            "{what}: overlapping calls for one volume"
+        );
+        if *phase == Phase::Publish {
+            node.unpublish(VOLUME, WORKLOAD).await.unwrap();
+            node.assert_consistent(&nothing, &[VOLUME], &what).await;
+        }
+    }
+    println!(
+        "plugin kills: {} RPC types, {} kills, all completed, {:.0} s",
+        PLUGIN_RPCS.len(),
+        PLUGIN_RPCS.len(),
+        started.elapsed().as_secs_f64()
+    );
+}
+
+/// The states a node can be in when it reboots.
+#[derive(Clone, Copy, Debug)]
+enum Before {
+    /// Published for one workload.
+    Published,
+    /// One volume shared by two workloads, another published for a third.
+    Shared,
+    /// Published, with this RPC failing UNAVAILABLE for good: the volume is stuck in its
+    /// transient state (the request keeps retrying) when the node goes down.
+    StuckPublishing(&'static str, &'static str),
+    /// Same, during the unpublish (the claim is already withdrawn).
+    StuckUnpublishing(&'static str, &'static str),
+}
+
+const REBOOTS: &[Before] = &[
+    Before::Published,
+    Before::Shared,
+    Before::StuckPublishing("ControllerPublishVolume", "CONTROLLER_PUBLISH"),
+    // Staged only: the staging is mounted, the target not yet.
+    Before::StuckPublishing("NodePublishVolume", "NODE_PUBLISH"),
+    Before::StuckPublishing("NodeStageVolume", "NODE_STAGE"),
+    Before::StuckUnpublishing("NodeUnpublishVolume", "NODE_UNPUBLISH"),
+    Before::StuckUnpublishing("NodeUnstageVolume", "NODE_UNSTAGE"),
+    Before::StuckUnpublishing("ControllerUnpublishVolume", "CONTROLLER_UNPUBLISH"),
+];
+
+/// Brings a node into `before`; returns what its claims want and the volumes it touched.
+async fn reach(node: &Node, before: Before) -> (Want, Vec<&'static str>) {
+    match before {
+        Before::Published => {
+            node.publish(VOLUME, WORKLOAD).await.unwrap();
+            (want(&[(VOLUME, &[WORKLOAD])]), vec![VOLUME])
+        }
+        Before::Shared => {
+            for (volume, workload) in [(VOLUME, "w1"), (VOLUME, "w2"), ("vol2", "w3")] {
+                node.publish(volume, workload).await.unwrap();
+            }
+            (
+                want(&[(VOLUME, &["w1", "w2"]), ("vol2", &["w3"])]),
+                vec![VOLUME, "vol2"],
+            )
+        }
+        Before::StuckPublishing(method, state) | Before::StuckUnpublishing(method, state) => {
+            let publishing = matches!(before, Before::StuckPublishing(..));
+            if !publishing {
+                node.publish(VOLUME, WORKLOAD).await.unwrap();
+            }
+            node.set_faults(&json!({"rules": [
+                {"method": method, "fail": {"code": "UNAVAILABLE", "message": "stuck"}}
+            ]}));
+            let api = node.api();
+            // Retried until the operation timeout; the reboot cuts it short.
+            tokio::spawn(async move {
+                if publishing {
+                    let _ = api.publish(&publish_request(VOLUME, WORKLOAD)).await;
+                } else {
+                    let _ = api.unpublish(&unpublish_request(VOLUME, WORKLOAD)).await;
+                }
+            });
+            eventually(
+                &format!("stuck in {state}"),
+                Duration::from_secs(20),
+                || async {
+                    let failed = node
+                        .calls()
+                        .iter()
+                        .any(|c| c["method"] == method && c["code"] == "UNAVAILABLE");
+                    match node.disk_record(VOLUME) {
+                        Some(record) if record.state == state && failed => Ok(()),
+                        other => Err(format!("{other:?}, {method} failed: {failed}")),
+                    }
+                },
+            )
+            .await;
+            if publishing {
+                (want(&[(VOLUME, &[WORKLOAD])]), vec![VOLUME])
+            } else {
+                (Want::new(), vec![VOLUME])
+            }
+        }
+    }
+}
+
+/// A reboot: the daemon and the plugin die, every mount vanishes, /run is emptied, the boot
+/// id changes. With `plugin_forgets`, the plugin sees the new boot too (its node-side
+/// bookkeeping is dropped at start); otherwise it comes back with stale node-side records.
+async fn reboot(node: &mut Node, plugin_forgets: bool) {
+    node.kill9();
+    node.unmount_all();
+    node.kill_plugins().await;
+    node.clear_faults();
+    for entry in std::fs::read_dir(&node.socket_root).unwrap().flatten() {
+        std::fs::remove_dir_all(entry.path()).unwrap();
+    }
+    if plugin_forgets {
+        let path = node.plugin_dir.join("state.json");
+        let mut state = node.plugin_state();
+        state["boot_id"] = json!("the-boot-before");
+        std::fs::write(&path, serde_json::to_vec_pretty(&state).unwrap()).unwrap();
+    }
+    std::fs::write(node.boot_id_file.as_ref().unwrap(), "boot-2\n").unwrap();
+    node.start(None).await;
+}
+
+/// After a reboot in each state, volumes with claims are published again (staged first, not
+/// a bind of an empty staging dir) and the others are cleaned; then unpublishing leaves
+/// nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_reboot_in_each_state_claimed_volumes_are_published_again() {
+    require_private_mount_namespace();
+    let started = Instant::now();
+    let mut cases = 0;
+    for before in REBOOTS {
+        for plugin_forgets in [true, false] {
+            cases += 1;
+            let what = format!("reboot in {before:?} (plugin forgets: {plugin_forgets})");
+            let mut node = Node::new(&format!("{VOLUME}:1M,vol2:1M"));
+            let boot_id_file = node.root.path().join("boot_id");
+            std::fs::write(&boot_id_file, "boot-1\n").unwrap();
+            node.boot_id_file = Some(boot_id_file);
+            node.start(None).await;
+            node.wait_recovered().await;
+            let (wanted, known) = reach(&node, *before).await;
+            // Data written through a published target before the reboot is there after it.
+            let written: Vec<&String> = wanted
+                .keys()
+                .filter(|v| node.mounts().contains(&node.target(v)))
+                .collect();
+            for volume in &written {
+                std::fs::write(node.target(volume).join("before-reboot"), b"kept").unwrap();
+            }
+            let node_side = known
+                .iter()
+                .filter(|v| node.disk_record(v).is_some_and(|r| level(&r.state) >= 3))
+                .count();
+            reboot(&mut node, plugin_forgets).await;
+            node.wait_recovered().await;
+            // The reboot was seen as one, by the daemon and (if asked) by the plugin.
+            let recovered = node.log_events("volumes recovered");
+            assert_eq!(recovered.len(), 1, "{what}: {recovered:?}");
+            assert_eq!(
+                recovered[0]["reset_by_reboot"],
+                json!(node_side),
+                "{what}: {recovered:?}"
+            );
+            node.converged(&wanted, &known, &what).await;
+            assert_eq!(
+                node.plugin_stderr()
+                    .contains("boot id changed since the last run"),
+                plugin_forgets,
+                "{what}"
+            );
+            for volume in &written {
+                assert_eq!(
+                    std::fs::read(node.target(volume).join("before-reboot")).unwrap(),
+                    b"kept",
+                    "{what}"
+                );
+            }
+            for (volume, workloads) in &wanted {
+                for workload in workloads {
+                    node.unpublish(volume, workload).await.unwrap();
+                }
+            }
+            node.assert_consistent(&Want::new(), &known, &what).await;
+        }
+    }
+    println!(
+        "reboots: {} states x 2 plugin behaviours = {cases} reboots, all converged, {:.0} s",
+        REBOOTS.len(),
+        started.elapsed().as_secs_f64()
+    );
+}

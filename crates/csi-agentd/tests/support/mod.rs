@@ -1,0 +1,794 @@
+//! A node for the crash matrix: the real `csi-agentd` with the real `csi-testplugin` it
+//! launches, each in a temp dir of its own (work dir, plugin configs, socket root, plugin
+//! state), and everything that can be observed of it from outside: `/proc/self/mountinfo`,
+//! the API, the plugin's state dir and call log, the work dir's files and the process table.
+//!
+//! Nothing here knows a failpoint: `crash_matrix.rs` decides what to break and what to expect.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use csi_agent::layout::{Layout, encode_id};
+use csi_agent::mounts::{HostMounter, MountTable, Mounter};
+use csi_agent_api::{
+    ApiClient, ApiError, CapabilitySpec, MountSpec, PublishRequest, PublishResponse, SecretsSpec,
+    UnpublishRequest,
+};
+use serde_json::{Value, json};
+
+pub const PLUGIN: &str = "org.example.test";
+/// The node id the test plugin answers and accepts in ControllerPublish.
+pub const NODE_ID: &str = "node-1";
+
+/// Volume id → the workloads that must hold a claim on it. A volume absent from the map must
+/// be absent everywhere (no claim, no record, no mount, nothing in the plugin).
+pub type Want = BTreeMap<String, BTreeSet<String>>;
+
+pub fn want(entries: &[(&str, &[&str])]) -> Want {
+    entries
+        .iter()
+        .map(|(volume, workloads)| {
+            (
+                (*volume).to_owned(),
+                workloads.iter().map(|w| (*w).to_owned()).collect(),
+            )
+        })
+        .collect()
+}
+
+pub fn binary(name: &str) -> PathBuf {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../target/debug")
+        .join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: cargo build -p csi-agentd -p csi-testplugin -p csictl",
+        path.display()
+    );
+    path
+}
+
+pub fn publish_request(volume: &str, workload: &str) -> PublishRequest {
+    PublishRequest {
+        plugin: PLUGIN.to_owned(),
+        volume_id: volume.to_owned(),
+        workload: workload.to_owned(),
+        capability: CapabilitySpec {
+            mount: Some(MountSpec::default()),
+            block: None,
+            access_mode: "SINGLE_NODE_WRITER".to_owned(),
+        },
+        readonly: false,
+        volume_context: None,
+        // Secrets make the publish write the secrets file first (one more durable write).
+        secrets: Some(SecretsSpec {
+            node_stage: [("user".to_owned(), "crash-matrix".to_owned())].into(),
+            node_publish: BTreeMap::new(),
+        }),
+        bind_to: None,
+    }
+}
+
+pub fn unpublish_request(volume: &str, workload: &str) -> UnpublishRequest {
+    UnpublishRequest {
+        plugin: PLUGIN.to_owned(),
+        volume_id: volume.to_owned(),
+        workload: workload.to_owned(),
+    }
+}
+
+/// Polls `check` until it returns `Ok`, or panics with its last error.
+pub async fn eventually<F, Fut>(what: &str, timeout: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<(), String>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        match check().await {
+            Ok(()) => return,
+            Err(err) if Instant::now() < deadline => {
+                let _ = err;
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+            Err(err) => panic!("timed out after {timeout:?} waiting for {what}: {err}"),
+        }
+    }
+}
+
+/// What a volume's record on disk says, read while the daemon is dead.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DiskRecord {
+    pub state: String,
+    pub claims: BTreeSet<String>,
+}
+
+/// What the plugin's own bookkeeping says of one volume: the three things it can hold.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PluginHolds {
+    pub controller_published: bool,
+    pub staged: bool,
+    pub published: bool,
+}
+
+impl PluginHolds {
+    /// In lifecycle order, with the level of the transient state of each step
+    /// (CONTROLLER_PUBLISH 1, NODE_STAGE 3, NODE_PUBLISH 5; docs/on-disk-format.md).
+    pub fn steps(self) -> [(&'static str, u8, bool); 3] {
+        [
+            ("controller publish", 1, self.controller_published),
+            ("stage", 3, self.staged),
+            ("publish", 5, self.published),
+        ]
+    }
+}
+
+/// The ladder of docs/recovery.md: steady states even, each transient between its two.
+pub fn level(state: &str) -> u8 {
+    match state {
+        "CREATED" => 0,
+        "CONTROLLER_PUBLISH" | "CONTROLLER_UNPUBLISH" => 1,
+        "NODE_READY" => 2,
+        "NODE_STAGE" | "NODE_UNSTAGE" => 3,
+        "VOL_READY" => 4,
+        "NODE_PUBLISH" | "NODE_UNPUBLISH" => 5,
+        "PUBLISHED" => 6,
+        other => panic!("unknown volume state {other:?} on disk"),
+    }
+}
+
+pub struct Node {
+    pub root: tempfile::TempDir,
+    pub work: PathBuf,
+    pub configs: PathBuf,
+    pub socket: PathBuf,
+    pub socket_root: PathBuf,
+    pub plugin_dir: PathBuf,
+    /// Passed as `--boot-id-file` when set.
+    pub boot_id_file: Option<PathBuf>,
+    child: Option<Child>,
+    log: PathBuf,
+    /// Daemon processes started so far.
+    pub starts: u32,
+    /// Plugin processes that no component record accounts for, known to be leaked (see
+    /// `crash_matrix.rs`, `KNOWN_ORPHAN`): excluded from the one-plugin-process check.
+    pub known_orphans: BTreeSet<i32>,
+}
+
+impl Node {
+    /// A node whose managed test plugin pre-provisions `volumes` (`name:size,...`).
+    pub fn new(volumes: &str) -> Self {
+        let root = tempfile::Builder::new()
+            .prefix("csi-crash-")
+            .tempdir_in("/tmp")
+            .unwrap();
+        let configs = root.path().join("configs");
+        std::fs::create_dir_all(&configs).unwrap();
+        let work = root.path().join("work");
+        let plugin_dir = root.path().join("plugin");
+        let config = json!({
+            "type": PLUGIN,
+            "containers": [{
+                "services": ["CONTROLLER_SERVICE", "NODE_SERVICE"],
+                "command": {
+                    "shell": false,
+                    "value": binary("csi-testplugin"),
+                    "arguments": ["csi-testplugin", "--endpoint", "$CSI_ENDPOINT",
+                                  "--work-dir", plugin_dir, "--volumes", volumes,
+                                  "--node-id", NODE_ID]
+                }
+            }],
+            "startup_timeout_ms": 20000
+        });
+        std::fs::write(
+            configs.join("test.json"),
+            serde_json::to_vec_pretty(&config).unwrap(),
+        )
+        .unwrap();
+        Self {
+            socket: work.join("api.sock"),
+            socket_root: root.path().join("sockets"),
+            log: root.path().join("daemon-0.log"),
+            work,
+            configs,
+            plugin_dir,
+            boot_id_file: None,
+            child: None,
+            starts: 0,
+            known_orphans: BTreeSet::new(),
+            root,
+        }
+    }
+
+    /// Starts the daemon, with `failpoints` as `CSI_AGENT_FAILPOINTS` (none when `None`), and
+    /// waits until its API answers.
+    pub async fn start(&mut self, failpoints: Option<&str>) {
+        assert!(self.child.is_none(), "the daemon is already running");
+        self.starts += 1;
+        self.log = self.root.path().join(format!("daemon-{}.log", self.starts));
+        let _ = std::fs::remove_file(&self.socket);
+        let mut command = Command::new(env!("CARGO_BIN_EXE_csi-agentd"));
+        command
+            .arg("serve")
+            .arg("--work-dir")
+            .arg(&self.work)
+            .arg("--plugin-config-dir")
+            .arg(&self.configs)
+            .arg("--socket-root")
+            .arg(&self.socket_root)
+            .args(["--log-format", "json"])
+            .env("CSI_AGENT_LOG", "info")
+            .env_remove(csi_agent::failpoint::ENV_VAR)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&self.log).unwrap());
+        if let Some(file) = &self.boot_id_file {
+            command.arg("--boot-id-file").arg(file);
+        }
+        if let Some(spec) = failpoints {
+            command.env(csi_agent::failpoint::ENV_VAR, spec);
+        }
+        self.child = Some(command.spawn().unwrap());
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if self.socket.exists() && self.api().health().await.is_ok() {
+                return;
+            }
+            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!(
+                    "the daemon exited at start ({status:?}) with {failpoints:?}: {}",
+                    self.log_text()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the daemon never answered: {}",
+                self.log_text()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The fields of the current daemon's JSON log lines with this message.
+    pub fn log_events(&self, message: &str) -> Vec<Value> {
+        self.log_text()
+            .lines()
+            .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+            .filter(|event| event["fields"]["message"] == message)
+            .map(|event| event["fields"].clone())
+            .collect()
+    }
+
+    /// What the plugin wrote on stderr (the daemon appends it to its component dir).
+    pub fn plugin_stderr(&self) -> String {
+        let dir = self.layout().containers_dir(PLUGIN, "default");
+        std::fs::read_dir(dir)
+            .map(|entries| {
+                entries
+                    .flatten()
+                    .map(|e| std::fs::read_to_string(e.path().join("stderr")).unwrap_or_default())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    pub fn api(&self) -> ApiClient {
+        ApiClient::unix(&self.socket).with_timeout(Some(Duration::from_secs(60)))
+    }
+
+    pub fn daemon_alive(&mut self) -> bool {
+        match self.child.as_mut() {
+            None => false,
+            Some(child) => child.try_wait().unwrap().is_none(),
+        }
+    }
+
+    /// Waits for the daemon to end and returns how.
+    pub async fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let child = self.child.as_mut()?;
+            if let Some(status) = child.try_wait().unwrap() {
+                self.child = None;
+                return Some(status);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// After a request failed: the daemon must have died by SIGKILL, sent by the failpoint
+    /// `point` (its last words are on stderr).
+    pub async fn expect_failpoint_kill(&mut self, point: &str, request_error: &ApiError) {
+        let status = self.wait_exit(Duration::from_secs(15)).await;
+        let log = self.log_text();
+        let Some(status) = status else {
+            panic!(
+                "the request failed ({request_error}) but the daemon did not die at {point}: {log}"
+            );
+        };
+        assert_eq!(
+            status.signal(),
+            Some(9),
+            "the daemon ended with {status:?}, not by SIGKILL at {point}: {log}"
+        );
+        let line = format!("failpoint {point}: exit (SIGKILL to self)");
+        assert_eq!(
+            log.matches(&line).count(),
+            1,
+            "the daemon was killed, but not once by {point}: {log}"
+        );
+        assert!(
+            request_error.is_connection(),
+            "the daemon died but the request got an answer: {request_error}"
+        );
+    }
+
+    /// SIGKILL from outside.
+    pub fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            child.wait().unwrap();
+        }
+    }
+
+    // ---- plugin processes ----
+
+    /// Every live process whose command line has this node's plugin dir as an argument: the
+    /// test plugin instances working on its state (the launch passes `--work-dir <dir>`).
+    pub fn plugin_pids(&self) -> BTreeSet<i32> {
+        let wanted = self.plugin_dir.as_os_str().as_encoded_bytes().to_vec();
+        let mut pids = BTreeSet::new();
+        for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+            let Some(pid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|s| s.parse::<i32>().ok())
+            else {
+                continue;
+            };
+            let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+                continue;
+            };
+            if cmdline
+                .split(|b| *b == 0)
+                .any(|arg| arg == wanted.as_slice())
+                && !is_zombie(pid)
+            {
+                pids.insert(pid);
+            }
+        }
+        pids
+    }
+
+    /// The pid the daemon recorded for its component (`containers/<id>/component.json`).
+    pub fn component_record_pid(&self) -> Option<i32> {
+        let dir = Layout::new(&self.work).containers_dir(PLUGIN, "default");
+        let mut pids = Vec::new();
+        for entry in std::fs::read_dir(dir).ok()?.flatten() {
+            let Ok(bytes) = std::fs::read(entry.path().join("component.json")) else {
+                continue;
+            };
+            let record: Value = serde_json::from_slice(&bytes).unwrap();
+            let pid = find_key(&record["runtime"], "pid")
+                .and_then(Value::as_i64)
+                .expect("component.json has a runtime pid");
+            pids.push(i32::try_from(pid).unwrap());
+        }
+        assert!(pids.len() <= 1, "several component records: {pids:?}");
+        pids.pop()
+    }
+
+    /// The pids of the components the API reports ready, and the restarts it counted.
+    pub async fn api_plugin_pids(&self) -> Result<(BTreeSet<i32>, u64), String> {
+        let info = self
+            .api()
+            .plugin(PLUGIN)
+            .await
+            .map_err(|e| format!("GET /v1/plugins/{PLUGIN}: {e}"))?;
+        let pids = info
+            .components
+            .iter()
+            .filter_map(|c| c.pid)
+            .map(|p| i32::try_from(p).unwrap())
+            .collect();
+        Ok((pids, info.components.iter().map(|c| c.restarts).sum()))
+    }
+
+    /// SIGKILLs every plugin process of this node and waits until they are gone.
+    pub async fn kill_plugins(&self) {
+        let pids = self.plugin_pids();
+        for pid in &pids {
+            kill9_pid(*pid);
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while pids.iter().any(|pid| pid_alive(*pid)) {
+            assert!(
+                Instant::now() < deadline,
+                "plugin processes {pids:?} survive"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    // ---- paths and files ----
+
+    pub fn layout(&self) -> Layout {
+        Layout::new(&self.work)
+    }
+
+    pub fn staging(&self, volume: &str) -> PathBuf {
+        self.layout().staging_path(PLUGIN, "default", volume)
+    }
+
+    pub fn target(&self, volume: &str) -> PathBuf {
+        self.layout().target_path(PLUGIN, "default", volume)
+    }
+
+    /// Every mount point under this node's temp dir (work dir, plugin dir, socket root), in
+    /// mount table order, repeated if stacked.
+    pub fn mounts(&self) -> Vec<PathBuf> {
+        MountTable::read()
+            .unwrap()
+            .mounts_under(self.root.path())
+            .into_iter()
+            .map(|m| m.mount_point.clone())
+            .collect()
+    }
+
+    /// Unmounts everything under the temp dir, innermost first (what a reboot does).
+    pub fn unmount_all(&self) {
+        let mut mounts = self.mounts();
+        mounts.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+        mounts.dedup();
+        for mount in mounts {
+            HostMounter.unmount(&mount).unwrap();
+        }
+        assert!(self.mounts().is_empty(), "{:?}", self.mounts());
+    }
+
+    /// The record on disk (`volume.json`), if any.
+    pub fn disk_record(&self, volume: &str) -> Option<DiskRecord> {
+        let path = self
+            .layout()
+            .volume_dir(PLUGIN, "default", volume)
+            .join("volume.json");
+        let bytes = std::fs::read(&path).ok()?;
+        let envelope: Value = serde_json::from_slice(&bytes)
+            .unwrap_or_else(|e| panic!("{} does not parse: {e}", path.display()));
+        let record = &envelope["record"];
+        Some(DiskRecord {
+            state: record["state"].as_str().unwrap().to_owned(),
+            claims: record["claims"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|c| c.as_str().unwrap().to_owned())
+                .collect(),
+        })
+    }
+
+    pub fn plugin_state(&self) -> Value {
+        let path = self.plugin_dir.join("state.json");
+        serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap()
+    }
+
+    /// What the plugin holds of `volume`, and whether that is what the paths csi-agent gave
+    /// it: anything staged or published elsewhere is an error.
+    pub fn plugin_holds(&self, volume: &str) -> Result<PluginHolds, String> {
+        if !self.plugin_dir.join("state.json").exists() {
+            // Never launched: it holds nothing.
+            return Ok(PluginHolds::default());
+        }
+        let state = self.plugin_state();
+        let v = &state["volumes"][volume];
+        if v.is_null() {
+            return Err(format!("the plugin does not know volume {volume}: {state}"));
+        }
+        let nodes: Vec<&String> = v["controller_published"]
+            .as_object()
+            .map(|m| m.keys().collect())
+            .unwrap_or_default();
+        let staged = match v["staged"]["path"].as_str() {
+            None => false,
+            Some(path) if Path::new(path) == self.staging(volume) => true,
+            Some(path) => return Err(format!("{volume} is staged at a foreign path {path}")),
+        };
+        let targets: Vec<&String> = v["published"]
+            .as_object()
+            .map(|m| m.keys().collect())
+            .unwrap_or_default();
+        let target = self.target(volume);
+        if targets.iter().any(|t| Path::new(t.as_str()) != target) || targets.len() > 1 {
+            return Err(format!(
+                "{volume} is published at {targets:?}, not only {target:?}"
+            ));
+        }
+        if nodes.iter().any(|n| n.as_str() != NODE_ID) {
+            return Err(format!("{volume} is controller-published to {nodes:?}"));
+        }
+        Ok(PluginHolds {
+            controller_published: !nodes.is_empty(),
+            staged,
+            published: !targets.is_empty(),
+        })
+    }
+
+    /// The plugin's call log, one JSON object per completed call.
+    pub fn calls(&self) -> Vec<Value> {
+        std::fs::read_to_string(self.plugin_dir.join("calls.jsonl"))
+            .unwrap_or_default()
+            .lines()
+            .map(|line| serde_json::from_str(line).unwrap())
+            .collect()
+    }
+
+    /// Replaces the plugin's fault file atomically (the plugin re-reads it on change).
+    pub fn set_faults(&self, faults: &Value) {
+        std::fs::create_dir_all(&self.plugin_dir).unwrap();
+        let tmp = self.plugin_dir.join("faults.json.tmp-test");
+        std::fs::write(&tmp, serde_json::to_vec_pretty(faults).unwrap()).unwrap();
+        std::fs::rename(&tmp, self.plugin_dir.join("faults.json")).unwrap();
+    }
+
+    pub fn clear_faults(&self) {
+        for file in ["faults.json", "faults.json.state"] {
+            match std::fs::remove_file(self.plugin_dir.join(file)) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => panic!("{file}: {e}"),
+            }
+        }
+    }
+
+    /// How often the fault rule with this `id` has fired (persisted before it acts).
+    pub fn fault_fired(&self, id: &str) -> u64 {
+        std::fs::read(self.plugin_dir.join("faults.json.state"))
+            .ok()
+            .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+            .and_then(|v| v["fired"][format!("id:{id}")].as_u64())
+            .unwrap_or(0)
+    }
+
+    // ---- the convergence check ----
+
+    /// Everything observable agrees with `want`: the API, the mount table, the plugin's
+    /// bookkeeping and processes, and the files in the work dir. `known` lists every volume
+    /// the test touched (those not in `want` must have left no trace).
+    pub async fn consistency(&self, want: &Want, known: &[&str]) -> Result<(), String> {
+        // The API answers, and lists exactly the claimed volumes, published.
+        let listed = self
+            .api()
+            .volumes()
+            .await
+            .map_err(|e| format!("GET /v1/volumes: {e}"))?;
+        let mut seen = Want::new();
+        for volume in &listed.volumes {
+            if volume.plugin != PLUGIN || volume.state != "PUBLISHED" {
+                return Err(format!("GET /v1/volumes lists {volume:?}"));
+            }
+            if Path::new(&volume.target_path) != self.target(&volume.volume_id) {
+                return Err(format!("target path of {volume:?}"));
+            }
+            seen.insert(
+                volume.volume_id.clone(),
+                volume.claims.iter().cloned().collect(),
+            );
+        }
+        if &seen != want {
+            return Err(format!("GET /v1/volumes has {seen:?}, want {want:?}"));
+        }
+        let info = self
+            .api()
+            .plugin(PLUGIN)
+            .await
+            .map_err(|e| format!("GET /v1/plugins/{PLUGIN}: {e}"))?;
+        if info.volumes != want.len() {
+            return Err(format!("the plugin reports {} volumes", info.volumes));
+        }
+
+        // Mounted: each claimed volume's staging and target, once; nothing else under the
+        // work dir, the plugin dir or the socket root.
+        let mut mounts = self.mounts();
+        mounts.sort();
+        let mut expected: Vec<PathBuf> = want
+            .keys()
+            .flat_map(|v| [self.staging(v), self.target(v)])
+            .collect();
+        expected.sort();
+        if mounts != expected {
+            return Err(format!("mounted {mounts:?}, want {expected:?}"));
+        }
+
+        // The plugin agrees: everything done for a claimed volume, nothing for the others.
+        for volume in known {
+            let holds = self.plugin_holds(volume)?;
+            let claimed = want.contains_key(*volume);
+            let all = PluginHolds {
+                controller_published: claimed,
+                staged: claimed,
+                published: claimed,
+            };
+            if holds != all {
+                return Err(format!(
+                    "the plugin holds {holds:?} of {volume} (claimed: {claimed})"
+                ));
+            }
+        }
+
+        // One plugin process, the one the daemon supervises.
+        let processes: BTreeSet<i32> = self
+            .plugin_pids()
+            .difference(&self.known_orphans)
+            .copied()
+            .collect();
+        let (reported, _) = self.api_plugin_pids().await?;
+        if processes.len() > 1 || processes != reported {
+            return Err(format!(
+                "plugin processes {processes:?}, the daemon reports {reported:?} (leaked or lost plugin)"
+            ));
+        }
+
+        // Files: one record per claimed volume and its mount dirs; no stray dir, no temp
+        // file, nothing quarantined.
+        let layout = self.layout();
+        let names = |dir: PathBuf| -> BTreeSet<String> {
+            std::fs::read_dir(dir)
+                .map(|entries| {
+                    entries
+                        .flatten()
+                        .map(|e| e.file_name().to_string_lossy().into_owned())
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        let encoded: BTreeSet<String> = want.keys().map(|v| encode_id(v)).collect();
+        let records = names(layout.volumes_dir(PLUGIN, "default"));
+        if records != encoded {
+            return Err(format!("volume records {records:?}, want {encoded:?}"));
+        }
+        for volume in want.keys() {
+            let files = names(layout.volume_dir(PLUGIN, "default", volume));
+            let allowed: BTreeSet<String> = ["volume.json".to_owned(), "secrets.json".to_owned()]
+                .into_iter()
+                .collect();
+            if !files.contains("volume.json") || !files.is_subset(&allowed) {
+                return Err(format!("files of the record of {volume}: {files:?}"));
+            }
+            let dirs = names(layout.volume_mount_dir(PLUGIN, "default", volume));
+            if dirs != ["staging".to_owned(), "target".to_owned()].into() {
+                return Err(format!("mount dir of {volume} holds {dirs:?}"));
+            }
+        }
+        let mount_dirs = names(layout.mounts_dir(PLUGIN, "default"));
+        if mount_dirs != encoded {
+            return Err(format!("mount dirs {mount_dirs:?}, want {encoded:?}"));
+        }
+        let quarantined = names(layout.plugin_dir(PLUGIN, "default").join("quarantine"));
+        if !quarantined.is_empty() {
+            return Err(format!("quarantined: {quarantined:?}"));
+        }
+
+        // A published target is the volume itself, not an empty directory.
+        for volume in want.keys() {
+            let probe = self.target(volume).join(".crash-matrix-probe");
+            std::fs::write(&probe, volume.as_bytes())
+                .map_err(|e| format!("write through {}: {e}", probe.display()))?;
+            let seen = std::fs::read(
+                self.plugin_dir
+                    .join("volumes")
+                    .join(volume)
+                    .join(".crash-matrix-probe"),
+            );
+            std::fs::remove_file(&probe).map_err(|e| e.to_string())?;
+            if seen.ok().as_deref() != Some(volume.as_bytes()) {
+                return Err(format!(
+                    "{} is not volume {volume}",
+                    self.target(volume).display()
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until [`Node::consistency`] holds.
+    pub async fn converged(&self, want: &Want, known: &[&str], what: &str) {
+        eventually(what, Duration::from_secs(30), || {
+            self.consistency(want, known)
+        })
+        .await;
+    }
+
+    /// [`Node::consistency`] must hold now.
+    pub async fn assert_consistent(&self, want: &Want, known: &[&str], what: &str) {
+        if let Err(err) = self.consistency(want, known).await {
+            panic!("{what}: {err}\n{}", self.log_text());
+        }
+    }
+
+    /// Waits until the plugin is initialized (its volumes recovered) in a daemon just started.
+    pub async fn wait_recovered(&self) {
+        eventually(
+            "the plugin to be initialized",
+            Duration::from_secs(20),
+            || async {
+                let info = self.api().plugin(PLUGIN).await.map_err(|e| e.to_string())?;
+                match info.state.as_str() {
+                    "not_started" => Err("not started".to_owned()),
+                    "failed" => panic!("the plugin failed to initialize: {info:?}"),
+                    _ => Ok(()),
+                }
+            },
+        )
+        .await;
+    }
+
+    pub async fn publish(&self, volume: &str, workload: &str) -> Result<PublishResponse, ApiError> {
+        self.api().publish(&publish_request(volume, workload)).await
+    }
+
+    pub async fn unpublish(&self, volume: &str, workload: &str) -> Result<(), ApiError> {
+        self.api()
+            .unpublish(&unpublish_request(volume, workload))
+            .await
+            .map(|_| ())
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.kill9();
+        // The daemon leaves its plugins running on purpose; the test does not. By pid: only
+        // the processes working on this node's plugin dir.
+        for pid in self.plugin_pids() {
+            kill9_pid(pid);
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !self.plugin_pids().is_empty() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // Never let the temp dir's removal run through a mount.
+        let mut mounts = self.mounts();
+        mounts.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+        for mount in mounts {
+            let _ = HostMounter.unmount(&mount);
+        }
+    }
+}
+
+fn find_key<'a>(value: &'a Value, key: &str) -> Option<&'a Value> {
+    match value {
+        Value::Object(map) => map
+            .get(key)
+            .or_else(|| map.values().find_map(|v| find_key(v, key))),
+        _ => None,
+    }
+}
+
+pub fn kill9_pid(pid: i32) {
+    if let Some(pid) = rustix::process::Pid::from_raw(pid) {
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+    }
+}
+
+fn is_zombie(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|stat| {
+            stat.rsplit_once(')')
+                .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'))
+        })
+        .unwrap_or(true)
+}
+
+pub fn pid_alive(pid: i32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists() && !is_zombie(pid)
+}
