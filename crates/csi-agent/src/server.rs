@@ -212,6 +212,12 @@ impl CsiServer {
         &self.inner.options.work_dir
     }
 
+    /// Commits every progress note queued so far (at a clean shutdown: the next start then
+    /// repeats no RPC). A crash may lose them, which recovery is built for.
+    pub async fn flush_store(&self) -> Result<(), StoreError> {
+        self.inner.store.flush().await
+    }
+
     pub fn is_started(&self) -> bool {
         *self.inner.started.borrow()
     }

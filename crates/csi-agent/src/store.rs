@@ -264,10 +264,54 @@ impl Store {
         }
         out.records
             .sort_unstable_by(|a, b| a.volume_id.cmp(&b.volume_id));
+        self.remove_orphan_secrets(plugin_type, plugin_name, &out.records)?;
         for problem in &out.problems {
             tracing::warn!(%problem, "volume record problem");
         }
         Ok(out)
+    }
+
+    /// Removes the secrets of volumes without a record: written first, they outlive a publish
+    /// killed before its claim was committed, and nothing was promised about such a volume.
+    /// Only at recovery, when no operation of the plugin runs.
+    fn remove_orphan_secrets<T>(
+        &self,
+        plugin_type: &str,
+        plugin_name: &str,
+        records: &[Loaded<T>],
+    ) -> Result<(), StoreError> {
+        // Fails only if `volumes/` exists and cannot be listed: the secrets of the plugin's
+        // volumes would be unreachable.
+        let volumes = self.layout().volumes_dir(plugin_type, plugin_name);
+        let entries = match std::fs::read_dir(&volumes) {
+            Ok(entries) => entries,
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(source) => {
+                return Err(StoreError::Io {
+                    op: "list",
+                    path: volumes,
+                    source,
+                });
+            }
+        };
+        let known: std::collections::HashSet<String> =
+            records.iter().map(|l| encode_id(&l.volume_id)).collect();
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let Some(volume_id) = name.to_str().and_then(decode_id) else {
+                continue;
+            };
+            if known.contains(&encode_id(&volume_id)) {
+                continue;
+            }
+            if let Err(err) = self
+                .files
+                .delete_volume(plugin_type, plugin_name, &volume_id)
+            {
+                tracing::warn!(volume_id = ?volume_id, error = %err, "secrets of a volume without a record not removed");
+            }
+        }
+        Ok(())
     }
 
     /// Moves an unreadable row into the `quarantine` table (kept for an operator, never read

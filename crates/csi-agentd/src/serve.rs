@@ -357,6 +357,9 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         }
     }
     tracing::info!("shutting down; plugins and mounts stay in place");
+    if let Err(err) = server.flush_store().await {
+        tracing::warn!(error = %err, "progress notes not committed at shutdown; the next start repeats their RPCs");
+    }
     let _ = shutdown_tx.send(true);
     while servers.join_next().await.is_some() {}
     let _ = std::fs::remove_file(socket);

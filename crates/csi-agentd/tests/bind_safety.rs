@@ -407,12 +407,6 @@ async fn a_symlink_swapped_in_between_two_publishes_is_refused() {
     assert!(scene.binds().is_empty());
 }
 
-fn record_path(daemon: &Daemon, volume: &str) -> PathBuf {
-    daemon
-        .work
-        .join(format!("csi/{PLUGIN}/default/volumes/{volume}/volume.json"))
-}
-
 #[tokio::test]
 async fn a_hand_edited_record_cannot_make_the_daemon_unmount_or_mount_outside() {
     let mut scene = Scene::new();
@@ -425,12 +419,10 @@ async fn a_hand_edited_record_cannot_make_the_daemon_unmount_or_mount_outside() 
         .unwrap();
     scene.daemon.kill9();
     // Forge the record: the bind now "is" the victim (a mount point outside every root).
-    let path = record_path(&scene.daemon, "vol1");
-    let mut record: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
-    record["record"]["bind_mounts"]["w1"]["path"] =
-        serde_json::Value::String(scene.victim.to_string_lossy().into_owned());
-    std::fs::write(&path, serde_json::to_vec(&record).unwrap()).unwrap();
+    edit_record(&scene.daemon.work, "vol1", |record| {
+        record["bind_mounts"]["w1"]["path"] =
+            serde_json::Value::String(scene.victim.to_string_lossy().into_owned());
+    });
     scene.daemon.start();
     let api = scene.daemon.api();
     // The forged entry is refused, reported on the volume, and never acted on.

@@ -27,6 +27,15 @@ const WORKLOAD: &str = "w1";
 /// a point listed here that a plain publish/unpublish reaches is simply covered.
 const BIND_ONLY: &[&str] = &["volume.bind.after_mount", "volume.unbind.after_unmount"];
 
+/// Points of the store's migration, hit while a daemon opens a work dir of the first release,
+/// not by a publish/unpublish cycle: killed and restarted by
+/// `crates/csi-agent/tests/store_migration.rs`, left out of this matrix.
+const MIGRATION_ONLY: &[&str] = &[
+    "store.migrate.before_commit",
+    "store.migrate.after_commit",
+    "store.migrate.after_remove",
+];
+
 fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
@@ -208,10 +217,10 @@ struct Kill {
 }
 
 /// The record on disk, what the plugin holds and what is mounted, at the moment of a kill,
-/// must obey the two rules of docs/recovery.md: the intent is durable before its RPC, and a
-/// step's result is durable (with the next step's intent) before anything else happens. So
-/// the node differs from the record only by the one step in flight. Returns whether the
-/// workload's claim is durable.
+/// must obey the rules of docs/recovery.md: the operation's desired state (the claim, or its
+/// removal) is durable before its first RPC, and progress notes never claim more than
+/// happened, so the record on disk is at worst behind the node, never ahead of it. Returns
+/// whether the workload's claim is durable.
 fn check_at_kill(node: &mut Node, point: &str, phase: Phase, nth: u64) -> bool {
     let what = &format!("{point} #{nth} ({phase:?})");
     // Every running plugin process is one the daemon recorded: otherwise the next daemon
@@ -265,20 +274,19 @@ fn check_at_kill(node: &mut Node, point: &str, phase: Phase, nth: u64) -> bool {
     };
     let level = level(&record.state);
     let claimed = record.claims.contains(WORKLOAD);
-    assert!(
-        level % 2 == 1 || (record.state == "PUBLISHED" && claimed),
-        "{what}: a steady state other than the final one is on disk: {record:?} \
-         (a step's result and the next intent are one write)"
-    );
     for (step, step_level, done) in holds.steps() {
-        if step_level < level {
+        // Never ahead of the node in the direction the claims drive it. Going up (claimed):
+        // a step the record says is done is done in the plugin; the plugin may hold more (a
+        // note lost with the crash). Going down (no claim): the plugin holds nothing above
+        // the recorded state; it may hold less.
+        if claimed && step_level < level {
             assert!(
                 done,
                 "{what}: the record says {} but the {step} is not done in the plugin ({holds:?})",
                 record.state
             );
         }
-        if step_level > level {
+        if !claimed && step_level > level {
             assert!(
                 !done,
                 "{what}: the {step} is done in the plugin ({holds:?}) but the record says only {}",
@@ -286,18 +294,9 @@ fn check_at_kill(node: &mut Node, point: &str, phase: Phase, nth: u64) -> bool {
             );
         }
     }
-    match phase {
-        // The claim is written with the first intent, before any RPC.
-        Phase::Publish => assert!(
-            claimed && level >= 1,
-            "{what}: a record without the claim or the first intent: {record:?}"
-        ),
-        // Its removal is written with the first unpublish intent.
-        Phase::Unpublish => assert_eq!(
-            claimed,
-            record.state == "PUBLISHED",
-            "{what}: claim removal and the first unpublish intent are not one write: {record:?}"
-        ),
+    if phase == Phase::Publish {
+        // The claim is the publish's first write, before any RPC: a record means the claim.
+        assert!(claimed, "{what}: a record without the claim: {record:?}");
     }
     claimed
 }
@@ -385,6 +384,25 @@ async fn run_cycle(point: &str, n: u64, publish_hits: &mut Option<u64>) -> Optio
     }
     match node.unpublish(VOLUME, WORKLOAD).await {
         Ok(()) => {
+            // The unpublish's progress notes are committed after its answer (within the note
+            // flush interval): a kill at that commit comes after the answer.
+            if point.starts_with("store.commit.")
+                && node.died_at_failpoint(point, Duration::from_secs(2)).await
+            {
+                let nth = n - publish_hits.unwrap();
+                let what = format!("{point} #{nth} (unpublish, after the answer)");
+                let durable = check_at_kill(&mut node, point, Phase::Unpublish, nth);
+                assert!(
+                    !durable,
+                    "{what}: the claim removal was answered, so committed"
+                );
+                recover_and_finish(&mut node, Phase::Unpublish, durable, &what).await;
+                return Some(Kill {
+                    phase: Phase::Unpublish,
+                    nth,
+                    claim_durable: durable,
+                });
+            }
             assert!(
                 node.daemon_alive(),
                 "{spec}: the daemon died after the unpublish"
@@ -417,7 +435,10 @@ async fn the_daemon_killed_at_every_failpoint_converges() {
     let mut runs = 0u64;
     let mut kills: BTreeMap<String, Vec<Kill>> = BTreeMap::new();
     let mut unreached = Vec::new();
-    for point in &points {
+    for point in points
+        .iter()
+        .filter(|p| !MIGRATION_ONLY.contains(&p.as_str()))
+    {
         let mut publish_hits = None;
         let mut found = Vec::new();
         for n in 1.. {
@@ -475,13 +496,15 @@ async fn the_daemon_killed_at_every_failpoint_converges() {
     assert_eq!(known, 1, "KNOWN_ORPHAN names no case of the matrix");
     let publish = pairs.iter().filter(|(_, ph)| *ph == Phase::Publish).count();
     println!(
-        "crash matrix: {} points in docs/recovery.md, {} hit ({} not reached without bind_to), \
+        "crash matrix: {} points in docs/recovery.md, {} hit ({} not reached without bind_to, \
+         {} migration points left to store_migration.rs), \
          {} point×phase pairs ({publish} publish, {} unpublish), {total} daemon kills, \
          {total} volume convergences, {} full ({known} leaked a plugin process: KNOWN_ORPHAN), \
          {runs} cycles, {:.0} s",
         points.len(),
-        points.len() - unreached.len(),
+        points.len() - unreached.len() - MIGRATION_ONLY.len(),
         unreached.len(),
+        MIGRATION_ONLY.len(),
         pairs.len(),
         pairs.len() - publish,
         total - known,

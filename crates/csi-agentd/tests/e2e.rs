@@ -296,10 +296,7 @@ async fn bad_requests_get_clear_4xx_errors_and_change_nothing() {
     let api = daemon.api();
     api.publish(&publish("vol1", "w1")).await.unwrap();
     let before = api.volumes().await.unwrap();
-    let records_before =
-        std::fs::read_dir(daemon.work.join("csi/org.example.test/default/volumes"))
-            .unwrap()
-            .count();
+    let records_before = csi_agent::store::db::dump(&daemon.work).unwrap().len();
 
     let mut unknown = publish("vol2", "w1");
     unknown.plugin = "org.example.nope".to_owned();
@@ -384,9 +381,7 @@ async fn bad_requests_get_clear_4xx_errors_and_change_nothing() {
     assert_eq!(status, 404);
     // Nothing changed.
     assert_eq!(api.volumes().await.unwrap(), before);
-    let records_after = std::fs::read_dir(daemon.work.join("csi/org.example.test/default/volumes"))
-        .unwrap()
-        .count();
+    let records_after = csi_agent::store::db::dump(&daemon.work).unwrap().len();
     assert_eq!(records_after, records_before);
     api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
 }

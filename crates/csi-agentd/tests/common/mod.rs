@@ -209,3 +209,18 @@ pub fn setup(dir: &Path, extra: &[&str]) -> Daemon {
     daemon.start();
     daemon
 }
+
+/// Edits the committed record of `volume` (of [`PLUGIN`]) by hand, as an operator or an
+/// attacker with the work dir could, while no daemon runs.
+pub fn edit_record(work: &Path, volume: &str, edit: impl FnOnce(&mut serde_json::Value)) {
+    let key = csi_agent::layout::encode_id(volume);
+    let mut row = csi_agent::store::db::dump(work)
+        .unwrap()
+        .into_iter()
+        .find(|row| row.plugin_type == PLUGIN && row.volume_key == key)
+        .unwrap_or_else(|| panic!("no record of {volume}"));
+    let mut record: serde_json::Value = serde_json::from_str(&row.record).unwrap();
+    edit(&mut record);
+    row.record = record.to_string();
+    csi_agent::store::db::put_raw(work, &row).unwrap();
+}

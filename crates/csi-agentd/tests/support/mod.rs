@@ -333,6 +333,27 @@ impl Node {
         );
     }
 
+    /// Whether the daemon died at `point` by itself within `timeout` (a failpoint hit after
+    /// the answer, such as a commit of progress notes). Checks it died of SIGKILL there.
+    pub async fn died_at_failpoint(&mut self, point: &str, timeout: Duration) -> bool {
+        let Some(status) = self.wait_exit(timeout).await else {
+            return false;
+        };
+        let log = self.log_text();
+        assert_eq!(
+            status.signal(),
+            Some(9),
+            "the daemon ended with {status:?}: {log}"
+        );
+        let line = format!("failpoint {point}: exit (SIGKILL to self)");
+        assert_eq!(
+            log.matches(&line).count(),
+            1,
+            "not killed once by {point}: {log}"
+        );
+        true
+    }
+
     /// SIGKILL from outside.
     pub fn kill9(&mut self) {
         if let Some(mut child) = self.child.take() {
@@ -456,16 +477,15 @@ impl Node {
         assert!(self.mounts().is_empty(), "{:?}", self.mounts());
     }
 
-    /// The record on disk (`volume.json`), if any.
+    /// The record committed to the state database, if any.
     pub fn disk_record(&self, volume: &str) -> Option<DiskRecord> {
-        let path = self
-            .layout()
-            .volume_dir(PLUGIN, "default", volume)
-            .join("volume.json");
-        let bytes = std::fs::read(&path).ok()?;
-        let envelope: Value = serde_json::from_slice(&bytes)
-            .unwrap_or_else(|e| panic!("{} does not parse: {e}", path.display()));
-        let record = &envelope["record"];
+        let key = encode_id(volume);
+        let row = csi_agent::store::db::dump(&self.work)
+            .unwrap_or_default()
+            .into_iter()
+            .find(|row| row.plugin_type == PLUGIN && row.volume_key == key)?;
+        let record: Value = serde_json::from_str(&row.record)
+            .unwrap_or_else(|e| panic!("the record of {volume} does not parse: {e}"));
         Some(DiskRecord {
             state: record["state"].as_str().unwrap().to_owned(),
             claims: record["claims"]
@@ -652,16 +672,26 @@ impl Node {
                 .unwrap_or_default()
         };
         let encoded: BTreeSet<String> = want.keys().map(|v| encode_id(v)).collect();
-        let records = names(layout.volumes_dir(PLUGIN, "default"));
+        let records: BTreeSet<String> = csi_agent::store::db::dump(&self.work)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|row| row.plugin_type == PLUGIN)
+            .map(|row| row.volume_key)
+            .collect();
         if records != encoded {
             return Err(format!("volume records {records:?}, want {encoded:?}"));
         }
+        // Only secrets files live beside the database, and only for recorded volumes.
+        let secrets_dirs = names(layout.volumes_dir(PLUGIN, "default"));
+        if !secrets_dirs.is_subset(&encoded) {
+            return Err(format!(
+                "secrets dirs {secrets_dirs:?}, want within {encoded:?}"
+            ));
+        }
         for volume in want.keys() {
             let files = names(layout.volume_dir(PLUGIN, "default", volume));
-            let allowed: BTreeSet<String> = ["volume.json".to_owned(), "secrets.json".to_owned()]
-                .into_iter()
-                .collect();
-            if !files.contains("volume.json") || !files.is_subset(&allowed) {
+            let allowed: BTreeSet<String> = ["secrets.json".to_owned()].into_iter().collect();
+            if !files.is_subset(&allowed) {
                 return Err(format!("files of the record of {volume}: {files:?}"));
             }
             let dirs = names(layout.volume_mount_dir(PLUGIN, "default", volume));
@@ -676,6 +706,15 @@ impl Node {
         let quarantined = names(layout.plugin_dir(PLUGIN, "default").join("quarantine"));
         if !quarantined.is_empty() {
             return Err(format!("quarantined: {quarantined:?}"));
+        }
+        let quarantined_rows: i64 = rusqlite::Connection::open_with_flags(
+            self.work.join("state.db"),
+            rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
+        )
+        .and_then(|db| db.query_row("SELECT count(*) FROM quarantine", [], |row| row.get(0)))
+        .unwrap_or(0);
+        if quarantined_rows != 0 {
+            return Err(format!("{quarantined_rows} quarantined rows"));
         }
 
         // A published target is the volume itself, not an empty directory.
@@ -708,10 +747,19 @@ impl Node {
         .await;
     }
 
-    /// [`Node::consistency`] must hold now.
+    /// [`Node::consistency`] must hold now — but for the progress notes of the operation just
+    /// answered, which the daemon commits within its note flush interval (500 ms): they get
+    /// two seconds.
     pub async fn assert_consistent(&self, want: &Want, known: &[&str], what: &str) {
-        if let Err(err) = self.consistency(want, known).await {
-            panic!("{what}: {err}\n{}", self.log_text());
+        let deadline = Instant::now() + Duration::from_secs(2);
+        loop {
+            match self.consistency(want, known).await {
+                Ok(()) => return,
+                Err(_) if Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Err(err) => panic!("{what}: {err}\n{}", self.log_text()),
+            }
         }
     }
 
