@@ -218,6 +218,16 @@ impl ApiClient {
         self.get_json(routes::VOLUMES).await
     }
 
+    /// `GET /v1/volumes?...`: one page of the volumes matching `query`.
+    pub async fn volumes_matching(&self, query: &VolumeQuery) -> Result<VolumeList, ApiError> {
+        let encoded = serde_urlencoded::to_string(query).map_err(ApiError::EncodeQuery)?;
+        if encoded.is_empty() {
+            return self.volumes().await;
+        }
+        self.get_json(&format!("{}?{encoded}", routes::VOLUMES))
+            .await
+    }
+
     /// `GET /v1/volumes/{plugin}/{volume_id}`
     pub async fn volume(&self, plugin: &str, volume_id: &str) -> Result<VolumeInfo, ApiError> {
         self.get_json(&routes::volume(plugin, volume_id)).await

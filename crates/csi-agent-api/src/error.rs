@@ -45,6 +45,10 @@ pub enum ApiError {
     #[error("cannot encode the request as JSON: {0}")]
     Encode(#[source] serde_json::Error),
 
+    /// The query could not be encoded into the URL.
+    #[error("cannot encode the query string: {0}")]
+    EncodeQuery(#[source] serde_urlencoded::ser::Error),
+
     /// The connection broke after it was made: the daemon stopped or restarted mid-request.
     #[error(
         "lost the connection to csi-agentd at {endpoint}: {source}; the daemon may have stopped \

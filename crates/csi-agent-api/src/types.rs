@@ -268,9 +268,37 @@ pub struct VolumeInfo {
     pub last_error: Option<String>,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VolumeList {
     pub volumes: Vec<VolumeInfo>,
+    /// Present when more volumes follow: pass it as `page_token` to get the next page.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_page_token: Option<String>,
+    /// True while the daemon is still starting (the start gate closed, or plugins still
+    /// recovering their volumes): the list holds what is known so far.
+    #[serde(default)]
+    pub recovering: bool,
+}
+
+/// The query of `GET /v1/volumes`: filters and paging, all optional.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VolumeQuery {
+    /// Only this plugin's volumes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plugin: Option<String>,
+    /// Only volumes in this state (`PUBLISHED`, `NODE_STAGE`, ...).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<String>,
+    /// Only volumes this workload claims.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workload: Option<String>,
+    /// At most this many volumes (1 to 10,000; default: all).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<usize>,
+    /// The `next_page_token` of the previous page.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub page_token: Option<String>,
 }
 
 /// One component (process) of a managed plugin.

@@ -186,6 +186,8 @@ fn cases() -> Result<Vec<Case>> {
     };
     let volumes = VolumeList {
         volumes: vec![volume_info(true)],
+        next_page_token: Some("org-example.vol%2F1".to_owned()),
+        recovering: true,
     };
     let plugins = PluginList {
         plugins: vec![plugin_info(true)],
@@ -245,7 +247,14 @@ fn cases() -> Result<Vec<Case>> {
         )?,
         response("UnpublishResponse", unpublished.clone(), unpublished)?,
         response("VolumeInfo", volume_info(true), volume_info(false))?,
-        response("VolumeList", volumes.clone(), volumes)?,
+        response(
+            "VolumeList",
+            volumes.clone(),
+            VolumeList {
+                next_page_token: None,
+                ..volumes
+            },
+        )?,
         response("ComponentInfo", component(true), component(false))?,
         response("PluginInfo", plugin_info(true), plugin_info(false))?,
         response("ConfigErrorInfo", config_error(), config_error())?,

@@ -164,6 +164,10 @@ struct Table {
     config_error_files: Vec<(PathBuf, String)>,
     plugins: BTreeMap<String, Arc<Plugin>>,
     init_errors: BTreeMap<String, String>,
+    /// One lock per plugin type, held while that plugin starts and recovers: the table
+    /// itself is never held across a plugin's start, so one slow plugin blocks neither
+    /// another nor `GET /v1/plugins` (nothing waits on what it does not need).
+    init_locks: BTreeMap<String, Arc<Mutex<()>>>,
 }
 
 /// The engine.
@@ -180,6 +184,9 @@ struct Inner {
     metrics: Arc<Metrics>,
     binder: Arc<Binder>,
     started: watch::Sender<bool>,
+    /// Set once the start gate opened and every configured plugin was initialized (its
+    /// volumes recovered) or failed to.
+    recovered: std::sync::atomic::AtomicBool,
     table: Mutex<Table>,
 }
 
@@ -198,6 +205,7 @@ impl CsiServer {
                 metrics,
                 binder,
                 started,
+                recovered: std::sync::atomic::AtomicBool::new(false),
                 table: Mutex::new(Table::default()),
             }),
         };
@@ -222,6 +230,14 @@ impl CsiServer {
         *self.inner.started.borrow()
     }
 
+    /// True once [`CsiServer::start`] has initialized every configured plugin: before, lists
+    /// hold what is known so far.
+    pub fn is_recovered(&self) -> bool {
+        self.inner
+            .recovered
+            .load(std::sync::atomic::Ordering::Acquire)
+    }
+
     /// Opens the start gate: loads every config and initializes every plugin, which recovers
     /// its volumes and starts reconciling them. Idempotent; returns true when it opened the
     /// gate now.
@@ -243,6 +259,9 @@ impl CsiServer {
                     tracing::error!(plugin = %plugin_type, error = %err, "plugin not initialized at start; retried on next use");
                 }
             }
+            self.inner
+                .recovered
+                .store(true, std::sync::atomic::Ordering::Release);
         }
         opened
     }
@@ -303,43 +322,45 @@ impl CsiServer {
     /// The plugin of `plugin_type`, initialized on first use. Waits for the gate.
     pub async fn plugin(&self, plugin_type: &str) -> Result<Arc<Plugin>, ServerError> {
         self.wait_started().await;
-        let mut table = self.inner.table.lock().await;
-        if let Some(plugin) = table.plugins.get(plugin_type) {
-            return Ok(plugin.clone());
-        }
-        if !table.configs.plugins.contains_key(plugin_type) {
-            // Configs added at run time work without a reload.
-            drop(table);
-            self.reload().await;
-            table = self.inner.table.lock().await;
+        let (loaded, init_lock) = {
+            let mut table = self.inner.table.lock().await;
             if let Some(plugin) = table.plugins.get(plugin_type) {
                 return Ok(plugin.clone());
             }
-        }
-        let Some(loaded) = table.configs.plugins.get(plugin_type).cloned() else {
-            let hint = match table
-                .config_error_files
-                .iter()
-                .find(|(_, message)| message.contains(&format!("\"{plugin_type}\"")))
-            {
-                Some((file, message)) => format!("{} failed to load: {message}", file.display()),
-                None => match &self.inner.options.plugin_config_dir {
-                    Some(dir) => format!(
-                        "no config in {} declares it; add a <file>.json with \"type\": \"{plugin_type}\"",
-                        dir.display()
-                    ),
-                    None => "the daemon runs without --plugin-config-dir".to_owned(),
-                },
+            if !table.configs.plugins.contains_key(plugin_type) {
+                // Configs added at run time work without a reload.
+                drop(table);
+                self.reload().await;
+                table = self.inner.table.lock().await;
+                if let Some(plugin) = table.plugins.get(plugin_type) {
+                    return Ok(plugin.clone());
+                }
+            }
+            let Some(loaded) = table.configs.plugins.get(plugin_type).cloned() else {
+                return Err(self.unknown_plugin(&table, plugin_type));
             };
-            return Err(ServerError::UnknownPlugin {
-                plugin_type: plugin_type.to_owned(),
-                hint,
-            });
+            let init_lock = table
+                .init_locks
+                .entry(plugin_type.to_owned())
+                .or_default()
+                .clone();
+            (loaded, init_lock)
         };
-        match self.init_plugin(loaded).await {
+        let _initializing = init_lock.lock().await;
+        // Another caller may have finished while this one waited for the lock.
+        if let Some(plugin) = self.plugin_if_loaded(plugin_type).await {
+            return Ok(plugin);
+        }
+        let initialized = self.init_plugin(loaded.clone()).await;
+        let mut table = self.inner.table.lock().await;
+        match initialized {
             Ok(plugin) => {
                 table.init_errors.remove(plugin_type);
-                table.plugins.insert(plugin_type.to_owned(), plugin.clone());
+                if table.configs.plugins.get(plugin_type) == Some(&loaded) {
+                    table.plugins.insert(plugin_type.to_owned(), plugin.clone());
+                }
+                // Else a reload changed or removed the config meanwhile: this caller gets
+                // the plugin it asked for, the next one starts from the current config.
                 Ok(plugin)
             }
             Err(err) => {
@@ -348,6 +369,27 @@ impl CsiServer {
                     .insert(plugin_type.to_owned(), err.to_string());
                 Err(err)
             }
+        }
+    }
+
+    fn unknown_plugin(&self, table: &Table, plugin_type: &str) -> ServerError {
+        let hint = match table
+            .config_error_files
+            .iter()
+            .find(|(_, message)| message.contains(&format!("\"{plugin_type}\"")))
+        {
+            Some((file, message)) => format!("{} failed to load: {message}", file.display()),
+            None => match &self.inner.options.plugin_config_dir {
+                Some(dir) => format!(
+                    "no config in {} declares it; add a <file>.json with \"type\": \"{plugin_type}\"",
+                    dir.display()
+                ),
+                None => "the daemon runs without --plugin-config-dir".to_owned(),
+            },
+        };
+        ServerError::UnknownPlugin {
+            plugin_type: plugin_type.to_owned(),
+            hint,
         }
     }
 

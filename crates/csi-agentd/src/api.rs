@@ -336,16 +336,72 @@ async fn unpublish(
     Ok(Json(api::UnpublishResponse { state: state_name }))
 }
 
-async fn volumes(State(state): State<AppState>) -> ApiResult<api::VolumeList> {
-    state.server.wait_started().await;
+/// The most volumes one page holds.
+const MAX_PAGE: usize = 10_000;
+
+/// `GET /v1/volumes`: answered from the volume managers' read snapshots, never waiting for
+/// the start gate or an operation in progress; `recovering` says the list may still grow.
+async fn volumes(
+    State(state): State<AppState>,
+    query: Result<Query<api::VolumeQuery>, axum::extract::rejection::QueryRejection>,
+) -> ApiResult<api::VolumeList> {
+    let Query(query) = query.map_err(|e| {
+        ApiFailure::invalid(format!(
+            "query of GET /v1/volumes is not valid: {e}; use plugin=, state=, workload=, limit=<1..{MAX_PAGE}>, page_token="
+        ))
+    })?;
+    let limit = match query.limit {
+        None => usize::MAX,
+        Some(limit @ 1..=MAX_PAGE) => limit,
+        Some(other) => {
+            return Err(ApiFailure::invalid(format!(
+                "limit {other} is out of range: give 1 to {MAX_PAGE}"
+            )));
+        }
+    };
+    let after = match &query.page_token {
+        None => None,
+        Some(token) => Some(parse_page_token(token).ok_or_else(|| {
+            ApiFailure::invalid(format!(
+                "page_token {token:?} is not one this API gave out: pass next_page_token from the previous page unchanged"
+            ))
+        })?),
+    };
+    let recovering = !state.server.is_recovered();
     let (reports, _) = state.server.plugins().await;
+    let mut plugins: Vec<String> = reports
+        .iter()
+        .map(|r| r.loaded.config.plugin_type.clone())
+        .filter(|t| query.plugin.as_ref().is_none_or(|p| p == t))
+        .collect();
+    plugins.sort();
     let mut volumes = Vec::new();
-    for report in reports {
-        let plugin_type = &report.loaded.config.plugin_type;
+    let mut next_page_token = None;
+    'plugins: for plugin_type in &plugins {
         let Some(plugin) = state.server.plugin_if_loaded(plugin_type).await else {
             continue;
         };
-        for record in plugin.volumes.list().await {
+        for record in plugin.volumes.list_snapshot() {
+            if after.as_ref().is_some_and(|(after_plugin, after_volume)| {
+                (plugin_type.as_str(), record.volume_id.as_str())
+                    <= (after_plugin.as_str(), after_volume.as_str())
+            }) || query
+                .state
+                .as_ref()
+                .is_some_and(|s| s != record.state.as_str())
+                || query
+                    .workload
+                    .as_ref()
+                    .is_some_and(|w| !record.claims.contains(w))
+            {
+                continue;
+            }
+            if volumes.len() == limit {
+                next_page_token = volumes
+                    .last()
+                    .map(|v: &api::VolumeInfo| page_token(&v.plugin, &v.volume_id));
+                break 'plugins;
+            }
             let target = plugin.volumes.target_path(&record.volume_id);
             volumes.push(convert::volume_info(
                 plugin_type,
@@ -355,7 +411,31 @@ async fn volumes(State(state): State<AppState>) -> ApiResult<api::VolumeList> {
             ));
         }
     }
-    Ok(Json(api::VolumeList { volumes }))
+    Ok(Json(api::VolumeList {
+        volumes,
+        next_page_token,
+        recovering,
+    }))
+}
+
+/// A position in the list, ordered as the list is (plugin, then volume id): each part is
+/// percent-encoded (`layout::encode_id`), which never yields the `.` between them.
+fn page_token(plugin_type: &str, volume_id: &str) -> String {
+    format!(
+        "{}.{}",
+        csi_agent::layout::encode_id(plugin_type),
+        csi_agent::layout::encode_id(volume_id)
+    )
+}
+
+/// The raw (plugin, volume id) a [`page_token`] stands for; compared raw, because the
+/// percent-encoding does not keep the order of the ids it encodes.
+fn parse_page_token(token: &str) -> Option<(String, String)> {
+    let (plugin, volume) = token.split_once('.')?;
+    Some((
+        csi_agent::layout::decode_id(plugin)?,
+        csi_agent::layout::decode_id(volume)?,
+    ))
 }
 
 async fn volume(

@@ -469,6 +469,7 @@ mod tests {
                 volume_info("org.example.lvm", "vol-1", "PUBLISHED", &["c1", "c2"]),
                 volume_info("org.example.nfs", "a/b", "CREATED", &[]),
             ],
+            ..VolumeList::default()
         };
         assert_eq!(
             volumes(&list),
@@ -476,10 +477,7 @@ mod tests {
              org.example.lvm  vol-1   PUBLISHED  c1,c2   /w/csi/org.example.lvm/default/mounts/vol-1/target\n\
              org.example.nfs  a/b     CREATED    -       /w/csi/org.example.nfs/default/mounts/a/b/target\n"
         );
-        assert_eq!(
-            volumes(&VolumeList { volumes: vec![] }),
-            "no volumes tracked\n"
-        );
+        assert_eq!(volumes(&VolumeList::default()), "no volumes tracked\n");
     }
 
     #[test]

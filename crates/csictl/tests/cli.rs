@@ -62,6 +62,7 @@ fn fake_daemon() -> Result<FakeDaemon> {
                         volume("vol-1", "PUBLISHED", &["c1", "c2"]),
                         volume("vol-2", "CREATED", &[]),
                     ],
+                    ..VolumeList::default()
                 })
             }),
         )

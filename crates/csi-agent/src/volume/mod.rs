@@ -228,6 +228,9 @@ struct Inner {
     metrics: Option<Arc<Metrics>>,
     binder: Arc<Binder>,
     slots: StdMutex<HashMap<String, Arc<Mutex<Slot>>>>,
+    /// Every record as last written (durably or as a note), for reads that must never wait
+    /// for an operation in progress (docs/design.md: reads come from a snapshot).
+    snapshot: std::sync::RwLock<BTreeMap<String, Arc<VolumeRecord>>>,
     /// Asked once, forgotten when the plugin's configuration changes.
     caps: StdMutex<Option<LifecycleCaps>>,
     node_id: OnceCell<String>,
@@ -279,6 +282,7 @@ impl VolumeManager {
                 metrics: context.metrics,
                 binder: context.binder,
                 slots: StdMutex::new(HashMap::new()),
+                snapshot: std::sync::RwLock::new(BTreeMap::new()),
                 caps: StdMutex::new(None),
                 node_id: OnceCell::new(),
             }),
@@ -314,27 +318,64 @@ impl VolumeManager {
         slots.entry(volume_id.to_owned()).or_default().clone()
     }
 
-    /// The record of a volume, as last made durable.
+    /// The record of a volume, as last written. Never waits for an operation on the volume,
+    /// and an unknown id creates nothing.
     pub async fn get(&self, volume_id: &str) -> Option<VolumeRecord> {
-        let slot = self.slot(volume_id);
-        let guard = slot.lock().await;
-        guard.record.clone()
+        self.snapshot_of(volume_id).map(|r| (*r).clone())
     }
 
-    /// Every known volume's record, sorted by volume id.
+    /// The record of a volume from the read snapshot.
+    pub fn snapshot_of(&self, volume_id: &str) -> Option<Arc<VolumeRecord>> {
+        self.inner
+            .snapshot
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(volume_id)
+            .cloned()
+    }
+
+    /// Every known volume's record, sorted by volume id, from the read snapshot: never waits
+    /// for an operation in progress.
     pub async fn list(&self) -> Vec<VolumeRecord> {
-        let slots: Vec<Arc<Mutex<Slot>>> = {
-            let slots = lock(&self.inner.slots);
-            slots.values().cloned().collect()
-        };
-        let mut out = Vec::with_capacity(slots.len());
-        for slot in slots {
-            if let Some(record) = &slot.lock().await.record {
-                out.push(record.clone());
+        self.list_snapshot().iter().map(|r| (**r).clone()).collect()
+    }
+
+    /// The read snapshot itself, sorted by volume id (cheap: shared records).
+    pub fn list_snapshot(&self) -> Vec<Arc<VolumeRecord>> {
+        self.inner
+            .snapshot
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .values()
+            .cloned()
+            .collect()
+    }
+
+    /// Makes `record` the slot's copy and the snapshot's (`None`: forgotten), keeping the
+    /// state gauge in step.
+    fn set_record(&self, slot: &mut Slot, record: Option<VolumeRecord>) {
+        self.count_state(
+            slot.record.as_ref().map(|r| r.state),
+            record.as_ref().map(|r| r.state),
+        );
+        {
+            let mut snapshot = self
+                .inner
+                .snapshot
+                .write()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            match &record {
+                Some(r) => {
+                    snapshot.insert(r.volume_id.clone(), Arc::new(r.clone()));
+                }
+                None => {
+                    if let Some(old) = &slot.record {
+                        snapshot.remove(&old.volume_id);
+                    }
+                }
             }
         }
-        out.sort_by(|a, b| a.volume_id.cmp(&b.volume_id));
-        out
+        slot.record = record;
     }
 
     /// Publishes a volume for a workload and returns its target path.
@@ -993,8 +1034,7 @@ impl VolumeManager {
             .store
             .save_volume(&c.plugin_type, &c.plugin_name, &record.volume_id, &record)
             .await?;
-        self.count_state(slot.record.as_ref().map(|r| r.state), Some(record.state));
-        slot.record = Some(record);
+        self.set_record(slot, Some(record));
         Ok(())
     }
 
@@ -1006,8 +1046,7 @@ impl VolumeManager {
         self.inner
             .store
             .note_volume(&c.plugin_type, &c.plugin_name, &record.volume_id, &record)?;
-        self.count_state(slot.record.as_ref().map(|r| r.state), Some(record.state));
-        slot.record = Some(record);
+        self.set_record(slot, Some(record));
         Ok(())
     }
 
@@ -1038,8 +1077,7 @@ impl VolumeManager {
             .store
             .delete_volume(&c.plugin_type, &c.plugin_name, volume_id)
             .await?;
-        self.count_state(slot.record.as_ref().map(|r| r.state), None);
-        slot.record = None;
+        self.set_record(slot, None);
         slot.secrets = None;
         Ok(())
     }
@@ -1054,8 +1092,7 @@ impl VolumeManager {
         let id = volume_id.to_owned();
         blocking(move || store.note_delete(&c.plugin_type, &c.plugin_name, &id, had_secrets))
             .await?;
-        self.count_state(slot.record.as_ref().map(|r| r.state), None);
-        slot.record = None;
+        self.set_record(slot, None);
         slot.secrets = None;
         Ok(())
     }
