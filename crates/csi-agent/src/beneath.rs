@@ -166,6 +166,25 @@ pub fn open_dir(
     relative: &Path,
     create: Option<Mode>,
 ) -> Result<OpenedDir, BeneathError> {
+    let mut attempt = 0;
+    loop {
+        match open_dir_once(root_fd, root_path, relative, create) {
+            // Creating, a parent we had just opened was removed under us (the last claim
+            // of another bind below it left): walk again from the root, a few times.
+            Err(BeneathError::NotFound { .. }) if create.is_some() && attempt < 3 => {
+                attempt += 1;
+            }
+            other => return other,
+        }
+    }
+}
+
+fn open_dir_once(
+    root_fd: BorrowedFd<'_>,
+    root_path: &Path,
+    relative: &Path,
+    create: Option<Mode>,
+) -> Result<OpenedDir, BeneathError> {
     let mut current: Option<OwnedFd> = None;
     let mut at = root_path.to_path_buf();
     let mut created = 0;
@@ -188,9 +207,15 @@ pub fn open_dir(
             Err(BeneathError::NotFound { .. }) if create.is_some() => {
                 let mode = create.unwrap_or(Mode::RWXU);
                 match rustix::fs::mkdirat(parent, name, mode) {
-                    Ok(()) => created += 1,
+                    Ok(()) => {
+                        created += 1;
+                        mark_created(parent, name);
+                    }
                     // Made by someone else meanwhile: use it, it is not ours to remove.
                     Err(Errno::EXIST) => created = 0,
+                    Err(Errno::NOENT) => {
+                        return Err(BeneathError::NotFound { at: at.clone() });
+                    }
                     Err(errno) => return Err(io_error("mkdir", &at, errno)),
                 }
                 open_step(parent, name, &at, root_path)?
@@ -251,9 +276,47 @@ fn is_symlink(parent: BorrowedFd<'_>, name: &OsStr) -> bool {
     })
 }
 
+/// The extended attribute that marks a directory csi-agent created for a `bind_to`. The
+/// count a bind records covers only what that one call created; a parent made by one claim
+/// and shared with another's path below it must go with whichever claim leaves last, and the
+/// mark says it is ours to remove then. `trusted.*` can be set only with CAP_SYS_ADMIN, so a
+/// user cannot mark a directory of their own for removal.
+const CREATED_MARK: &str = "trusted.csi-agent.created";
+
+/// Marks `name` beneath `parent` as created by csi-agent; best effort (a file system without
+/// extended attributes keeps the count-only behaviour).
+fn mark_created(parent: BorrowedFd<'_>, name: &OsStr) {
+    let marked = rustix::fs::openat(
+        parent,
+        name,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .and_then(|fd| rustix::fs::fsetxattr(&fd, CREATED_MARK, b"1", rustix::fs::XattrFlags::empty()));
+    if let Err(errno) = marked {
+        tracing::debug!(dir = ?name, %errno, "dir created for bind_to not marked");
+    }
+}
+
+fn is_marked_created(parent: BorrowedFd<'_>, name: &OsStr) -> bool {
+    let Ok(fd) = rustix::fs::openat(
+        parent,
+        name,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    ) else {
+        return false;
+    };
+    let mut value = [0u8; 1];
+    matches!(rustix::fs::fgetxattr(&fd, CREATED_MARK, &mut value), Ok(1) if value == *b"1")
+}
+
 /// Removes the last `count` components of `relative` beneath `root_fd`, deepest first, each
 /// only if it is an empty directory that is not a mount point (`unlinkat(AT_REMOVEDIR)`
-/// refuses anything else). Stops at the first one that cannot go and says why.
+/// refuses anything else); then the ancestors above them that csi-agent marked as created,
+/// while they are empty. A directory still holding something (another claim's path) stops
+/// the walk quietly: the claim that empties it removes it. Any other failure stops it and
+/// says why.
 pub fn remove_trailing_dirs(
     root_fd: BorrowedFd<'_>,
     root_path: &Path,
@@ -262,7 +325,8 @@ pub fn remove_trailing_dirs(
 ) -> Result<(), BeneathError> {
     let names: Vec<&OsStr> = relative.components().map(|c| c.as_os_str()).collect();
     let count = count.min(names.len());
-    for keep in (names.len() - count..names.len()).rev() {
+    for keep in (0..names.len()).rev() {
+        let ours_by_count = keep >= names.len() - count;
         let name = names[keep];
         let parent_rel: PathBuf = names[..keep].iter().collect();
         let at = root_path.join(&parent_rel).join(name);
@@ -277,8 +341,12 @@ pub fn remove_trailing_dirs(
             }
         };
         let dir = parent.as_ref().map_or(root_fd, |fd| fd.as_fd());
+        if !ours_by_count && !is_marked_created(dir, name) {
+            return Ok(());
+        }
         match rustix::fs::unlinkat(dir, name, AtFlags::REMOVEDIR) {
             Ok(()) | Err(Errno::NOENT) => {}
+            Err(Errno::NOTEMPTY | Errno::EXIST) => return Ok(()),
             Err(errno) => return Err(io_error("rmdir", &at, errno)),
         }
     }

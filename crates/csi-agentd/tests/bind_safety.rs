@@ -258,6 +258,41 @@ async fn bind_creates_only_beneath_the_root_and_removes_what_it_created() {
 }
 
 #[tokio::test]
+async fn a_dir_created_for_one_claim_and_shared_by_another_goes_with_the_last() {
+    let scene = Scene::new();
+    let api = scene.daemon.api();
+    // The first bind creates `pod/` and its own dirs; the second creates only its own below
+    // the `pod/` the first made.
+    let first = scene.root.join("pod/a/data");
+    let second = scene.root.join("pod/b/data");
+    api.publish(&scene.bind_request("vol1", "w1", &first))
+        .await
+        .unwrap();
+    api.publish(&scene.bind_request("vol2", "w2", &second))
+        .await
+        .unwrap();
+    let mut binds = scene.binds();
+    binds.sort();
+    assert_eq!(binds, vec![first.clone(), second.clone()]);
+    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    assert!(
+        !scene.root.join("pod/a").exists(),
+        "the first claim's own dirs go"
+    );
+    assert!(
+        second.is_dir(),
+        "the shared parent stays while the second claim uses it"
+    );
+    api.unpublish(&unpublish("vol2", "w2")).await.unwrap();
+    assert!(
+        !scene.root.join("pod").exists(),
+        "the parent csi-agent created goes with the last claim beneath it"
+    );
+    assert!(scene.root.join("w1").is_dir(), "what existed before stays");
+    scene.assert_victim_intact();
+}
+
+#[tokio::test]
 async fn a_component_swapped_for_a_symlink_before_unpublish_never_unmounts_the_wrong_thing() {
     let scene = Scene::new();
     let api = scene.daemon.api();

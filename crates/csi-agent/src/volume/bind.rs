@@ -474,13 +474,10 @@ impl Binder {
                     return self.remove_moved(bind, id, &entry.mount_point, &root);
                 }
             }
-            if bind.created_dirs > 0
-                && let Err(err) = beneath::remove_trailing_dirs(
-                    root_fd.as_fd(),
-                    &root,
-                    &relative,
-                    bind.created_dirs,
-                )
+            // Even with no count recorded (a crash between the mkdir and the record), the
+            // dirs csi-agent marked as created go.
+            if let Err(err) =
+                beneath::remove_trailing_dirs(root_fd.as_fd(), &root, &relative, bind.created_dirs)
             {
                 tracing::warn!(bind_to = ?bind.path, error = %err, "dir created for bind_to left in place");
             }
