@@ -714,6 +714,10 @@ fn is_transport_failure(status: &tonic::Status) -> bool {
             .source()
             .is_some_and(|source| source.downcast_ref::<tonic::transport::Error>().is_some())
         || status.code() == tonic::Code::Unknown && status.message().contains("transport error")
+        // The plugin died mid-call: hyper reports the dropped connection as a cancellation
+        // (tonic maps it to CANCELLED and keeps the hyper error as the source). A CANCELLED
+        // the plugin itself sent arrives in trailers and has no source.
+        || status.code() == tonic::Code::Cancelled && status.source().is_some()
 }
 
 fn transport_detail(status: &tonic::Status) -> String {
