@@ -1,4 +1,4 @@
-//! The JSON contract of the csi-agent HTTP API (DESIGN.md §7): request and response bodies,
+//! The JSON contract of the csi-agent HTTP API (docs/api.md): request and response bodies,
 //! the one error shape, and the route paths; and [`ApiClient`], a client for it over the unix
 //! socket (or the TCP listener with a bearer token). `openapi.yaml` in this crate describes the
 //! same contract and `tests/openapi.rs` keeps the two in step.

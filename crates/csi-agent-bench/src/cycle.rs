@@ -29,9 +29,9 @@ use crate::stats::Summary;
 use csi_agent_api::routes;
 use hyper::Method;
 
-/// The fixed per-cycle allowance of DESIGN §9 (on top of the raw sequence and the writes).
+/// The fixed per-cycle allowance of the targets (docs/benchmarks.md) (on top of the raw sequence and the writes).
 pub const ALLOWANCE_MS: f64 = 0.3;
-/// DESIGN §9: durable writes per publish and per unpublish.
+/// docs/benchmarks.md, "Targets": durable writes per publish and per unpublish.
 pub const MAX_WRITES: f64 = 3.0;
 
 #[derive(Clone, Debug, clap::Args)]
@@ -193,7 +193,7 @@ pub struct Ratios {
     pub daemon_to_raw_p50: f64,
 }
 
-/// DESIGN §9: daemon_cycle ≤ raw_cycle + writes × durable_write + 0.3 ms (means).
+/// docs/benchmarks.md, "Targets": daemon_cycle ≤ raw_cycle + writes × durable_write + 0.3 ms (means).
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct CycleCheck {
     pub raw_mean_ms: f64,
@@ -211,7 +211,7 @@ pub struct CycleCheck {
     pub pass_p50: bool,
 }
 
-/// DESIGN §9: at most 3 durable writes per publish and per unpublish.
+/// docs/benchmarks.md, "Targets": at most 3 durable writes per publish and per unpublish.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct WritesCheck {
     pub max_per_operation: f64,

@@ -1,5 +1,5 @@
 //! `csi-agent-bench`: measures csi-agent against the raw CSI RPC sequence on the same test
-//! plugin, in one run, and checks the targets of DESIGN.md §9.
+//! plugin, in one run, and checks the targets listed in docs/benchmarks.md.
 //!
 //! Subcommands: `cycle` (one publish+unpublish, sequential: raw vs engine vs daemon, durable
 //! writes and their fsync cost), `throughput` (1,000 volumes by 64 concurrent clients),
@@ -36,7 +36,7 @@ use crate::env::Env;
 #[command(
     name = "csi-agent-bench",
     version,
-    about = "Benchmarks csi-agent against the raw CSI RPC sequence (DESIGN.md §9)"
+    about = "Benchmarks csi-agent against the raw CSI RPC sequence"
 )]
 struct Cli {
     #[command(flatten)]

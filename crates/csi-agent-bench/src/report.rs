@@ -1,5 +1,5 @@
 //! Formatting: a markdown table per benchmark, the `all` subcommand, and the summary of the
-//! DESIGN §9 targets with PASS/FAIL.
+//! targets of docs/benchmarks.md with PASS/FAIL.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -476,7 +476,7 @@ pub fn all_markdown(all: &AllReport) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "## Results\n");
     let _ = writeln!(out, "Run: {}\n", machine_line(&all.machine));
-    let _ = writeln!(out, "### DESIGN §9 targets\n");
+    let _ = writeln!(out, "### Targets\n");
     let _ = writeln!(out, "| target | measured | result |");
     let _ = writeln!(out, "|---|---|---|");
     for v in &all.cycle.variants {

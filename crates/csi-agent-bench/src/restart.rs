@@ -22,7 +22,7 @@ use crate::daemon::{Daemon, DaemonDirs, PluginSpec};
 use crate::env::{Env, Machine, PLUGIN_TYPE};
 use crate::throughput::volume_flags;
 
-/// DESIGN §9 targets.
+/// the targets of docs/benchmarks.md.
 pub const MAX_SERVE_MS: f64 = 1000.0;
 pub const MAX_IDLE_MIB: f64 = 16.0;
 pub const MAX_LOADED_MIB: f64 = 64.0;

@@ -9,7 +9,7 @@
 //! - Kill → ready again: SIGKILL the component, then watch the manager's status (every
 //!   50 µs) until a newer generation is ready. The restart backoff's `reset_after` is set to
 //!   100 ms and each kill waits 150 ms after readiness, so every crash is a "first" crash,
-//!   restarted at once (repeated crashes back off on purpose, DESIGN §6).
+//!   restarted at once (repeated crashes back off on purpose, docs/design.md, "Supervision").
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -30,7 +30,7 @@ use crate::env::{Env, Machine, NODE_ID, PLUGIN_TYPE};
 use crate::procs::{ChildGuard, signal};
 use crate::stats::{Summary, metric};
 
-/// DESIGN §9 targets.
+/// the targets of docs/benchmarks.md.
 pub const MAX_SOCKET_TO_READY_MS: f64 = 5.0;
 pub const MAX_RESTART_OVERHEAD_MS: f64 = 200.0;
 

@@ -14,7 +14,7 @@ use crate::daemon::{Daemon, DaemonDirs, PluginSpec};
 use crate::env::{Env, Machine, PLUGIN_TYPE};
 use crate::raw::{Engine, Raw};
 
-/// DESIGN §9: daemon throughput ≥ 0.8 × raw at the same concurrency.
+/// docs/benchmarks.md, "Targets": daemon throughput ≥ 0.8 × raw at the same concurrency.
 pub const MIN_RATIO: f64 = 0.8;
 
 #[derive(Clone, Debug, clap::Args)]

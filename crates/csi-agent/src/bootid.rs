@@ -1,4 +1,4 @@
-//! The boot id (DESIGN.md §5): recorded when a volume is staged, compared at recovery to
+//! The boot id (docs/design.md, "The volume lifecycle"): recorded when a volume is staged, compared at recovery to
 //! tell whether the node rebooted (every mount vanished with the reboot).
 //!
 //! This module only reads the id, behind a trait so that tests can simulate a reboot. It

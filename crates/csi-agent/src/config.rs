@@ -1,5 +1,5 @@
 //! Plugin configuration: loading, validating and diffing the per-plugin JSON files of
-//! `--plugin-config-dir` (DESIGN.md §3).
+//! `--plugin-config-dir` (docs/configuration.md).
 //!
 //! This module owns the file format and its validation. It only reads files: it must not
 //! launch, stop or talk to plugins (that is the service manager's job), and a bad file must
@@ -854,7 +854,7 @@ impl Parser<'_> {
                 .filter(|s| !served.contains(s))
                 .collect();
             if serves.is_empty() {
-                // DESIGN §3: the first component listing a service serves it.
+                // docs/configuration.md: the first component listing a service serves it.
                 tracing::warn!(
                     file = %self.file.display(),
                     "{prefix} serves nothing: each of its services is served by an earlier component; it will not be launched"
@@ -1030,7 +1030,7 @@ impl Parser<'_> {
             let socket =
                 parse_endpoint(text).map_err(|msg| self.invalid(join(&prefix, "endpoint"), msg))?;
             if endpoints.iter().any(|e| e.service == service) {
-                // DESIGN §3: the first one listing a service serves it.
+                // docs/configuration.md: the first one listing a service serves it.
                 tracing::warn!(
                     file = %self.file.display(),
                     "{prefix}: {service} already has an endpoint; this one is ignored"

@@ -1,4 +1,4 @@
-//! The on-disk layout of the work dir (DESIGN.md §4) and the encoding of ids into path
+//! The on-disk layout of the work dir (docs/on-disk-format.md) and the encoding of ids into path
 //! components.
 //!
 //! This module only computes paths; it never touches the file system. Every other module

@@ -1,4 +1,4 @@
-//! Prometheus metrics owned by the engine (DESIGN.md §8).
+//! Prometheus metrics owned by the engine (docs/operations.md).
 //!
 //! One [`Metrics`] value per engine holds the registry and every metric family; components
 //! receive an `Arc<Metrics>` and record into it. This module only defines and encodes metrics;

@@ -1,5 +1,5 @@
 //! The service manager of one plugin: its components' launch, readiness, restart, adoption
-//! and cleanup (Mesos's `csi::ServiceManager` + `ContainerDaemon`; DESIGN.md §4, §6).
+//! and cleanup (Mesos's `csi::ServiceManager` + `ContainerDaemon`; docs/design.md, docs/on-disk-format.md).
 //!
 //! This module owns the `containers/` directory of a plugin (component records, endpoint
 //! symlinks, the short socket dirs they point to) and the supervision tasks. It hands out
@@ -39,7 +39,7 @@
 //!   stopped and their directories removed; dead ones are cleaned.
 //! - **Unmanaged** plugins: nothing is launched; the configured socket is awaited (inotify)
 //!   and probed with retry; a socket that is removed or replaced is probed again.
-//! - Dropping a manager leaves its components running (they outlive csi-agent, DESIGN §6).
+//! - Dropping a manager leaves its components running (they outlive csi-agent, docs/design.md, "Supervision").
 
 use std::collections::BTreeMap;
 use std::io;
@@ -118,7 +118,7 @@ pub struct ReadyEndpoint {
     pub generation: u64,
     /// The runtime handle (pid) of a managed component.
     pub handle: Option<RuntimeHandle>,
-    /// Time from seeing the socket to `Probe` answering ready (DESIGN §9 target: ≤ 5 ms).
+    /// Time from seeing the socket to `Probe` answering ready (target in docs/benchmarks.md: ≤ 5 ms).
     pub socket_to_ready: Duration,
 }
 
@@ -283,7 +283,7 @@ pub struct ServiceManager {
 impl Drop for ServiceManager {
     fn drop(&mut self) {
         // Supervision ends with the manager; the components themselves keep running and are
-        // adopted by the next manager (DESIGN §6: components outlive csi-agent).
+        // adopted by the next manager (docs/design.md, "Supervision": components outlive csi-agent).
         for task in lock(&self.tasks).drain(..) {
             task.abort();
         }
@@ -1290,7 +1290,7 @@ fn read_record(container_dir: &Path) -> Option<ComponentRecord> {
 fn write_record(container_dir: &Path, record: &ComponentRecord) -> io::Result<()> {
     let bytes = serde_json::to_vec_pretty(record).map_err(io::Error::other)?;
     // Durable like every record (temp + fsync + rename + fsync dir). Not counted in
-    // `checkpoint_writes`, which measures the volume records' writes per publish (DESIGN §9).
+    // `checkpoint_writes`, which measures the volume records' writes per publish (docs/benchmarks.md, "Targets").
     crate::store::write_atomic(&container_dir.join(COMPONENT_RECORD), &bytes, None)
         .map_err(io::Error::other)
 }
@@ -1324,7 +1324,7 @@ pub fn plugins_with_components(layout: &Layout) -> io::Result<Vec<(String, Strin
 
 /// Stops every component of a plugin that is no longer configured and removes its
 /// `containers/` dir. The caller must only do this once none of the plugin's volumes is
-/// published (DESIGN §3: a node plugin outlives its volumes). Returns how many components
+/// published (docs/configuration.md: a node plugin outlives its volumes). Returns how many components
 /// were found running.
 pub async fn remove_components(
     layout: &Layout,

@@ -1,5 +1,5 @@
 //! Durable-write budget and node-only plugins: a publish and an unpublish each cost one
-//! durable write per RPC plus one (DESIGN §9: 3 with stage + publish), counted by the store's
+//! durable write per RPC plus one (docs/benchmarks.md, "Targets": 3 with stage + publish), counted by the store's
 //! own metric; a node-only deployment never calls the Controller service, whatever the plugin
 //! advertises.
 #![allow(clippy::unwrap_used, clippy::expect_used)]

@@ -1,4 +1,4 @@
-//! The HTTP/JSON API (DESIGN.md §7): routes, request parsing and response formatting. Every
+//! The HTTP/JSON API (docs/api.md): routes, request parsing and response formatting. Every
 //! handler parses, calls the engine, and formats; behaviour stays in the engine.
 
 use std::collections::BTreeMap;

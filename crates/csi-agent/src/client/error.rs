@@ -1,6 +1,6 @@
 //! Errors of CSI calls and their classification into transient and final.
 //!
-//! The classification is the one every retry decision in the engine relies on (DESIGN.md §5):
+//! The classification is the one every retry decision in the engine relies on (docs/design.md, "The volume lifecycle"):
 //! `DEADLINE_EXCEEDED`, `UNAVAILABLE`, `RESOURCE_EXHAUSTED`, `ABORTED` and transport failures
 //! are transient; every other gRPC code is final. This module must not retry anything itself.
 

@@ -1,4 +1,4 @@
-//! Runtimes: how one managed plugin component is run (DESIGN.md §1, §6).
+//! Runtimes: how one managed plugin component is run (docs/design.md).
 //!
 //! This module owns the [`Runtime`] trait and the runtime kinds: `process` today
 //! ([`ProcessRuntime`]), `oci` and `mesos` later. A runtime launches a component, adopts one

@@ -867,7 +867,7 @@ impl VolumeManager {
         }
     }
 
-    /// One attempt of one RPC, with the CO's side of the target path rules (DESIGN.md §5).
+    /// One attempt of one RPC, with the CO's side of the target path rules (docs/design.md, "The volume lifecycle").
     #[allow(clippy::too_many_arguments)]
     async fn attempt(
         &self,
