@@ -5,6 +5,8 @@
 //!
 //! Nothing here knows a failpoint: `crash_matrix.rs` decides what to break and what to expect.
 
+#![allow(dead_code)]
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
@@ -149,6 +151,8 @@ pub struct Node {
     pub plugin_dir: PathBuf,
     /// Passed as `--boot-id-file` when set.
     pub boot_id_file: Option<PathBuf>,
+    /// More arguments of `csi-agentd serve` (such as `--bind-root DIR`).
+    pub extra_args: Vec<String>,
     child: Option<Child>,
     log: PathBuf,
     /// Daemon processes started so far.
@@ -196,6 +200,7 @@ impl Node {
             configs,
             plugin_dir,
             boot_id_file: None,
+            extra_args: Vec::new(),
             child: None,
             starts: 0,
             known_orphans: BTreeSet::new(),
@@ -228,6 +233,7 @@ impl Node {
         if let Some(file) = &self.boot_id_file {
             command.arg("--boot-id-file").arg(file);
         }
+        command.args(&self.extra_args);
         if let Some(spec) = failpoints {
             command.env(csi_agent::failpoint::ENV_VAR, spec);
         }
