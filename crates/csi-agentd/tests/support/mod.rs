@@ -153,6 +153,8 @@ pub struct Node {
     pub boot_id_file: Option<PathBuf>,
     /// More arguments of `csi-agentd serve` (such as `--bind-root DIR`).
     pub extra_args: Vec<String>,
+    /// `--log-format` (`json` unless changed; [`Node::log_events`] reads only JSON).
+    pub log_format: &'static str,
     child: Option<Child>,
     log: PathBuf,
     /// Daemon processes started so far.
@@ -201,6 +203,7 @@ impl Node {
             plugin_dir,
             boot_id_file: None,
             extra_args: Vec::new(),
+            log_format: "json",
             child: None,
             starts: 0,
             known_orphans: BTreeSet::new(),
@@ -224,7 +227,7 @@ impl Node {
             .arg(&self.configs)
             .arg("--socket-root")
             .arg(&self.socket_root)
-            .args(["--log-format", "json"])
+            .args(["--log-format", self.log_format])
             .env("CSI_AGENT_LOG", "info")
             .env_remove(csi_agent::failpoint::ENV_VAR)
             .stdin(Stdio::null())
