@@ -228,6 +228,10 @@ struct Inner {
     metrics: Option<Arc<Metrics>>,
     binder: Arc<Binder>,
     slots: StdMutex<HashMap<String, Arc<Mutex<Slot>>>>,
+    /// A copy of every slot's record, updated with it: what reads (`get`, `list`) answer,
+    /// without waiting for an operation that holds the slot (DESIGN.md §10: reads never wait
+    /// for an operation in progress; a plugin may hang for a whole RPC deadline).
+    records: StdMutex<BTreeMap<String, VolumeRecord>>,
     /// Asked once, forgotten when the plugin's configuration changes.
     caps: StdMutex<Option<LifecycleCaps>>,
     node_id: OnceCell<String>,
@@ -279,6 +283,7 @@ impl VolumeManager {
                 metrics: context.metrics,
                 binder: context.binder,
                 slots: StdMutex::new(HashMap::new()),
+                records: StdMutex::new(BTreeMap::new()),
                 caps: StdMutex::new(None),
                 node_id: OnceCell::new(),
             }),
@@ -316,25 +321,30 @@ impl VolumeManager {
 
     /// The record of a volume, as last made durable.
     pub async fn get(&self, volume_id: &str) -> Option<VolumeRecord> {
-        let slot = self.slot(volume_id);
-        let guard = slot.lock().await;
-        guard.record.clone()
+        lock(&self.inner.records).get(volume_id).cloned()
     }
 
     /// Every known volume's record, sorted by volume id.
     pub async fn list(&self) -> Vec<VolumeRecord> {
-        let slots: Vec<Arc<Mutex<Slot>>> = {
-            let slots = lock(&self.inner.slots);
-            slots.values().cloned().collect()
-        };
-        let mut out = Vec::with_capacity(slots.len());
-        for slot in slots {
-            if let Some(record) = &slot.lock().await.record {
-                out.push(record.clone());
+        lock(&self.inner.records).values().cloned().collect()
+    }
+
+    /// Makes `record` the slot's copy and the one reads see. Called with the slot locked.
+    fn set_record(&self, slot: &mut Slot, record: Option<VolumeRecord>) {
+        {
+            let mut records = lock(&self.inner.records);
+            match &record {
+                Some(record) => {
+                    records.insert(record.volume_id.clone(), record.clone());
+                }
+                None => {
+                    if let Some(old) = &slot.record {
+                        records.remove(&old.volume_id);
+                    }
+                }
             }
         }
-        out.sort_by(|a, b| a.volume_id.cmp(&b.volume_id));
-        out
+        slot.record = record;
     }
 
     /// Publishes a volume for a workload and returns its target path.
@@ -994,7 +1004,7 @@ impl VolumeManager {
             .save_volume(&c.plugin_type, &c.plugin_name, &record.volume_id, &record)
             .await?;
         self.count_state(slot.record.as_ref().map(|r| r.state), Some(record.state));
-        slot.record = Some(record);
+        self.set_record(slot, Some(record));
         Ok(())
     }
 
@@ -1007,7 +1017,7 @@ impl VolumeManager {
             .store
             .note_volume(&c.plugin_type, &c.plugin_name, &record.volume_id, &record)?;
         self.count_state(slot.record.as_ref().map(|r| r.state), Some(record.state));
-        slot.record = Some(record);
+        self.set_record(slot, Some(record));
         Ok(())
     }
 
@@ -1039,7 +1049,7 @@ impl VolumeManager {
             .delete_volume(&c.plugin_type, &c.plugin_name, volume_id)
             .await?;
         self.count_state(slot.record.as_ref().map(|r| r.state), None);
-        slot.record = None;
+        self.set_record(slot, None);
         slot.secrets = None;
         Ok(())
     }
@@ -1055,7 +1065,7 @@ impl VolumeManager {
         blocking(move || store.note_delete(&c.plugin_type, &c.plugin_name, &id, had_secrets))
             .await?;
         self.count_state(slot.record.as_ref().map(|r| r.state), None);
-        slot.record = None;
+        self.set_record(slot, None);
         slot.secrets = None;
         Ok(())
     }

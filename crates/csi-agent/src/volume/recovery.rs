@@ -140,7 +140,7 @@ impl VolumeManager {
                 self.persist(&mut guard, record).await?;
             } else {
                 self.count_state(guard.record.as_ref().map(|r| r.state), Some(record.state));
-                guard.record = Some(record);
+                self.set_record(&mut guard, Some(record));
             }
             drop(guard);
             if needs_work {
