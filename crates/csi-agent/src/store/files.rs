@@ -837,6 +837,22 @@ impl FileStore {
 }
 
 impl FileStore {
+    /// Moves a volume dir of a plugin's `volumes/` (one [`FileStore::load_all`] left in place)
+    /// into its quarantine, never replacing anything there. Returns where it went.
+    pub fn quarantine_volume_dir(
+        &self,
+        plugin_type: &str,
+        plugin_name: &str,
+        dir: &Path,
+    ) -> Result<PathBuf, StoreError> {
+        let name = dir.file_name().ok_or_else(|| StoreError::Io {
+            op: "quarantine",
+            path: dir.to_path_buf(),
+            source: io::Error::from(io::ErrorKind::InvalidInput),
+        })?;
+        move_aside(&self.quarantine_dir(plugin_type, plugin_name), dir, name)
+    }
+
     /// Removes the record file (`volume.json`) of every volume dir of a plugin, and the dir
     /// when nothing else is left in it (secrets files stay: the database era keeps them
     /// there). `after_each` runs after each removal (a failpoint for the migration tests).
