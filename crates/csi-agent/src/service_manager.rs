@@ -219,6 +219,34 @@ enum ReadyError {
     VersionChanged { was: CsiVersion, now: CsiVersion },
     #[error("cannot watch for the socket: {0}")]
     Watch(io::Error),
+    #[error("GetPluginInfo: {0}")]
+    Identity(String),
+}
+
+/// The longest plugin name accepted (the spec asks for at most 63 characters; some plugins
+/// are longer, none this long).
+const MAX_PLUGIN_NAME_BYTES: usize = 255;
+
+/// CSI, GetPluginInfoResponse.name: "This field is REQUIRED", in domain name notation.
+fn check_plugin_name(name: &str) -> Result<(), String> {
+    if name.is_empty() {
+        return Err(
+            "the plugin answered an empty name; CSI requires one (GetPluginInfoResponse.name)"
+                .to_owned(),
+        );
+    }
+    if name.len() > MAX_PLUGIN_NAME_BYTES {
+        return Err(format!(
+            "the plugin's name is {} bytes long: at most {MAX_PLUGIN_NAME_BYTES} are accepted",
+            name.len()
+        ));
+    }
+    if name.chars().any(|c| c.is_control() || c.is_whitespace()) {
+        return Err(format!(
+            "the plugin's name {name:?} holds whitespace or control characters; CSI asks for domain name notation"
+        ));
+    }
+    Ok(())
 }
 
 /// `component.json`. Only `runtime` and `spec_hash` are needed to adopt; `spec` is kept for
@@ -1049,6 +1077,22 @@ impl Inner {
                     timeout,
                 })?;
             delay = (delay * 2).min(Duration::from_secs(1));
+        }
+        // The plugin's identity, once per launch. A name that breaks the spec's rules is not
+        // a plugin csi-agent can tell apart from another: refused, naming the value. A plugin
+        // that cannot answer now is not refused for it (Probe said it is ready; the calls
+        // that matter have their own errors).
+        match tokio::time::timeout_at(deadline, client.get_plugin_info()).await {
+            Ok(Ok(info)) => check_plugin_name(&info.name).map_err(ReadyError::Identity)?,
+            Ok(Err(err)) => {
+                tracing::warn!(plugin = %self.plugin(), component = %slot.id, error = %err, "GetPluginInfo failed; the plugin's name is not checked");
+            }
+            Err(_) => {
+                return Err(ReadyError::Timeout {
+                    stage: "asking GetPluginInfo",
+                    timeout,
+                });
+            }
         }
         Ok(ReadyEndpoint {
             component: slot.id.clone(),

@@ -241,6 +241,15 @@ impl Store {
                 bad.push((key, json, ProblemKind::UndecodableName, None));
                 continue;
             };
+            if json.len() as u64 > files::MAX_FILE_BYTES {
+                let reason = Unreadable::Corrupt(format!(
+                    "the record is {} bytes, more than the {} a record may have",
+                    json.len(),
+                    files::MAX_FILE_BYTES
+                ));
+                bad.push((key, json, ProblemKind::Unreadable(reason), Some(volume_id)));
+                continue;
+            }
             match decode_row::<T>(version, &json) {
                 Ok(record) => out.records.push(Loaded { volume_id, record }),
                 Err(reason) => {

@@ -177,3 +177,39 @@ fn a_migration_killed_before_its_commit_starts_over() {
     // The first file write of the store itself: the database exists, nothing is imported.
     killed_migration("store.migrate.before_commit=exit");
 }
+
+#[test]
+fn a_record_file_that_cannot_be_read_is_moved_aside_not_removed() {
+    let dir = tempfile::tempdir().unwrap();
+    let work = dir.path();
+    legacy_work_dir(work);
+    // Opening a socket fails (ENXIO): an I/O error, not a verdict on the record.
+    let odd = Layout::new(work).volume_dir(T, N, "odd");
+    std::fs::create_dir_all(&odd).unwrap();
+    let _socket = std::os::unix::net::UnixListener::bind(odd.join("volume.json")).unwrap();
+    let store = Store::open(Layout::new(work), None).unwrap();
+    assert!(!loaded(&store).iter().any(|r| r.volume_id == "odd"));
+    assert!(
+        !odd.exists(),
+        "left in volumes/ to be removed by the next start"
+    );
+    let quarantine = Layout::new(work).plugin_dir(T, N).join("quarantine");
+    let moved: Vec<String> = std::fs::read_dir(&quarantine)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    let entry = moved
+        .iter()
+        .find(|n| n.starts_with("odd."))
+        .unwrap_or_else(|| panic!("not moved aside: {moved:?}"));
+    let kept = quarantine.join(entry).join("volume.json");
+    assert!(
+        std::fs::symlink_metadata(&kept).is_ok(),
+        "{} is gone",
+        kept.display()
+    );
+    drop(store);
+    // A second start changes nothing more.
+    let _store = Store::open(Layout::new(work), None).unwrap();
+    assert!(std::fs::symlink_metadata(&kept).is_ok());
+}

@@ -46,6 +46,48 @@ fn parse_body<T: DeserializeOwned>(route: &str, body: &Bytes) -> Result<T, ApiFa
     })
 }
 
+/// Path parameters of a route. A rejection (a parameter that is not UTF-8 once
+/// percent-decoded) is answered 400 in the API's error shape, naming the parameter, instead of
+/// axum's plain-text answer.
+struct Params<T>(T);
+
+impl<S, T> axum::extract::FromRequestParts<S> for Params<T>
+where
+    T: DeserializeOwned + Send,
+    S: Send + Sync,
+{
+    type Rejection = ApiFailure;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &S,
+    ) -> Result<Self, Self::Rejection> {
+        match <UrlPath<T> as axum::extract::FromRequestParts<S>>::from_request_parts(parts, state)
+            .await
+        {
+            Ok(UrlPath(params)) => Ok(Params(params)),
+            Err(rejection) => Err(path_failure(&rejection)),
+        }
+    }
+}
+
+fn path_failure(rejection: &axum::extract::rejection::PathRejection) -> ApiFailure {
+    use axum::extract::path::ErrorKind;
+    use axum::extract::rejection::PathRejection;
+    let detail = match rejection {
+        PathRejection::FailedToDeserializePathParams(err) => match err.kind() {
+            ErrorKind::InvalidUtf8InPathParam { key } => {
+                format!("the {key} in the URL path is not UTF-8 once percent-decoded")
+            }
+            _ => err.body_text(),
+        },
+        other => other.body_text(),
+    };
+    ApiFailure::invalid(format!(
+        "{detail}: ids in the URL path must be percent-encoded UTF-8; see docs/api.md"
+    ))
+}
+
 /// All routes of the API.
 pub fn router(state: AppState) -> Router {
     use api::routes;
@@ -253,7 +295,7 @@ async fn plugins(State(state): State<AppState>) -> Json<api::PluginList> {
 
 async fn plugin(
     State(state): State<AppState>,
-    UrlPath(plugin_type): UrlPath<String>,
+    Params(plugin_type): Params<String>,
 ) -> ApiResult<api::PluginInfo> {
     plugin_infos(&state)
         .await
@@ -440,8 +482,9 @@ fn parse_page_token(token: &str) -> Option<(String, String)> {
 
 async fn volume(
     State(state): State<AppState>,
-    UrlPath((plugin_type, volume_id)): UrlPath<(String, String)>,
+    Params((plugin_type, volume_id)): Params<(String, String)>,
 ) -> ApiResult<api::VolumeInfo> {
+    csi_agent::volume::validate_id("volume_id", &volume_id)?;
     let plugin = state.server.plugin(&plugin_type).await?;
     let record = plugin.volumes.get(&volume_id).await.ok_or_else(|| {
         ApiFailure::new(
@@ -487,7 +530,7 @@ async fn create_volume(
 
 async fn delete_volume(
     State(state): State<AppState>,
-    UrlPath((plugin_type, volume_id)): UrlPath<(String, String)>,
+    Params((plugin_type, volume_id)): Params<(String, String)>,
 ) -> ApiResult<api::DeleteVolumeResponse> {
     let plugin = state.server.plugin(&plugin_type).await?;
     plugin
@@ -530,7 +573,7 @@ struct PageQuery {
 
 async fn backend_volumes(
     State(state): State<AppState>,
-    UrlPath(plugin_type): UrlPath<String>,
+    Params(plugin_type): Params<String>,
     query: Result<Query<PageQuery>, axum::extract::rejection::QueryRejection>,
 ) -> ApiResult<api::BackendVolumePage> {
     let Query(query) = query.map_err(|e| {

@@ -247,12 +247,57 @@ fn absolute(path: &Path) -> anyhow::Result<PathBuf> {
 pub fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("CSI_AGENT_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
     match format {
-        LogFormat::Human => builder.init(),
-        LogFormat::Json => builder.json().init(),
+        LogFormat::Human => builder.with_writer(OneLineStderr).init(),
+        LogFormat::Json => builder.with_writer(std::io::stderr).json().init(),
+    }
+}
+
+/// Stderr for the human log format, one event per line whatever its fields hold: a line break
+/// inside an event (a hostile id quoted in a plugin's error message, say) is written as `\n`
+/// or `\r`, so no field can forge a log line. The JSON format escapes them itself.
+#[derive(Clone, Copy, Debug, Default)]
+struct OneLineStderr;
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for OneLineStderr {
+    type Writer = OneLine;
+
+    fn make_writer(&'a self) -> Self::Writer {
+        OneLine
+    }
+}
+
+/// `event` with every line break but its final one escaped.
+fn one_line(event: &[u8]) -> Vec<u8> {
+    let (body, end): (&[u8], &[u8]) = match event.strip_suffix(b"\n") {
+        Some(body) => (body, b"\n"),
+        None => (event, b""),
+    };
+    let mut out = Vec::with_capacity(event.len() + 8);
+    for &byte in body {
+        match byte {
+            b'\n' => out.extend_from_slice(b"\\n"),
+            b'\r' => out.extend_from_slice(b"\\r"),
+            _ => out.push(byte),
+        }
+    }
+    out.extend_from_slice(end);
+    out
+}
+
+/// One event: the formatter writes each event, ending in its one `\n`, with one `write_all`.
+#[derive(Debug)]
+struct OneLine;
+
+impl std::io::Write for OneLine {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        std::io::stderr().lock().write_all(&one_line(buf))?;
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        std::io::stderr().flush()
     }
 }
 
@@ -364,4 +409,20 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     while servers.join_next().await.is_some() {}
     let _ = std::fs::remove_file(socket);
     Ok(())
+}
+
+#[cfg(test)]
+mod one_line_tests {
+    use super::one_line;
+
+    #[test]
+    fn an_event_stays_one_line_whatever_its_fields_hold() {
+        assert_eq!(one_line(b"plain\n"), b"plain\n");
+        assert_eq!(
+            one_line(b"id=evil\nFORGED level=ERROR\rX\n"),
+            b"id=evil\\nFORGED level=ERROR\\rX\n"
+        );
+        assert_eq!(one_line(b"no end"), b"no end");
+        assert_eq!(one_line(b"\n\n"), b"\\n\n");
+    }
 }

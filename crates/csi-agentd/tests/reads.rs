@@ -6,7 +6,6 @@
 //! Real bind mounts: run as root under `unshare -m --propagation private`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-#[allow(dead_code)]
 mod support;
 
 use std::time::{Duration, Instant};

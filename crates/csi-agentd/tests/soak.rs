@@ -10,7 +10,6 @@
 //! `unshare -m --propagation private`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-#[allow(dead_code)]
 mod support;
 
 use std::collections::{BTreeMap, BTreeSet};

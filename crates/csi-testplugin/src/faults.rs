@@ -83,6 +83,27 @@ struct FaultFile {
     duplicate_capabilities: bool,
     #[serde(default)]
     empty_vendor_version: bool,
+    #[serde(default)]
+    plugin_name: Option<String>,
+    #[serde(default)]
+    vendor_version_bytes: Option<usize>,
+    #[serde(default)]
+    created_volume_id: Option<String>,
+    #[serde(default)]
+    list_duplicates: bool,
+}
+
+/// Hostile answers (fault file only): what a broken or malicious plugin says.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Answers {
+    /// GetPluginInfo answers this name instead of its own (`""`: an empty one).
+    pub plugin_name: Option<String>,
+    /// GetPluginInfo's `vendor_version` is this many bytes long (a huge message).
+    pub vendor_version_bytes: Option<usize>,
+    /// CreateVolume answers this volume id instead of the one it made.
+    pub created_volume_id: Option<String>,
+    /// ListVolumes lists every entry twice.
+    pub list_duplicates: bool,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -365,6 +386,18 @@ impl Faults {
             empty_probe: self.flags.empty_probe || f.empty_probe,
             duplicate_capabilities: self.flags.duplicate_capabilities || f.duplicate_capabilities,
             empty_vendor_version: self.flags.empty_vendor_version || f.empty_vendor_version,
+        }
+    }
+
+    /// The hostile answers of the fault file (re-read at the start of every RPC).
+    pub fn answers(&self) -> Answers {
+        let inner = self.lock();
+        let f = &inner.file;
+        Answers {
+            plugin_name: f.plugin_name.clone(),
+            vendor_version_bytes: f.vendor_version_bytes,
+            created_volume_id: f.created_volume_id.clone(),
+            list_duplicates: f.list_duplicates,
         }
     }
 

@@ -310,6 +310,9 @@ impl Plugin {
     // ----------------------------------------------------------------------
 
     pub fn plugin_name(&self, version: ApiVersion) -> String {
+        if let Some(name) = self.faults.answers().plugin_name {
+            return name;
+        }
         if version.is_v0() {
             self.cfg.v0_plugin_name.clone()
         } else {
@@ -318,6 +321,9 @@ impl Plugin {
     }
 
     pub fn vendor_version(&self) -> String {
+        if let Some(bytes) = self.faults.answers().vendor_version_bytes {
+            return "9".repeat(bytes);
+        }
         if self.faults.quirks().empty_vendor_version {
             String::new()
         } else {
@@ -389,6 +395,14 @@ impl Plugin {
     // ----------------------------------------------------------------------
 
     pub async fn create_volume(&self, a: CreateArgs) -> Result<VolumeInfo, Status> {
+        let mut info = self.create_volume_as_asked(a).await?;
+        if let Some(id) = self.faults.answers().created_volume_id {
+            info.id = id;
+        }
+        Ok(info)
+    }
+
+    async fn create_volume_as_asked(&self, a: CreateArgs) -> Result<VolumeInfo, Status> {
         // Spec, CreateVolumeRequest.name: "This field is REQUIRED."
         if a.name.is_empty() {
             return Err(invalid("name is required"));
@@ -704,6 +718,19 @@ impl Plugin {
     }
 
     pub fn list_volumes(
+        &self,
+        max_entries: i32,
+        starting_token: &str,
+    ) -> Result<(Vec<ListedVolume>, String), Status> {
+        let (page, next) = self.list_volumes_as_asked(max_entries, starting_token)?;
+        if self.faults.answers().list_duplicates {
+            let doubled = page.iter().flat_map(|v| [v.clone(), v.clone()]).collect();
+            return Ok((doubled, next));
+        }
+        Ok((page, next))
+    }
+
+    fn list_volumes_as_asked(
         &self,
         max_entries: i32,
         starting_token: &str,

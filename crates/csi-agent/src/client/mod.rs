@@ -219,9 +219,6 @@ impl CsiClient {
                 kind: RpcErrorKind::DeadlineExceeded,
             }),
             Ok(Ok(response)) => Ok(response.into_inner()),
-            Ok(Err(status)) if is_transport_failure(&status) => {
-                Err(RpcError::transport(method, transport_detail(&status)))
-            }
             // The plugin gave up when our `grpc-timeout` ran out (tonic servers answer
             // CANCELLED then): that is our deadline, not a cancellation, and the call's
             // outcome is just as uncertain.
@@ -232,6 +229,9 @@ impl CsiClient {
                     method,
                     kind: RpcErrorKind::DeadlineExceeded,
                 })
+            }
+            Ok(Err(status)) if is_transport_failure(&status) => {
+                Err(RpcError::transport(method, transport_detail(&status)))
             }
             Ok(Err(status)) => Err(RpcError::status(method, &status)),
         };

@@ -374,12 +374,83 @@ pub fn write_atomic(
     Ok(())
 }
 
-/// Reads a file, `None` when it does not exist.
+/// The largest store file read (a record or a secrets file). csi-agent never writes one
+/// near this size: a bigger file is not its own, and reading it would only burn memory.
+pub const MAX_FILE_BYTES: u64 = 8 << 20;
+
+/// Reads a store file, `None` when it does not exist. The file is hostile until proven
+/// otherwise: opened with `O_NOFOLLOW` (a symlink to `/etc/shadow` is never read) and
+/// `O_NONBLOCK` (a FIFO never blocks the open), then required to be a regular file of at most
+/// [`MAX_FILE_BYTES`] (read bounded, in case it grows meanwhile). A file refused for what it is
+/// is [`StoreError::Unreadable`] (corrupt), which recovery moves aside; a passing I/O error is
+/// [`StoreError::Io`].
 fn read_optional(path: &Path) -> Result<Option<Vec<u8>>, StoreError> {
-    match fs::read(path) {
-        Ok(bytes) => Ok(Some(bytes)),
-        Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(None),
-        Err(err) => Err(io_err("read", path)(err)),
+    use std::io::Read;
+    let refused = |reason: String| StoreError::Unreadable {
+        path: path.to_path_buf(),
+        reason: Unreadable::Corrupt(reason),
+    };
+    let file = match OpenOptions::new()
+        .read(true)
+        .custom_flags(
+            (rustix::fs::OFlags::NOFOLLOW
+                | rustix::fs::OFlags::NONBLOCK
+                | rustix::fs::OFlags::NOCTTY)
+                .bits() as i32,
+        )
+        .open(path)
+    {
+        Ok(file) => file,
+        Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(err) if err.raw_os_error() == Some(rustix::io::Errno::LOOP.raw_os_error()) => {
+            return Err(refused("it is a symlink (never followed)".to_owned()));
+        }
+        Err(err) => return Err(io_err("read", path)(err)),
+    };
+    let meta = file.metadata().map_err(io_err("stat", path))?;
+    if meta.is_dir() {
+        return Err(io_err("read", path)(io::Error::from(
+            io::ErrorKind::IsADirectory,
+        )));
+    }
+    if !meta.file_type().is_file() {
+        return Err(refused(format!(
+            "it is not a regular file ({})",
+            file_kind(&meta.file_type())
+        )));
+    }
+    if meta.len() > MAX_FILE_BYTES {
+        return Err(refused(format!(
+            "it is {} bytes, more than the {MAX_FILE_BYTES} a store file may have",
+            meta.len()
+        )));
+    }
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    file.take(MAX_FILE_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(io_err("read", path))?;
+    if bytes.len() as u64 > MAX_FILE_BYTES {
+        return Err(refused(format!(
+            "it grew past the {MAX_FILE_BYTES} bytes a store file may have"
+        )));
+    }
+    Ok(Some(bytes))
+}
+
+fn file_kind(kind: &fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if kind.is_fifo() {
+        "a FIFO"
+    } else if kind.is_socket() {
+        "a socket"
+    } else if kind.is_char_device() {
+        "a character device"
+    } else if kind.is_block_device() {
+        "a block device"
+    } else if kind.is_symlink() {
+        "a symlink"
+    } else {
+        "not a file"
     }
 }
 
@@ -766,6 +837,22 @@ impl FileStore {
 }
 
 impl FileStore {
+    /// Moves a volume dir of a plugin's `volumes/` (one [`FileStore::load_all`] left in place)
+    /// into its quarantine, never replacing anything there. Returns where it went.
+    pub fn quarantine_volume_dir(
+        &self,
+        plugin_type: &str,
+        plugin_name: &str,
+        dir: &Path,
+    ) -> Result<PathBuf, StoreError> {
+        let name = dir.file_name().ok_or_else(|| StoreError::Io {
+            op: "quarantine",
+            path: dir.to_path_buf(),
+            source: io::Error::from(io::ErrorKind::InvalidInput),
+        })?;
+        move_aside(&self.quarantine_dir(plugin_type, plugin_name), dir, name)
+    }
+
     /// Removes the record file (`volume.json`) of every volume dir of a plugin, and the dir
     /// when nothing else is left in it (secrets files stay: the database era keeps them
     /// there). `after_each` runs after each removal (a failpoint for the migration tests).
@@ -834,6 +921,9 @@ fn load_volume_dir<T: Record>(dir: &Path) -> DirOutcome<T> {
             Ok(record) => DirOutcome::Record(record),
             Err(reason) => DirOutcome::Problem(ProblemKind::Unreadable(reason)),
         },
+        Err(StoreError::Unreadable { reason, .. }) => {
+            DirOutcome::Problem(ProblemKind::Unreadable(reason))
+        }
         Ok(None) => {
             // No record: a first write or a delete was interrupted. Without a record nothing
             // was promised about this volume, so its secrets are garbage.

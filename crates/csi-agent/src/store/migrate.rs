@@ -16,7 +16,7 @@ use std::path::Path;
 use rusqlite::{Connection, OptionalExtension};
 
 use super::db::{self, Key, Op};
-use super::files::{FileStore, Record, StoreError};
+use super::files::{FileStore, ProblemKind, Record, StoreError};
 use crate::failpoint;
 use crate::layout::encode_id;
 
@@ -59,9 +59,22 @@ pub fn from_files(
     let plugins = plugin_dirs(files);
     if migrated.is_none() {
         let mut ops = Vec::new();
+        // Record files that could not be read for a reason that may pass (EIO, ...), left in
+        // place by the file store: not imported, so moved aside after the commit instead of
+        // being removed with the migrated ones.
+        let mut left = Vec::new();
         for (plugin_type, plugin_name) in &plugins {
             // Moves unreadable files to quarantine/ and reports them, as the file store did.
             let loaded = files.load_all::<FirstRelease>(plugin_type, plugin_name)?;
+            for problem in &loaded.problems {
+                if problem.moved_to.is_none() && matches!(problem.kind, ProblemKind::Io(_)) {
+                    left.push((
+                        plugin_type.clone(),
+                        plugin_name.clone(),
+                        problem.path.clone(),
+                    ));
+                }
+            }
             for loaded in loaded.records {
                 ops.push(Op::Put {
                     key: Key {
@@ -81,6 +94,16 @@ pub fn from_files(
             tracing::info!(records = count, db = %db_path.display(), "migrated the per-file volume records into the state database");
         }
         failpoint::hit(FP_MIGRATE_AFTER_COMMIT)?;
+        for (plugin_type, plugin_name, dir) in left {
+            match files.quarantine_volume_dir(&plugin_type, &plugin_name, &dir) {
+                Ok(to) => {
+                    tracing::warn!(dir = %dir.display(), moved_to = %to.display(), "record file not migrated (unreadable); moved aside for the operator")
+                }
+                Err(err) => {
+                    tracing::error!(dir = %dir.display(), error = %err, "record file not migrated (unreadable) and not moved aside")
+                }
+            }
+        }
     }
     // The database holds them (now, or since an earlier start): the files go.
     for (plugin_type, plugin_name) in &plugins {

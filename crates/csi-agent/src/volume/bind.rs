@@ -283,9 +283,12 @@ impl Binder {
         Ok((root.clone(), relative))
     }
 
-    /// Reserves `path` for `owner`: refused when another claim holds it, or a path inside or
-    /// around it. Reserving again for the same owner is fine.
+    /// Reserves `path` for `owner`: refused when [`Binder::check`] refuses it (so a path read
+    /// back from a hand-edited record is held to the rules of a new request wherever it is
+    /// reserved), or when another claim holds it, or a path inside or around it. Reserving
+    /// again for the same owner is fine.
     pub fn reserve(&self, path: &Path, owner: &BindOwner) -> Result<(), BindError> {
+        self.check(path)?;
         let mut owners = lock(&self.owners);
         for (other, other_owner) in owners.iter() {
             let overlaps = other == path || other.starts_with(path) || path.starts_with(other);
@@ -720,5 +723,26 @@ mod tests {
         );
         binder.release(Path::new("/s/a/data"), &owner("w1"));
         assert!(binder.reserve(Path::new("/s/a"), &owner("w2")).is_ok());
+    }
+
+    #[test]
+    fn reserve_refuses_what_check_refuses() {
+        let binder = Binder::new(vec![PathBuf::from("/s")], Path::new("/w"));
+        for path in [
+            "/etc/x",
+            "/s/../etc",
+            "/s/a/../../etc",
+            "relative",
+            "/s",
+            "/w/x",
+        ] {
+            let checked = binder.check(Path::new(path)).map(|_| ()).unwrap_err();
+            let reserved = binder.reserve(Path::new(path), &owner("w1")).unwrap_err();
+            assert_eq!(reserved.to_string(), checked.to_string(), "{path}");
+        }
+        assert!(
+            binder.reserve(Path::new("/s/ok"), &owner("w1")).is_ok(),
+            "nothing refused was reserved"
+        );
     }
 }

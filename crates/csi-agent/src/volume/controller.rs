@@ -239,7 +239,7 @@ impl VolumeManager {
             if !seen.insert(volume.volume_id.clone()) {
                 tracing::warn!(
                     plugin = %self.inner.config.plugin_type,
-                    volume_id = %volume.volume_id,
+                    volume_id = ?volume.volume_id,
                     "plugin listed a volume twice; ignoring the duplicate"
                 );
                 continue;

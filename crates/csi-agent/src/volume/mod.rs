@@ -649,7 +649,7 @@ impl VolumeManager {
                     Err(err) => {
                         tracing::warn!(
                             plugin = %manager.inner.config.plugin_type,
-                            volume_id = %volume_id,
+                            volume_id = ?volume_id,
                             error = %err,
                             "volume did not converge yet; retrying"
                         );
@@ -731,7 +731,7 @@ impl VolumeManager {
                     if let Err(err) = outcome {
                         tracing::warn!(
                             plugin = %self.inner.config.plugin_type,
-                            volume_id = %record.volume_id,
+                            volume_id = ?record.volume_id,
                             step = rpc.name(),
                             error = %err,
                             "volume step failed; the volume stays in its transient state"
@@ -848,7 +848,7 @@ impl VolumeManager {
                 {
                     tracing::warn!(
                         plugin = %self.inner.config.plugin_type,
-                        volume_id = %record.volume_id,
+                        volume_id = ?record.volume_id,
                         step = rpc.name(),
                         "plugin does not know the volume; taking the undo as done"
                     );

@@ -5,6 +5,8 @@
 //!
 //! Nothing here knows a failpoint: `crash_matrix.rs` decides what to break and what to expect.
 
+#![allow(dead_code)]
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
@@ -149,8 +151,10 @@ pub struct Node {
     pub plugin_dir: PathBuf,
     /// Passed as `--boot-id-file` when set.
     pub boot_id_file: Option<PathBuf>,
-    /// More arguments for `csi-agentd serve`.
+    /// More arguments of `csi-agentd serve` (such as `--bind-root DIR`).
     pub extra_args: Vec<String>,
+    /// `--log-format` (`json` unless changed; [`Node::log_events`] reads only JSON).
+    pub log_format: &'static str,
     child: Option<Child>,
     log: PathBuf,
     /// Daemon processes started so far.
@@ -199,6 +203,7 @@ impl Node {
             plugin_dir,
             boot_id_file: None,
             extra_args: Vec::new(),
+            log_format: "json",
             child: None,
             starts: 0,
             known_orphans: BTreeSet::new(),
@@ -222,7 +227,7 @@ impl Node {
             .arg(&self.configs)
             .arg("--socket-root")
             .arg(&self.socket_root)
-            .args(["--log-format", "json"])
+            .args(["--log-format", self.log_format])
             .env("CSI_AGENT_LOG", "info")
             .env_remove(csi_agent::failpoint::ENV_VAR)
             .stdin(Stdio::null())
