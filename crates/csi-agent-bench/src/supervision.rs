@@ -20,7 +20,6 @@ use anyhow::{Context, bail};
 use csi_agent::config::{Service, parse_config};
 use csi_agent::layout::Layout;
 use csi_agent::metrics::Metrics;
-use csi_agent::runtime::RuntimeHandle;
 use csi_agent::service_manager::{ComponentState, ManagerOptions, ServiceManager, wait_for_path};
 use rustix::process::Signal;
 use serde::Serialize;
@@ -140,6 +139,7 @@ pub async fn run(env: &Env, args: &SupervisionArgs) -> anyhow::Result<Supervisio
                 node_id: NODE_ID.to_owned(),
                 socket_root: scratch.join("sm-s"),
                 metrics: metrics.clone(),
+                oci_runtime: "runc".into(),
             },
         )
         .await
@@ -255,7 +255,7 @@ fn current(manager: &ServiceManager) -> anyhow::Result<(u64, u32)> {
     for status in manager.status() {
         if let ComponentState::Ready(ready) = status.state {
             let pid = match ready.handle {
-                Some(RuntimeHandle::Process { pid, .. }) => u32::try_from(pid)?,
+                Some(handle) => u32::try_from(handle.pid())?,
                 None => bail!("the component has no pid"),
             };
             return Ok((ready.generation, pid));

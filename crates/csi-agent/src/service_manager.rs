@@ -59,7 +59,9 @@ use crate::client::{ClientOptions, CsiClient, CsiVersion, RpcError};
 use crate::config::{Deployment, PluginConfig, Service};
 use crate::layout::Layout;
 use crate::metrics::{ComponentLabels, Metrics, PluginLabels, RpcLabels};
-use crate::runtime::{self, Component, LaunchContext, LaunchSpec, Runtime, RuntimeHandle};
+use crate::runtime::{
+    self, Component, LaunchContext, LaunchSpec, Runtime, RuntimeHandle, RuntimeOptions,
+};
 
 /// Prefix of every component id (Mesos uses `org-apache-mesos-csi-`).
 pub const CONTAINER_ID_PREFIX: &str = "csi-agent-";
@@ -103,6 +105,16 @@ pub struct ManagerOptions {
     /// Where short socket dirs are created (see [`default_socket_root`]).
     pub socket_root: PathBuf,
     pub metrics: Arc<Metrics>,
+    /// The OCI runtime binary of the `oci` runtime (`--oci-runtime`; default `runc`).
+    pub oci_runtime: PathBuf,
+}
+
+impl ManagerOptions {
+    /// The runtimes' daemon-wide settings: the OCI runtime, its state under
+    /// `<socket_root>/runc`.
+    pub fn runtime_options(&self) -> RuntimeOptions {
+        RuntimeOptions::new(&self.oci_runtime, &self.socket_root)
+    }
 }
 
 /// A ready endpoint: a connected client whose `Probe` said ready.
@@ -124,6 +136,8 @@ pub struct ReadyEndpoint {
 
 /// The state of one component, as published to waiters.
 #[derive(Clone, Debug)]
+// One per component and cloned rarely: boxing the ready endpoint would buy nothing.
+#[allow(clippy::large_enum_variant)]
 pub enum ComponentState {
     /// Not launched yet (launch is lazy), or not watched yet (unmanaged).
     Idle,
@@ -237,6 +251,8 @@ struct ComponentRecord {
 }
 
 #[derive(Debug)]
+// One per component, never moved after the manager is built.
+#[allow(clippy::large_enum_variant)]
 enum SlotKind {
     Managed { spec: LaunchSpec, spec_hash: String },
     Unmanaged { socket: PathBuf },
@@ -301,7 +317,7 @@ impl ServiceManager {
     /// one manager may supervise a plugin at a time: to reconfigure a plugin whose manager is
     /// still referenced, use [`ServiceManager::replace_with`].
     pub async fn new(config: PluginConfig, options: ManagerOptions) -> Result<Self, ManagerError> {
-        let runtime = runtime::for_config(&config.runtime);
+        let runtime = runtime::for_config(&config.runtime, &options.runtime_options());
         Self::with_runtime(config, options, runtime).await
     }
 
@@ -511,6 +527,16 @@ impl ServiceManager {
             slot.state.send_replace(ComponentState::Stopped);
         }
         self.inner.update_ready_gauge();
+        if self.inner.runtime.kind() == "oci" {
+            // No container needs the shared mount root any more.
+            runtime::oci::release_mount_root(
+                &self
+                    .inner
+                    .options
+                    .layout
+                    .mounts_dir(&self.inner.config.plugin_type, &self.inner.config.name),
+            );
+        }
         remove_containers_dir(&self.inner.containers_dir())
             .map_err(|(path, source)| self.inner.io_error(path, source))
     }
@@ -604,6 +630,18 @@ impl Inner {
             .containers_dir(&self.config.plugin_type, &self.config.name)
     }
 
+    /// Where the plugin is handed staging and target paths: its `mounts/` dir and the
+    /// configured `target_path_root`.
+    fn mount_roots(&self) -> Vec<PathBuf> {
+        let mut roots = vec![
+            self.options
+                .layout
+                .mounts_dir(&self.config.plugin_type, &self.config.name),
+        ];
+        roots.extend(self.config.target_path_root.clone());
+        roots
+    }
+
     fn io_error(&self, path: PathBuf, source: io::Error) -> ManagerError {
         ManagerError::Io {
             plugin: self.plugin().to_owned(),
@@ -669,7 +707,7 @@ impl Inner {
                     let runtime = if record.runtime.kind() == self.runtime.kind() {
                         Arc::clone(&self.runtime)
                     } else {
-                        runtime::for_handle(&record.runtime)
+                        runtime::for_handle(&record.runtime, &self.options.runtime_options())
                     };
                     match runtime.adopt(&record.runtime).await {
                         Ok(running) => running,
@@ -852,6 +890,7 @@ impl Inner {
         let context = LaunchContext {
             container_dir: container_dir.to_path_buf(),
             socket: socket.clone(),
+            mount_roots: self.mount_roots(),
         };
         let component = self
             .runtime
@@ -1331,6 +1370,7 @@ pub async fn remove_components(
     plugin_type: &str,
     plugin_name: &str,
     grace: Duration,
+    runtimes: &RuntimeOptions,
 ) -> Result<usize, ManagerError> {
     let dir = layout.containers_dir(plugin_type, plugin_name);
     let io_error = |path: PathBuf, source| ManagerError::Io {
@@ -1347,7 +1387,7 @@ pub async fn remove_components(
     for entry in entries.flatten() {
         let container_dir = entry.path();
         if let Some(record) = read_record(&container_dir) {
-            match runtime::for_handle(&record.runtime)
+            match runtime::for_handle(&record.runtime, runtimes)
                 .adopt(&record.runtime)
                 .await
             {
@@ -1365,6 +1405,8 @@ pub async fn remove_components(
             }
         }
     }
+    // A shared mount root left by the oci runtime (a no-op for other runtimes).
+    runtime::oci::release_mount_root(&layout.mounts_dir(plugin_type, plugin_name));
     remove_containers_dir(&dir).map_err(|(path, err)| io_error(path, err))?;
     Ok(stopped)
 }

@@ -13,7 +13,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use csi_agent::metrics::ComponentLabels;
-use csi_agent::runtime::RuntimeHandle;
 use csi_agent::server::CsiServer;
 use csi_agent::service_manager::ComponentState;
 use csi_agent::volume::{PublishRequest, VolumeSecrets};
@@ -159,11 +158,10 @@ async fn plugin_infos(state: &AppState) -> api::PluginList {
                             ComponentState::Ready(ready) => {
                                 version = Some(ready.version.as_str().to_owned());
                                 (
-                                    ready.handle.as_ref().and_then(|h| match h {
-                                        RuntimeHandle::Process { pid, .. } => {
-                                            u32::try_from(*pid).ok()
-                                        }
-                                    }),
+                                    ready
+                                        .handle
+                                        .as_ref()
+                                        .and_then(|h| u32::try_from(h.pid()).ok()),
                                     Some(ready.socket.to_string_lossy().into_owned()),
                                 )
                             }
