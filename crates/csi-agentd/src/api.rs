@@ -174,10 +174,18 @@ async fn plugin_infos(state: &AppState) -> api::PluginList {
                             pid,
                             endpoint,
                             restarts: component_restarts(state, &config.plugin_type, &s.component),
+                            error: match &s.state {
+                                ComponentState::BackingOff { last_error, .. } => {
+                                    Some(last_error.clone())
+                                }
+                                _ => None,
+                            },
                         }
                     })
                     .collect();
-                let volumes = plugin.volumes.list().await.len();
+                // Counted without waiting: a publish waiting for a restarting plugin must
+                // not make the plugin's status wait too.
+                let volumes = plugin.volumes.count();
                 (components, volumes, version, ready)
             }
         };
@@ -203,6 +211,15 @@ async fn plugin_infos(state: &AppState) -> api::PluginList {
                 }
             }
         };
+        // A component that keeps failing (runc missing, a rootfs that does not exist, ...)
+        // is the plugin's problem too: say so on the plugin, not only on the component.
+        let error = report.error.clone().or_else(|| {
+            components.iter().find_map(|c: &api::ComponentInfo| {
+                c.error
+                    .as_ref()
+                    .map(|error| format!("component {}: {error}", c.id))
+            })
+        });
         plugins.push(api::PluginInfo {
             plugin_type: config.plugin_type.clone(),
             name: config.name.clone(),
@@ -210,7 +227,7 @@ async fn plugin_infos(state: &AppState) -> api::PluginList {
             state: state_name.to_owned(),
             csi_version,
             config_file: report.loaded.file.to_string_lossy().into_owned(),
-            error: report.error.clone(),
+            error,
             components,
             volumes,
         });

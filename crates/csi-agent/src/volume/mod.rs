@@ -322,6 +322,23 @@ impl VolumeManager {
     }
 
     /// Every known volume's record, sorted by volume id.
+    /// How many volumes are known, without waiting for any operation in progress (status
+    /// reads must not hang behind a publish waiting for its plugin): a volume whose
+    /// operation holds it is counted, since its operation recorded it first.
+    pub fn count(&self) -> usize {
+        let slots: Vec<Arc<Mutex<Slot>>> = {
+            let slots = lock(&self.inner.slots);
+            slots.values().cloned().collect()
+        };
+        slots
+            .iter()
+            .filter(|slot| match slot.try_lock() {
+                Ok(slot) => slot.record.is_some(),
+                Err(_) => true,
+            })
+            .count()
+    }
+
     pub async fn list(&self) -> Vec<VolumeRecord> {
         let slots: Vec<Arc<Mutex<Slot>>> = {
             let slots = lock(&self.inner.slots);
