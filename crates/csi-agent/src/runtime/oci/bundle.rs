@@ -57,6 +57,9 @@ pub struct BundleInput<'a> {
     pub mount_roots: &'a [PathBuf],
     pub volumes: &'a [VolumeBind],
     pub cgroups_path: String,
+    /// The capabilities csi-agent holds (see [`super::own_capabilities`]); the defaults are
+    /// cut down to them. `None`: unknown, the defaults are used whole.
+    pub available_capabilities: Option<&'a [&'static str]>,
 }
 
 fn mount(
@@ -114,12 +117,6 @@ pub fn spec(input: &BundleInput<'_>) -> Result<Spec, BundleError> {
             Path::new("/dev"),
             &["rbind", "rslave"],
         )?);
-        mounts.push(mount(
-            Path::new("/sys"),
-            "sysfs",
-            Path::new("sysfs"),
-            &["nosuid", "noexec", "nodev"],
-        )?);
     } else {
         mounts.push(mount(
             Path::new("/dev"),
@@ -151,13 +148,21 @@ pub fn spec(input: &BundleInput<'_>) -> Result<Spec, BundleError> {
             Path::new("mqueue"),
             &["nosuid", "noexec", "nodev"],
         )?);
-        mounts.push(mount(
-            Path::new("/sys"),
-            "sysfs",
-            Path::new("sysfs"),
-            &["nosuid", "noexec", "nodev", "ro"],
-        )?);
     }
+    // A new sysfs can only be mounted in a network namespace of one's own (EBUSY
+    // otherwise): with the host's network, the host's /sys is bound.
+    let sys_options: &[&str] = match (settings.host_network.unwrap_or(true), privileged) {
+        (true, true) => &["rbind", "rslave"],
+        (true, false) => &["rbind", "rslave", "ro"],
+        (false, true) => &["nosuid", "noexec", "nodev"],
+        (false, false) => &["nosuid", "noexec", "nodev", "ro"],
+    };
+    let (sys_type, sys_source) = if settings.host_network.unwrap_or(true) {
+        ("bind", Path::new("/sys"))
+    } else {
+        ("sysfs", Path::new("sysfs"))
+    };
+    mounts.push(mount(Path::new("/sys"), sys_type, sys_source, sys_options)?);
     mounts.push(mount(
         Path::new("/tmp"),
         "tmpfs",
@@ -197,11 +202,21 @@ pub fn spec(input: &BundleInput<'_>) -> Result<Spec, BundleError> {
         mounts.push(mount(destination, "bind", source, options)?);
     }
 
+    let available = |name: &&&str| {
+        input
+            .available_capabilities
+            .is_none_or(|a| a.contains(*name))
+    };
     let capability_names: Vec<String> = match (&settings.capabilities, privileged) {
         (Some(names), _) => names.clone(),
-        (None, true) => ALL_CAPABILITIES.iter().map(|c| (*c).to_owned()).collect(),
+        (None, true) => ALL_CAPABILITIES
+            .iter()
+            .filter(available)
+            .map(|c| (*c).to_owned())
+            .collect(),
         (None, false) => DEFAULT_CAPABILITIES
             .iter()
+            .filter(available)
             .map(|c| (*c).to_owned())
             .collect(),
     };
@@ -223,6 +238,11 @@ pub fn spec(input: &BundleInput<'_>) -> Result<Spec, BundleError> {
         )
         .no_new_privileges(!privileged)
         .build()?;
+    // The builders start from oci-spec's defaults (a demo shell container): drop the parts
+    // that are not ours. Without rlimits the plugin inherits the daemon's, as with the
+    // process runtime.
+    let mut process = process;
+    process.set_rlimits(None);
 
     // Always an own mount namespace (that is the point); an own PID and IPC namespace
     // unless the config shares the host's PID namespace; the host's network by default (a
@@ -273,8 +293,14 @@ pub fn spec(input: &BundleInput<'_>) -> Result<Spec, BundleError> {
             .masked_paths(oci_spec::runtime::get_default_maskedpaths())
             .readonly_paths(oci_spec::runtime::get_default_readonly_paths());
     }
+    let mut linux = linux.build()?;
+    if privileged {
+        // Privileged means the host's view: nothing masked, nothing read-only.
+        linux.set_masked_paths(None);
+        linux.set_readonly_paths(None);
+    }
 
-    Ok(SpecBuilder::default()
+    let mut spec = SpecBuilder::default()
         .version("1.0.2")
         .root(
             RootBuilder::default()
@@ -284,8 +310,12 @@ pub fn spec(input: &BundleInput<'_>) -> Result<Spec, BundleError> {
         )
         .process(process)
         .mounts(mounts)
-        .linux(linux.build()?)
-        .build()?)
+        .linux(linux)
+        .build()?;
+    // The host's UTS namespace is shared: runc refuses to set a hostname then.
+    spec.set_hostname(None);
+    spec.set_annotations(None);
+    Ok(spec)
 }
 
 #[cfg(test)]
@@ -303,6 +333,7 @@ mod tests {
             mount_roots: roots,
             volumes: &[],
             cgroups_path: "/csi-agent/x".to_owned(),
+            available_capabilities: Some(&["CAP_SYS_ADMIN", "CAP_CHOWN"]),
         }
     }
 
@@ -332,6 +363,8 @@ mod tests {
             .as_array()
             .cloned()
             .unwrap_or_default();
+        // All capabilities, as far as csi-agent holds them.
+        assert_eq!(caps.len(), 2, "{caps:?}");
         assert!(caps.iter().any(|c| c == "CAP_SYS_ADMIN"), "{caps:?}");
         let namespaces: Vec<String> = json["linux"]["namespaces"]
             .as_array()

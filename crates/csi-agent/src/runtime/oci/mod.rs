@@ -60,50 +60,72 @@ pub const BUNDLE_DIR: &str = "bundle";
 /// The state root's name inside the socket root.
 pub const STATE_ROOT_DIR: &str = "runc";
 
-/// Every capability oci-spec and runc know (what a privileged component gets).
+/// Every capability oci-spec and runc know, by number (capabilities(7)): what a privileged
+/// component gets, less what csi-agent itself does not hold.
 pub const ALL_CAPABILITIES: &[&str] = &[
-    "CAP_AUDIT_CONTROL",
-    "CAP_AUDIT_READ",
-    "CAP_AUDIT_WRITE",
-    "CAP_BLOCK_SUSPEND",
-    "CAP_BPF",
-    "CAP_CHECKPOINT_RESTORE",
     "CAP_CHOWN",
     "CAP_DAC_OVERRIDE",
     "CAP_DAC_READ_SEARCH",
     "CAP_FOWNER",
     "CAP_FSETID",
-    "CAP_IPC_LOCK",
-    "CAP_IPC_OWNER",
     "CAP_KILL",
-    "CAP_LEASE",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETPCAP",
     "CAP_LINUX_IMMUTABLE",
-    "CAP_MAC_ADMIN",
-    "CAP_MAC_OVERRIDE",
-    "CAP_MKNOD",
-    "CAP_NET_ADMIN",
     "CAP_NET_BIND_SERVICE",
     "CAP_NET_BROADCAST",
+    "CAP_NET_ADMIN",
     "CAP_NET_RAW",
-    "CAP_PERFMON",
-    "CAP_SETFCAP",
-    "CAP_SETGID",
-    "CAP_SETPCAP",
-    "CAP_SETUID",
-    "CAP_SYSLOG",
+    "CAP_IPC_LOCK",
+    "CAP_IPC_OWNER",
+    "CAP_SYS_MODULE",
+    "CAP_SYS_RAWIO",
+    "CAP_SYS_CHROOT",
+    "CAP_SYS_PTRACE",
+    "CAP_SYS_PACCT",
     "CAP_SYS_ADMIN",
     "CAP_SYS_BOOT",
-    "CAP_SYS_CHROOT",
-    "CAP_SYS_MODULE",
     "CAP_SYS_NICE",
-    "CAP_SYS_PACCT",
-    "CAP_SYS_PTRACE",
-    "CAP_SYS_RAWIO",
     "CAP_SYS_RESOURCE",
     "CAP_SYS_TIME",
     "CAP_SYS_TTY_CONFIG",
+    "CAP_MKNOD",
+    "CAP_LEASE",
+    "CAP_AUDIT_WRITE",
+    "CAP_AUDIT_CONTROL",
+    "CAP_SETFCAP",
+    "CAP_MAC_OVERRIDE",
+    "CAP_MAC_ADMIN",
+    "CAP_SYSLOG",
     "CAP_WAKE_ALARM",
+    "CAP_BLOCK_SUSPEND",
+    "CAP_AUDIT_READ",
+    "CAP_PERFMON",
+    "CAP_BPF",
+    "CAP_CHECKPOINT_RESTORE",
 ];
+
+/// The capabilities csi-agent itself may hand on: its bounding set (`CapBnd` of
+/// `/proc/self/status`). A container cannot get more (runc fails with EPERM), and hosts
+/// differ (a sandbox may drop `CAP_SYS_RESOURCE`, an old kernel lacks `CAP_BPF`). `None`
+/// when it cannot be read.
+pub fn own_capabilities() -> Option<Vec<&'static str>> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let hex = status
+        .lines()
+        .find_map(|line| line.strip_prefix("CapBnd:"))?
+        .trim();
+    let mask = u64::from_str_radix(hex, 16).ok()?;
+    Some(
+        ALL_CAPABILITIES
+            .iter()
+            .enumerate()
+            .filter(|(bit, _)| mask & (1u64 << bit) != 0)
+            .map(|(_, name)| *name)
+            .collect(),
+    )
+}
 
 /// The capabilities of an unprivileged component without a `capabilities` list: the set
 /// container engines usually grant.
@@ -252,6 +274,10 @@ pub enum OciError {
     HostPathMissing { path: PathBuf },
     #[error("container: {0}")]
     Volumes(String),
+    #[error(
+        "runtime.capabilities: {name} is not in csi-agent's own capability bounding set, so no container of it can have it: remove it"
+    )]
+    Capability { name: String },
     #[error("the container's bundle: {0}")]
     Bundle(#[from] bundle::BundleError),
     #[error("{what} {}: {source}", path.display())]
@@ -469,6 +495,14 @@ impl OciRuntime {
         let privileged = settings
             .privileged
             .unwrap_or_else(|| spec.container_id.contains(Service::Node.as_str()));
+        let own = own_capabilities();
+        if let (Some(own), Some(wanted)) = (&own, &settings.capabilities)
+            && let Some(missing) = wanted.iter().find(|c| !own.contains(&c.as_str()))
+        {
+            return Err(OciError::Capability {
+                name: missing.clone(),
+            });
+        }
         let input = bundle::BundleInput {
             settings,
             privileged,
@@ -479,6 +513,7 @@ impl OciRuntime {
             mount_roots: &context.mount_roots,
             volumes: &volumes,
             cgroups_path: cgroups_path(self.runc.root(), &id),
+            available_capabilities: own.as_deref(),
         };
         let oci_spec = bundle::spec(&input)?;
         std::fs::create_dir_all(bundle_dir.join(bundle::ROOTFS_DIR))
@@ -623,14 +658,15 @@ impl OciRuntime {
 }
 
 /// A cgroup path of its own per state root: two csi-agents (or test daemons) with the same
-/// plugin type must not share a cgroup.
+/// plugin type must not share a cgroup. One level only, so that `runc delete` (which removes
+/// the leaf) leaves no dir behind.
 fn cgroups_path(state_root: &Path, id: &str) -> String {
     let mut hash: u32 = 0x811c_9dc5;
     for byte in state_root.as_os_str().as_encoded_bytes() {
         hash ^= u32::from(*byte);
         hash = hash.wrapping_mul(0x0100_0193);
     }
-    format!("/csi-agent-{hash:08x}/{id}")
+    format!("/csi-agent-{hash:08x}-{id}")
 }
 
 fn open_log(path: &Path) -> Result<std::fs::File, OciError> {
