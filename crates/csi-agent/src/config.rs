@@ -927,6 +927,10 @@ impl Parser<'_> {
                 .array(obj, &prefix, "resources")?
                 .map(<[Value]>::to_vec)
                 .unwrap_or_default();
+            if matches!(runtime, RuntimeConfig::Oci(_)) {
+                crate::runtime::oci::limits(&resources)
+                    .map_err(|(field, message)| self.invalid(join(&prefix, &field), message))?;
+            }
             let container = match obj.get("container") {
                 None | Some(Value::Null) => None,
                 Some(value) => {
@@ -1274,6 +1278,60 @@ mod tests {
         }
         let long = format!("/{}", "a".repeat(120));
         assert!(parse_endpoint(&long).is_err_and(|e| e.contains("at most 107")));
+    }
+
+    #[test]
+    fn oci_runtime_settings_parse_and_bad_ones_name_their_field() -> anyhow::Result<()> {
+        let config = parse(
+            r#"{"type": "t", "runtime": {"kind": "oci", "rootfs": "/img", "privileged": false,
+                "capabilities": ["sys_admin", "CAP_MKNOD"], "readonly_rootfs": false,
+                "host_network": false, "host_pid": true},
+                "containers": [{"services": ["NODE_SERVICE"], "command": {"value": "/p"},
+                  "container": {"volumes": [{"container_path": "/s", "host_path": "/h"}]}}]}"#,
+        )?;
+        assert_eq!(
+            config.runtime,
+            RuntimeConfig::Oci(OciConfig {
+                rootfs: Some(PathBuf::from("/img")),
+                privileged: Some(false),
+                capabilities: Some(vec!["CAP_SYS_ADMIN".into(), "CAP_MKNOD".into()]),
+                readonly_rootfs: Some(false),
+                host_network: Some(false),
+                host_pid: Some(true),
+            })
+        );
+        let field = |text: &str| match parse(text) {
+            Err(ConfigError::Invalid { field, .. }) => field,
+            other => panic!("expected an invalid field, got {other:?}"),
+        };
+        let component =
+            r#""containers": [{"services": ["NODE_SERVICE"], "command": {"value": "/p"}}]"#;
+        assert_eq!(
+            field(&format!(
+                r#"{{"type": "t", "runtime": {{"kind": "oci", "rootfs": "img"}}, {component}}}"#
+            )),
+            "runtime.rootfs"
+        );
+        assert_eq!(
+            field(&format!(
+                r#"{{"type": "t", "runtime": {{"kind": "oci", "capabilities": ["CAP_NOPE"]}}, {component}}}"#
+            )),
+            "runtime.capabilities[0]"
+        );
+        assert_eq!(
+            field(&format!(
+                r#"{{"type": "t", "runtime": {{"kind": "oci", "rootfss": "/x"}}, {component}}}"#
+            )),
+            "runtime.rootfss"
+        );
+        assert_eq!(
+            field(
+                r#"{"type": "t", "runtime": {"kind": "oci"}, "containers": [{"services": ["NODE_SERVICE"],
+                    "command": {"value": "/p"}, "container": {"volumes": [{"container_path": "/s"}]}}]}"#
+            ),
+            "containers[0].container.volumes[0].host_path"
+        );
+        Ok(())
     }
 
     #[test]

@@ -739,11 +739,30 @@ impl Inner {
                     clean_runtime_files(&container_dir);
                     resume.extend(index);
                 }
-                (Some(_), None) => clean_runtime_files(&container_dir),
+                (Some(_), None) => {
+                    if record.is_none() {
+                        // A launch interrupted before its record was written may have left
+                        // a container running that nothing accounts for.
+                        runtime::oci::forget_stray(
+                            &self.options.runtime_options().oci,
+                            &id,
+                            &container_dir,
+                        )
+                        .await;
+                    }
+                    clean_runtime_files(&container_dir);
+                }
                 (None, running) => {
                     if let Some(component) = running {
                         tracing::info!(plugin = self.plugin(), component = %id, "no longer configured: stopping it");
                         component.stop(self.config.stop_grace).await;
+                    } else if record.is_none() {
+                        runtime::oci::forget_stray(
+                            &self.options.runtime_options().oci,
+                            &id,
+                            &container_dir,
+                        )
+                        .await;
                     }
                     if let Err((path, err)) = remove_container_dir(&container_dir) {
                         tracing::warn!(plugin = self.plugin(), path = %path.display(), "cannot remove: {err}");
@@ -1386,7 +1405,16 @@ pub async fn remove_components(
     let mut stopped = 0;
     for entry in entries.flatten() {
         let container_dir = entry.path();
-        if let Some(record) = read_record(&container_dir) {
+        let record = read_record(&container_dir);
+        if record.is_none() {
+            runtime::oci::forget_stray(
+                &runtimes.oci,
+                &entry.file_name().to_string_lossy(),
+                &container_dir,
+            )
+            .await;
+        }
+        if let Some(record) = record {
             match runtime::for_handle(&record.runtime, runtimes)
                 .adopt(&record.runtime)
                 .await

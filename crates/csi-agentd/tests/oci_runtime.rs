@@ -100,10 +100,12 @@ async fn the_plugin_runs_in_a_container_and_its_mounts_reach_the_host() {
     let plugin_dir = dir.path().join("plugin");
     std::fs::create_dir_all(&plugin_dir).unwrap();
     let mut daemon = Daemon::new(dir.path(), &[]);
-    daemon.add_config(
-        "test.json",
-        &oci_config(&plugin_dir, json!({"kind": "oci"})),
-    );
+    let mut config = oci_config(&plugin_dir, json!({"kind": "oci"}));
+    config["containers"][0]["resources"] = json!([
+        {"name": "cpus", "type": "SCALAR", "scalar": {"value": 0.5}},
+        {"name": "mem", "type": "SCALAR", "scalar": {"value": 256}}
+    ]);
+    daemon.add_config("test.json", &config);
     daemon.start();
     let api = daemon.api();
 
@@ -143,6 +145,16 @@ async fn the_plugin_runs_in_a_container_and_its_mounts_reach_the_host() {
         !cgroups_of(&daemon.socket_root).is_empty(),
         "the container has no cgroup of its own"
     );
+    // `resources` are its cgroup limits: 0.5 CPU (a 50 ms quota per 100 ms), 256 MB.
+    let (memory, cpu) = cgroup_limits(&daemon.socket_root);
+    assert_eq!(memory, 256 * 1024 * 1024);
+    assert_eq!(cpu, (50_000, 100_000));
+    // A read-only root; the state dir given as a volume is writable.
+    let err = std::fs::write(format!("/proc/{pid}/root/csi-oci-probe"), b"x").unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(30), "{err}");
+    let inside = format!("/proc/{pid}/root{}/probe", plugin_dir.display());
+    std::fs::write(&inside, b"x").unwrap();
+    assert!(plugin_dir.join("probe").exists());
 
     // Unpublish: the plugin's unmount inside the container removes the mount on the host.
     api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
@@ -203,6 +215,26 @@ async fn the_plugin_runs_in_a_container_and_its_mounts_reach_the_host() {
     assert_eq!(cgroups_of(&daemon.socket_root), Vec::<PathBuf>::new());
 }
 
+/// The container's memory limit (bytes) and CPU quota (quota, period in µs), from cgroup v1
+/// or v2, whichever the host has.
+fn cgroup_limits(socket_root: &Path) -> (u64, (i64, u64)) {
+    let dirs = cgroups_of(socket_root);
+    let read = |name: &str| -> Option<String> {
+        dirs.iter()
+            .find_map(|d| std::fs::read_to_string(d.join(name)).ok())
+            .map(|s| s.trim().to_owned())
+    };
+    if let Some(limit) = read("memory.limit_in_bytes") {
+        let quota = read("cpu.cfs_quota_us").unwrap().parse().unwrap();
+        let period = read("cpu.cfs_period_us").unwrap().parse().unwrap();
+        return (limit.parse().unwrap(), (quota, period));
+    }
+    let memory = read("memory.max").unwrap().parse().unwrap();
+    let cpu = read("cpu.max").unwrap();
+    let (quota, period) = cpu.split_once(' ').unwrap();
+    (memory, (quota.parse().unwrap(), period.parse().unwrap()))
+}
+
 fn common_kill9(pid: u32) {
     let pid = rustix::process::Pid::from_raw(i32::try_from(pid).unwrap()).unwrap();
     rustix::process::kill_process(pid, rustix::process::Signal::KILL).unwrap();
@@ -253,6 +285,12 @@ async fn launch_errors_are_reported_on_the_plugin_naming_the_field() {
     );
     bad_cap["type"] = json!("org.example.badcap");
     daemon.add_config("badcap.json", &bad_cap);
+    // A memory limit below what a container can start with.
+    let mut bad_mem = oci_config(&plugin_dir, json!({"kind": "oci"}));
+    bad_mem["type"] = json!("org.example.badmem");
+    bad_mem["containers"][0]["resources"] =
+        json!([{"name": "mem", "type": "SCALAR", "scalar": {"value": 1}}]);
+    daemon.add_config("badmem.json", &bad_mem);
     // runc missing (the daemon's --oci-runtime names a file that does not exist).
     daemon.add_config(
         "test.json",
@@ -269,6 +307,19 @@ async fn launch_errors_are_reported_on_the_plugin_naming_the_field() {
     assert!(
         error.message.contains("runtime.capabilities[1]")
             && error.message.contains("CAP_MAKE_COFFEE"),
+        "{}",
+        error.message
+    );
+    let error = plugins
+        .config_errors
+        .iter()
+        .find(|e| e.file.ends_with("badmem.json"))
+        .unwrap_or_else(|| panic!("no error for badmem.json: {plugins:?}"));
+    assert!(
+        error
+            .message
+            .contains("containers[0].resources[0].scalar.value")
+            && error.message.contains("below"),
         "{}",
         error.message
     );
@@ -300,6 +351,7 @@ async fn launch_errors_are_reported_on_the_plugin_naming_the_field() {
     // A rootfs that does not exist, with the real runc.
     let mut daemon = Daemon::new(dir.path(), &[]);
     std::fs::remove_file(daemon.configs.join("badcap.json")).unwrap();
+    std::fs::remove_file(daemon.configs.join("badmem.json")).unwrap();
     daemon.add_config(
         "test.json",
         &oci_config(
@@ -369,10 +421,11 @@ async fn a_container_stopped_while_the_daemon_was_down_is_replaced_and_a_changed
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    // Back: the stopped container is deleted and a new one serves (the volume stays usable).
+    // Back: the stopped container is deleted and a new one serves.
     daemon.start();
     let api = daemon.api();
-    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    let published = api.publish(&publish("vol2", "w2")).await.unwrap();
+    assert!(is_mounted(Path::new(&published.target_path)));
     let info = wait_plugin(&daemon, "a new container", Duration::from_secs(20), |i| {
         ready_pid(i).is_some()
     })
@@ -412,8 +465,101 @@ async fn a_container_stopped_while_the_daemon_was_down_is_replaced_and_a_changed
     assert_eq!(listed.len(), 1, "{listed:?}");
     assert_eq!(listed[0]["pid"], third);
 
+    // The volumes published through the older containers are unpublished by the new one.
+    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    api.unpublish(&unpublish("vol2", "w2")).await.unwrap();
     std::fs::remove_file(daemon.configs.join("test.json")).unwrap();
     api.reload().await.unwrap();
     assert_eq!(runc_list(&daemon.socket_root), Vec::<Value>::new());
     assert_eq!(mounts_under(dir.path()), Vec::<PathBuf>::new());
+}
+
+/// Live processes whose command line has `dir` as an argument (the test plugin's
+/// `--work-dir`), zombies excluded.
+fn plugin_processes(dir: &Path) -> Vec<u32> {
+    let wanted = dir.as_os_str().as_encoded_bytes().to_vec();
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        if cmdline
+            .split(|b| *b == 0)
+            .any(|arg| arg == wanted.as_slice())
+            && !is_zombie(pid)
+        {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+#[tokio::test]
+async fn a_daemon_killed_while_starting_a_container_leaves_exactly_one_after_restart() {
+    csi_agent::mounts::require_private_mount_namespace();
+    for point in [
+        csi_agent::runtime::oci::FP_AFTER_CREATE,
+        csi_agent::runtime::oci::FP_AFTER_START,
+    ] {
+        let dir = tempfile::Builder::new()
+            .prefix("csi-oci-fp-")
+            .tempdir_in("/tmp")
+            .unwrap();
+        let plugin_dir = dir.path().join("plugin");
+        std::fs::create_dir_all(&plugin_dir).unwrap();
+        let mut daemon = Daemon::new(dir.path(), &[]);
+        daemon.add_config(
+            "test.json",
+            &oci_config(&plugin_dir, json!({"kind": "oci"})),
+        );
+        daemon.env.push((
+            csi_agent::failpoint::ENV_VAR.to_owned(),
+            format!("{point}=exit"),
+        ));
+        daemon.start();
+        let failed = daemon.api().publish(&publish("vol1", "w1")).await;
+        assert!(failed.is_err(), "{point}: the publish succeeded");
+        daemon.wait_exit();
+        // The container is left behind, created or running, with no record of it.
+        let left = runc_list(&daemon.socket_root);
+        assert_eq!(left.len(), 1, "{point}: {left:?}");
+
+        daemon.env.clear();
+        daemon.start();
+        let api = daemon.api();
+        let published = api.publish(&publish("vol1", "w1")).await.unwrap();
+        assert!(is_mounted(Path::new(&published.target_path)), "{point}");
+        let info = wait_plugin(&daemon, "the plugin ready", Duration::from_secs(20), |i| {
+            ready_pid(i).is_some()
+        })
+        .await;
+        let pid = ready_pid(&info).unwrap();
+        let listed = runc_list(&daemon.socket_root);
+        assert_eq!(listed.len(), 1, "{point}: {listed:?}");
+        assert_eq!(listed[0]["status"], "running", "{point}");
+        assert_eq!(listed[0]["pid"], pid, "{point}");
+        assert_eq!(plugin_processes(&plugin_dir), vec![pid], "{point}");
+
+        api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+        std::fs::remove_file(daemon.configs.join("test.json")).unwrap();
+        api.reload().await.unwrap();
+        assert_eq!(
+            runc_list(&daemon.socket_root),
+            Vec::<Value>::new(),
+            "{point}"
+        );
+        assert_eq!(mounts_under(dir.path()), Vec::<PathBuf>::new(), "{point}");
+        assert_eq!(
+            cgroups_of(&daemon.socket_root),
+            Vec::<PathBuf>::new(),
+            "{point}"
+        );
+    }
 }

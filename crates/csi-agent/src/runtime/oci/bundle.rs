@@ -8,12 +8,12 @@ use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
 use oci_spec::runtime::{
-    Capability, LinuxBuilder, LinuxCapabilitiesBuilder, LinuxDeviceCgroupBuilder,
-    LinuxNamespaceBuilder, LinuxNamespaceType, LinuxResourcesBuilder, Mount, MountBuilder,
-    ProcessBuilder, RootBuilder, Spec, SpecBuilder, UserBuilder,
+    Capability, LinuxBuilder, LinuxCapabilitiesBuilder, LinuxCpuBuilder, LinuxDeviceCgroupBuilder,
+    LinuxMemoryBuilder, LinuxNamespaceBuilder, LinuxNamespaceType, LinuxResourcesBuilder, Mount,
+    MountBuilder, ProcessBuilder, RootBuilder, Spec, SpecBuilder, UserBuilder,
 };
 
-use super::{ALL_CAPABILITIES, DEFAULT_CAPABILITIES, VolumeBind};
+use super::{ALL_CAPABILITIES, CPU_PERIOD_US, DEFAULT_CAPABILITIES, Limits, VolumeBind};
 use crate::config::OciConfig;
 
 /// The bundle's files, inside `containers/<id>/bundle/`.
@@ -60,6 +60,8 @@ pub struct BundleInput<'a> {
     /// The capabilities csi-agent holds (see [`super::own_capabilities`]); the defaults are
     /// cut down to them. `None`: unknown, the defaults are used whole.
     pub available_capabilities: Option<&'a [&'static str]>,
+    /// `cpus` and `mem` from the component's `resources`.
+    pub limits: Limits,
 }
 
 fn mount(
@@ -277,18 +279,37 @@ pub fn spec(input: &BundleInput<'_>) -> Result<Spec, BundleError> {
         // is in the host's peer group; the `/` bind above is `rslave` so nothing else
         // propagates out.
         .rootfs_propagation("shared");
+    let mut resources = LinuxResourcesBuilder::default();
     if privileged {
-        linux = linux.resources(
-            LinuxResourcesBuilder::default()
-                .devices(vec![
-                    LinuxDeviceCgroupBuilder::default()
-                        .allow(true)
-                        .access("rwm")
-                        .build()?,
-                ])
+        resources = resources.devices(vec![
+            LinuxDeviceCgroupBuilder::default()
+                .allow(true)
+                .access("rwm")
+                .build()?,
+        ]);
+    }
+    // Mesos semantics: `cpus` is both a share (1024 per CPU, as Mesos's cpu.shares) and a
+    // hard quota of that many CPUs; `mem` (MB) a hard limit.
+    if let Some(cpus) = input.limits.cpus {
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let shares = ((cpus * 1024.0).round() as u64).max(2);
+        #[allow(clippy::cast_possible_truncation)]
+        let quota = (cpus * CPU_PERIOD_US as f64).round() as i64;
+        resources = resources.cpu(
+            LinuxCpuBuilder::default()
+                .shares(shares)
+                .quota(quota)
+                .period(CPU_PERIOD_US)
                 .build()?,
         );
-    } else {
+    }
+    if let Some(mem_mb) = input.limits.mem_mb {
+        #[allow(clippy::cast_possible_truncation)]
+        let bytes = (mem_mb * 1024.0 * 1024.0).round() as i64;
+        resources = resources.memory(LinuxMemoryBuilder::default().limit(bytes).build()?);
+    }
+    linux = linux.resources(resources.build()?);
+    if !privileged {
         linux = linux
             .masked_paths(oci_spec::runtime::get_default_maskedpaths())
             .readonly_paths(oci_spec::runtime::get_default_readonly_paths());
@@ -334,6 +355,10 @@ mod tests {
             volumes: &[],
             cgroups_path: "/csi-agent/x".to_owned(),
             available_capabilities: Some(&["CAP_SYS_ADMIN", "CAP_CHOWN"]),
+            limits: Limits {
+                cpus: Some(0.5),
+                mem_mb: Some(64.0),
+            },
         }
     }
 

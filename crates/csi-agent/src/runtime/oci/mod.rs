@@ -59,6 +59,10 @@ pub const DEFAULT_OCI_RUNTIME: &str = "runc";
 pub const BUNDLE_DIR: &str = "bundle";
 /// The state root's name inside the socket root.
 pub const STATE_ROOT_DIR: &str = "runc";
+/// Failpoints of a launch: after `runc create` (a created, never started container) and
+/// after `runc start` (running, but no component record yet).
+pub const FP_AFTER_CREATE: &str = "oci.launch.after_create";
+pub const FP_AFTER_START: &str = "oci.launch.after_start";
 
 /// Every capability oci-spec and runc know, by number (capabilities(7)): what a privileged
 /// component gets, less what csi-agent itself does not hold.
@@ -257,6 +261,80 @@ pub fn volumes(container: &Value) -> Result<Vec<VolumeBind>, (String, String)> {
     Ok(binds)
 }
 
+/// The cgroup limits of a component, from Mesos `resources` (`cpus`, `mem` in MB).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Limits {
+    pub cpus: Option<f64>,
+    pub mem_mb: Option<f64>,
+}
+
+/// The smallest memory limit a container starts with (runc, its init and a small plugin).
+pub const MIN_MEM_MB: f64 = 8.0;
+/// The smallest CPU share: a CFS quota of 1 ms per 100 ms period.
+pub const MIN_CPUS: f64 = 0.01;
+/// The CFS period the CPU quota is a share of.
+pub const CPU_PERIOD_US: u64 = 100_000;
+
+/// Parses the `cpus` and `mem` of Mesos `resources` (`[{name, type: SCALAR, scalar:
+/// {value}}]`); other resources (`disk`, `ports`, ...) have no cgroup limit and are ignored.
+/// An error is `(field relative to the component, message)`.
+pub fn limits(resources: &[Value]) -> Result<Limits, (String, String)> {
+    let mut limits = Limits::default();
+    for (index, resource) in resources.iter().enumerate() {
+        let field = format!("resources[{index}]");
+        let Some(name) = resource.get("name").and_then(Value::as_str) else {
+            return Err((
+                format!("{field}.name"),
+                "is required (\"cpus\" or \"mem\")".to_owned(),
+            ));
+        };
+        if !matches!(name, "cpus" | "mem") {
+            continue;
+        }
+        let value = resource
+            .get("scalar")
+            .and_then(|s| s.get("value"))
+            .and_then(Value::as_f64)
+            .filter(|v| v.is_finite() && *v > 0.0)
+            .ok_or_else(|| {
+                (
+                    format!("{field}.scalar.value"),
+                    format!("{name} needs a positive number"),
+                )
+            })?;
+        match name {
+            "cpus" if value < MIN_CPUS => {
+                return Err((
+                    format!("{field}.scalar.value"),
+                    format!("cpus {value} is below the smallest CPU limit, {MIN_CPUS}"),
+                ));
+            }
+            "cpus" => limits.cpus = Some(value),
+            _ if value < MIN_MEM_MB => {
+                return Err((
+                    format!("{field}.scalar.value"),
+                    format!(
+                        "mem {value} MB is below the {MIN_MEM_MB} MB a container needs to start"
+                    ),
+                ));
+            }
+            _ => limits.mem_mb = Some(value),
+        }
+    }
+    Ok(limits)
+}
+
+/// Whether this host's cgroups can enforce a controller (`cpu`, `memory`): a v1 hierarchy
+/// of that name, or the controller listed in the v2 root's `cgroup.controllers`.
+pub fn cgroup_controller_available(controller: &str) -> bool {
+    let root = Path::new("/sys/fs/cgroup");
+    if root.join(controller).is_dir() {
+        return true;
+    }
+    std::fs::read_to_string(root.join("cgroup.controllers"))
+        .is_ok_and(|list| list.split_whitespace().any(|c| c == controller))
+}
+
 /// Errors of the oci runtime, each naming what to fix.
 #[derive(Debug, thiserror::Error)]
 pub enum OciError {
@@ -280,6 +358,10 @@ pub enum OciError {
     Capability { name: String },
     #[error("the container's bundle: {0}")]
     Bundle(#[from] bundle::BundleError),
+    #[error(transparent)]
+    Failpoint(#[from] crate::failpoint::FailpointError),
+    #[error("{0}")]
+    Resources(String),
     #[error("{what} {}: {source}", path.display())]
     Io {
         what: &'static str,
@@ -453,6 +535,19 @@ impl OciRuntime {
                 .map_err(|(field, message)| OciError::Volumes(format!("{field}: {message}")))?,
             None => Vec::new(),
         };
+        let limits = limits(&spec.resources)
+            .map_err(|(field, message)| OciError::Resources(format!("{field}: {message}")))?;
+        for (wanted, controller) in [
+            (limits.cpus.is_some(), "cpu"),
+            (limits.mem_mb.is_some(), "memory"),
+        ] {
+            if wanted && !cgroup_controller_available(controller) {
+                // A limit the host cannot enforce is an error, not silently dropped.
+                return Err(OciError::Resources(format!(
+                    "resources: this host has no {controller} cgroup controller to enforce the limit; remove it or enable the controller"
+                )));
+            }
+        }
         for volume in &volumes {
             if !volume.host_path.exists() {
                 return Err(OciError::HostPathMissing {
@@ -514,6 +609,7 @@ impl OciRuntime {
             volumes: &volumes,
             cgroups_path: cgroups_path(self.runc.root(), &id),
             available_capabilities: own.as_deref(),
+            limits,
         };
         let oci_spec = bundle::spec(&input)?;
         std::fs::create_dir_all(bundle_dir.join(bundle::ROOTFS_DIR))
@@ -537,6 +633,10 @@ impl OciRuntime {
             self.discard(&id, &bundle_dir).await;
             return Err(err.into());
         }
+        if let Err(err) = crate::failpoint::hit(FP_AFTER_CREATE) {
+            self.discard(&id, &bundle_dir).await;
+            return Err(err.into());
+        }
         let watched = self.watch_init(&id, &pid_file);
         let component = match watched {
             Ok(component) => component,
@@ -546,6 +646,10 @@ impl OciRuntime {
             }
         };
         if let Err(err) = self.runc.start(&id).await {
+            self.discard(&id, &bundle_dir).await;
+            return Err(err.into());
+        }
+        if let Err(err) = crate::failpoint::hit(FP_AFTER_START) {
             self.discard(&id, &bundle_dir).await;
             return Err(err.into());
         }
@@ -655,6 +759,22 @@ impl OciRuntime {
         remove_bundle(bundle_dir);
         Ok(None)
     }
+}
+
+/// Deletes the container of a component that has no component record (a crash between
+/// `runc create` and the record's write, DESIGN §6), so that it neither runs unsupervised
+/// nor blocks the next launch. Costs nothing when runc knows no such container (its state
+/// dir is looked for first), so it is safe to call for components of any runtime.
+pub async fn forget_stray(options: &OciOptions, component_id: &str, container_dir: &Path) {
+    let id = container_id(component_id);
+    let bundle_dir = container_dir.join(BUNDLE_DIR);
+    if !options.state_root.join(&id).exists() {
+        remove_bundle(&bundle_dir);
+        return;
+    }
+    let runtime = OciRuntime::new(options);
+    tracing::info!(container = %id, "deleting a container that no component record accounts for");
+    runtime.discard(&id, &bundle_dir).await;
 }
 
 /// A cgroup path of its own per state root: two csi-agents (or test daemons) with the same
