@@ -403,6 +403,11 @@ impl ServiceManager {
         for index in resume {
             manager.supervise(index);
         }
+        if manager.inner.config.is_managed() {
+            let inner = Arc::clone(&manager.inner);
+            let task = tokio::spawn(async move { inner.rotate_logs_until_stopped().await });
+            lock(&manager.tasks).push(task);
+        }
         Ok(manager)
     }
 
@@ -891,6 +896,36 @@ impl Inner {
         self.set_state(slot, ComponentState::Stopped);
     }
 
+    /// Keeps the components' stdout and stderr size-capped (see [`crate::logs`]) until the
+    /// manager stops.
+    async fn rotate_logs_until_stopped(&self) {
+        let mut ticks = tokio::time::interval(crate::logs::CHECK_INTERVAL);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = ticks.tick() => {}
+                () = self.stopped() => return,
+            }
+            let dirs: Vec<PathBuf> = self
+                .slots
+                .iter()
+                .filter(|slot| matches!(slot.kind, SlotKind::Managed { .. }))
+                .map(|slot| self.containers_dir().join(&slot.id))
+                .collect();
+            // Blocking file copies: off the async workers.
+            let _ = tokio::task::spawn_blocking(move || {
+                for dir in dirs {
+                    crate::logs::rotate_dir(
+                        &dir,
+                        crate::logs::DEFAULT_MAX_BYTES,
+                        crate::logs::DEFAULT_GENERATIONS,
+                    );
+                }
+            })
+            .await;
+        }
+    }
+
     /// Prepares the dirs, removes a stale socket, launches and records the component.
     async fn launch(
         &self,
@@ -900,6 +935,12 @@ impl Inner {
     ) -> Result<(Box<dyn Component>, PathBuf), String> {
         std::fs::create_dir_all(container_dir)
             .map_err(|err| format!("cannot create {}: {err}", container_dir.display()))?;
+        // A component crashing in a loop writes a lot: the cap holds across relaunches too.
+        crate::logs::rotate_dir(
+            container_dir,
+            crate::logs::DEFAULT_MAX_BYTES,
+            crate::logs::DEFAULT_GENERATIONS,
+        );
         let socket_dir = ensure_socket_dir(container_dir, &self.options.socket_root)
             .map_err(|err| format!("cannot prepare the socket dir: {err}"))?;
         let socket = socket_dir.join(SOCKET_FILE);
@@ -1284,6 +1325,8 @@ fn remove_container_dir(container_dir: &Path) -> Result<(), (PathBuf, io::Error)
             let name = name.to_string_lossy();
             let ours = name == "stdout"
                 || name == "stderr"
+                || name.starts_with("stdout.")
+                || name.starts_with("stderr.")
                 || name.starts_with(&format!("{COMPONENT_RECORD}."))
                 || name.starts_with(&format!("{ENDPOINT_LINK}."));
             if ours && entry.file_type().is_ok_and(|t| !t.is_dir()) {
