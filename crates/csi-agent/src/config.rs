@@ -947,9 +947,11 @@ impl Parser<'_> {
                         ));
                     }
                     if matches!(runtime, RuntimeConfig::Oci(_)) {
-                        crate::runtime::oci::volumes(value).map_err(|(field, message)| {
+                        let invalid = |(field, message): (String, String)| {
                             self.invalid(join(&join(&prefix, "container"), &field), message)
-                        })?;
+                        };
+                        crate::runtime::oci::volumes(value).map_err(invalid)?;
+                        crate::runtime::oci::linux_info_capabilities(value).map_err(invalid)?;
                     }
                     Some(value.clone())
                 }

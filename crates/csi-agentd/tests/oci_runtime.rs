@@ -437,10 +437,13 @@ async fn a_container_stopped_while_the_daemon_was_down_is_replaced_and_a_changed
     assert_eq!(listed[0]["status"], "running");
     assert_eq!(listed[0]["pid"], second);
 
-    // A changed config (here: the environment) replaces the container.
+    // A changed config (here: the environment, and Mesos `linux_info` capabilities)
+    // replaces the container.
     let mut changed = oci_config(&plugin_dir, json!({"kind": "oci"}));
     changed["containers"][0]["command"]["environment"] =
         json!({"variables": [{"name": "CHANGED", "value": "1"}]});
+    changed["containers"][0]["container"]["linux_info"] =
+        json!({"effective_capabilities": {"capabilities": ["SYS_ADMIN", "DAC_OVERRIDE"]}});
     daemon.add_config("test.json", &changed);
     let report = api.reload().await.unwrap();
     assert_eq!(report.changed, vec![PLUGIN.to_owned()], "{report:?}");
@@ -457,6 +460,13 @@ async fn a_container_stopped_while_the_daemon_was_down_is_replaced_and_a_changed
         environ.split(|b| *b == 0).any(|v| v == b"CHANGED=1"),
         "the new container lacks the new environment"
     );
+    // CAP_DAC_OVERRIDE is bit 1, CAP_SYS_ADMIN bit 21: exactly those.
+    let status = std::fs::read_to_string(format!("/proc/{third}/status")).unwrap();
+    let effective = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .map(|hex| u64::from_str_radix(hex.trim(), 16).unwrap());
+    assert_eq!(effective, Some((1 << 1) | (1 << 21)), "{status}");
     assert!(
         !Path::new(&format!("/proc/{second}")).exists() || is_zombie(second),
         "the outdated container still runs"

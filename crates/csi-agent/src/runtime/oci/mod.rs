@@ -261,6 +261,36 @@ pub fn volumes(container: &Value) -> Result<Vec<VolumeBind>, (String, String)> {
     Ok(binds)
 }
 
+/// The capabilities Mesos `ContainerInfo.linux_info` asks for: `effective_capabilities`
+/// (or the older `capability_info`) `.capabilities`, Mesos enum names such as `SYS_ADMIN`.
+/// `None` when it asks for none. An error is `(field relative to the container, message)`.
+pub fn linux_info_capabilities(container: &Value) -> Result<Option<Vec<String>>, (String, String)> {
+    let Some(linux) = container.get("linux_info") else {
+        return Ok(None);
+    };
+    for key in ["effective_capabilities", "capability_info"] {
+        let Some(names) = linux.get(key).and_then(|c| c.get("capabilities")) else {
+            continue;
+        };
+        let field = format!("linux_info.{key}.capabilities");
+        let Some(names) = names.as_array() else {
+            return Err((field, "must be a list".to_owned()));
+        };
+        let mut canonical = Vec::new();
+        for (index, name) in names.iter().enumerate() {
+            let Some(found) = name.as_str().and_then(canonical_capability) else {
+                return Err((
+                    format!("{field}[{index}]"),
+                    format!("{name} is not a Linux capability; use a name like \"SYS_ADMIN\""),
+                ));
+            };
+            canonical.push(found);
+        }
+        return Ok(Some(canonical));
+    }
+    Ok(None)
+}
+
 /// The cgroup limits of a component, from Mesos `resources` (`cpus`, `mem` in MB).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Limits {
@@ -587,6 +617,15 @@ impl OciRuntime {
             .collect();
         env.reverse();
 
+        // `runtime.capabilities` wins; else what Mesos `linux_info` asks for.
+        let mut effective = settings.clone();
+        if effective.capabilities.is_none()
+            && let Some(container) = &spec.container
+        {
+            effective.capabilities = linux_info_capabilities(container)
+                .map_err(|(field, message)| OciError::Volumes(format!("{field}: {message}")))?;
+        }
+        let settings = &effective;
         let privileged = settings
             .privileged
             .unwrap_or_else(|| spec.container_id.contains(Service::Node.as_str()));
@@ -974,6 +1013,32 @@ mod tests {
         for name in ALL_CAPABILITIES.iter().chain(DEFAULT_CAPABILITIES) {
             assert_eq!(canonical_capability(name).as_deref(), Some(*name));
         }
+    }
+
+    #[test]
+    fn mesos_linux_info_capabilities_are_read_and_checked() {
+        let container = serde_json::json!({"linux_info": {"effective_capabilities":
+            {"capabilities": ["SYS_ADMIN", "MKNOD"]}}});
+        assert_eq!(
+            linux_info_capabilities(&container),
+            Ok(Some(vec![
+                "CAP_SYS_ADMIN".to_owned(),
+                "CAP_MKNOD".to_owned()
+            ]))
+        );
+        let older =
+            serde_json::json!({"linux_info": {"capability_info": {"capabilities": ["CHOWN"]}}});
+        assert_eq!(
+            linux_info_capabilities(&older),
+            Ok(Some(vec!["CAP_CHOWN".to_owned()]))
+        );
+        assert_eq!(linux_info_capabilities(&serde_json::json!({})), Ok(None));
+        let bad = serde_json::json!({"linux_info": {"effective_capabilities":
+            {"capabilities": ["SYS_ADMIN", "TEA"]}}});
+        assert_eq!(
+            linux_info_capabilities(&bad).map_err(|(field, _)| field),
+            Err("linux_info.effective_capabilities.capabilities[1]".to_owned())
+        );
     }
 
     #[test]
