@@ -301,17 +301,21 @@ pub struct VolumeQuery {
     pub page_token: Option<String>,
 }
 
-/// One component (process) of a managed plugin.
+/// One component (process or container) of a managed plugin.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ComponentInfo {
     pub id: String,
     pub services: Vec<String>,
     pub ready: bool,
+    /// The process (a container's init, in the host's PID namespace).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pid: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub endpoint: Option<String>,
     pub restarts: u64,
+    /// Why the last launch or run failed, while the component is restarting.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 /// A plugin (`GET /v1/plugins`, `GET /v1/plugins/{type}`).

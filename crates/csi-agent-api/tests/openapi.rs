@@ -85,6 +85,7 @@ fn component(full: bool) -> ComponentInfo {
         pid: full.then_some(42),
         endpoint: full.then(|| "unix:///run/x.sock".to_owned()),
         restarts: 0,
+        error: full.then(|| "launch failed".to_owned()),
     }
 }
 

@@ -468,6 +468,41 @@ pub fn supervision_table(r: &SupervisionReport) -> String {
         "- First launch through the service manager (request → ready): {:.1} ms.\n",
         r.first_launch_ms
     );
+    match &r.oci {
+        Some(oci) => {
+            let _ = writeln!(
+                out,
+                "| runtime | kill -9 → ready again, mean (ms) | p50 | max | first launch (ms) |"
+            );
+            let _ = writeln!(out, "|---|---:|---:|---:|---:|");
+            let _ = writeln!(
+                out,
+                "| process | {:.2} | {:.2} | {:.2} | {:.1} |",
+                r.kill_to_ready.mean_ms,
+                r.kill_to_ready.p50_ms,
+                r.kill_to_ready.max_ms,
+                r.first_launch_ms
+            );
+            let _ = writeln!(
+                out,
+                "| oci (runc) | {:.2} | {:.2} | {:.2} | {:.1} |",
+                oci.kill_to_ready.mean_ms,
+                oci.kill_to_ready.p50_ms,
+                oci.kill_to_ready.max_ms,
+                oci.first_launch_ms
+            );
+            let _ = writeln!(
+                out,
+                "\n- A container adds {:.1} ms (mean) to a plugin's start → ready: target ≤ {} ms, {}.\n",
+                oci.overhead_mean_ms,
+                crate::supervision::MAX_CONTAINER_OVERHEAD_MS,
+                pass(oci.pass)
+            );
+        }
+        None => {
+            let _ = writeln!(out, "- oci runtime not measured: runc is not installed.\n");
+        }
+    }
     out
 }
 

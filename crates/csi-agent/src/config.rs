@@ -36,7 +36,7 @@
 //!
 //! | field | default | meaning |
 //! |---|---|---|
-//! | `runtime` | `{"kind": "process"}` | how managed components run; other kinds put their settings in the same object; an unknown kind is an error |
+//! | `runtime` | `{"kind": "process"}` | how managed components run; other kinds put their settings in the same object (`oci`: see [`OciConfig`]); an unknown kind is an error |
 //! | `startup_timeout_ms` | 30000 | socket appears, connects and answers `Probe` ready within this time, or the launch failed |
 //! | `rpc_deadline_ms` | 10000 | deadline of each CSI call |
 //! | `stop_grace_ms` | 10000 | SIGTERM → SIGKILL grace period when a component is stopped |
@@ -231,14 +231,45 @@ pub enum RuntimeConfig {
     /// A supervised host process (see `crate::runtime`).
     #[default]
     Process,
+    /// A container run by an OCI runtime such as runc (see `crate::runtime::oci`).
+    Oci(OciConfig),
 }
 
 impl RuntimeConfig {
     pub const fn kind(&self) -> &'static str {
         match self {
             RuntimeConfig::Process => "process",
+            RuntimeConfig::Oci(_) => "oci",
         }
     }
+}
+
+/// The settings of `"runtime": {"kind": "oci", ...}`. Every field is optional; `None` means
+/// the default documented on the field. Part of the launch spec's hash: changing one
+/// replaces the container.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct OciConfig {
+    /// The container's root file system (an unpacked image). Default: the host's root,
+    /// bind-mounted, with its own `/proc`, `/dev` and `/tmp`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rootfs: Option<PathBuf>,
+    /// All capabilities, the host's devices, no masked paths. Default: true for a component
+    /// serving NODE_SERVICE (node plugins mount), false otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub privileged: Option<bool>,
+    /// The capabilities the plugin gets (`CAP_SYS_ADMIN` or `SYS_ADMIN`), narrowing
+    /// `privileged`. Default: all when privileged, runc's default set otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capabilities: Option<Vec<String>>,
+    /// Mount the root file system read-only. Default: true.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub readonly_rootfs: Option<bool>,
+    /// Share the host's network namespace. Default: true (a fresh one has only loopback).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_network: Option<bool>,
+    /// Share the host's PID namespace. Default: false.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_pid: Option<bool>,
 }
 
 /// Restart delays of a crashing component: the first restart after a healthy run is
@@ -756,19 +787,85 @@ impl Parser<'_> {
 
     fn runtime(&self, value: &Value) -> Result<RuntimeConfig, ConfigError> {
         let obj = self.object(value, "runtime")?;
-        let kind = self
-            .string(obj, "runtime", "kind")?
-            .ok_or_else(|| self.invalid("runtime.kind", "is required (supported: \"process\")"))?;
+        let kind = self.string(obj, "runtime", "kind")?.ok_or_else(|| {
+            self.invalid(
+                "runtime.kind",
+                "is required (supported: \"process\", \"oci\")",
+            )
+        })?;
         match kind {
             "process" => {
                 self.check_keys(obj, "runtime", &["kind"])?;
                 Ok(RuntimeConfig::Process)
             }
+            "oci" => self.oci(obj).map(RuntimeConfig::Oci),
             other => Err(self.invalid(
                 "runtime.kind",
-                format!("\"{other}\" is not a runtime this build supports; use \"process\""),
+                format!(
+                    "\"{other}\" is not a runtime this build supports; use \"process\" or \"oci\""
+                ),
             )),
         }
+    }
+
+    fn oci(&self, obj: &Obj) -> Result<OciConfig, ConfigError> {
+        let prefix = "runtime";
+        self.check_keys(
+            obj,
+            prefix,
+            &[
+                "kind",
+                "rootfs",
+                "privileged",
+                "capabilities",
+                "readonly_rootfs",
+                "host_network",
+                "host_pid",
+            ],
+        )?;
+        let rootfs = match self.string(obj, prefix, "rootfs")? {
+            None => None,
+            Some(root) if root.starts_with('/') => Some(PathBuf::from(root)),
+            Some(root) => {
+                return Err(self.invalid(
+                    "runtime.rootfs",
+                    format!("\"{root}\" must be an absolute path"),
+                ));
+            }
+        };
+        let capabilities = match self.array(obj, prefix, "capabilities")? {
+            None => None,
+            Some(items) => {
+                let mut names = Vec::new();
+                for (index, item) in items.iter().enumerate() {
+                    let field = format!("runtime.capabilities[{index}]");
+                    let Some(name) = item.as_str() else {
+                        return Err(
+                            self.invalid(field, format!("must be a string, not {}", kind(item)))
+                        );
+                    };
+                    let canonical = crate::runtime::oci::canonical_capability(name)
+                        .ok_or_else(|| {
+                            self.invalid(
+                                field,
+                                format!(
+                                    "\"{name}\" is not a Linux capability; use a name like \"CAP_SYS_ADMIN\" (see capabilities(7))"
+                                ),
+                            )
+                        })?;
+                    names.push(canonical);
+                }
+                Some(names)
+            }
+        };
+        Ok(OciConfig {
+            rootfs,
+            privileged: self.boolean(obj, prefix, "privileged")?,
+            capabilities,
+            readonly_rootfs: self.boolean(obj, prefix, "readonly_rootfs")?,
+            host_network: self.boolean(obj, prefix, "host_network")?,
+            host_pid: self.boolean(obj, prefix, "host_pid")?,
+        })
     }
 
     fn backoff(&self, value: &Value) -> Result<RestartBackoff, ConfigError> {
@@ -830,6 +927,10 @@ impl Parser<'_> {
                 .array(obj, &prefix, "resources")?
                 .map(<[Value]>::to_vec)
                 .unwrap_or_default();
+            if matches!(runtime, RuntimeConfig::Oci(_)) {
+                crate::runtime::oci::limits(&resources)
+                    .map_err(|(field, message)| self.invalid(join(&prefix, &field), message))?;
+            }
             let container = match obj.get("container") {
                 None | Some(Value::Null) => None,
                 Some(value) => {
@@ -844,6 +945,13 @@ impl Parser<'_> {
                             join(&prefix, "container"),
                             "names an image, but runtime \"process\" runs host processes; remove the image or choose a runtime that runs images",
                         ));
+                    }
+                    if matches!(runtime, RuntimeConfig::Oci(_)) {
+                        let invalid = |(field, message): (String, String)| {
+                            self.invalid(join(&join(&prefix, "container"), &field), message)
+                        };
+                        crate::runtime::oci::volumes(value).map_err(invalid)?;
+                        crate::runtime::oci::linux_info_capabilities(value).map_err(invalid)?;
                     }
                     Some(value.clone())
                 }
@@ -1172,6 +1280,60 @@ mod tests {
         }
         let long = format!("/{}", "a".repeat(120));
         assert!(parse_endpoint(&long).is_err_and(|e| e.contains("at most 107")));
+    }
+
+    #[test]
+    fn oci_runtime_settings_parse_and_bad_ones_name_their_field() -> anyhow::Result<()> {
+        let config = parse(
+            r#"{"type": "t", "runtime": {"kind": "oci", "rootfs": "/img", "privileged": false,
+                "capabilities": ["sys_admin", "CAP_MKNOD"], "readonly_rootfs": false,
+                "host_network": false, "host_pid": true},
+                "containers": [{"services": ["NODE_SERVICE"], "command": {"value": "/p"},
+                  "container": {"volumes": [{"container_path": "/s", "host_path": "/h"}]}}]}"#,
+        )?;
+        assert_eq!(
+            config.runtime,
+            RuntimeConfig::Oci(OciConfig {
+                rootfs: Some(PathBuf::from("/img")),
+                privileged: Some(false),
+                capabilities: Some(vec!["CAP_SYS_ADMIN".into(), "CAP_MKNOD".into()]),
+                readonly_rootfs: Some(false),
+                host_network: Some(false),
+                host_pid: Some(true),
+            })
+        );
+        let field = |text: &str| match parse(text) {
+            Err(ConfigError::Invalid { field, .. }) => field,
+            other => panic!("expected an invalid field, got {other:?}"),
+        };
+        let component =
+            r#""containers": [{"services": ["NODE_SERVICE"], "command": {"value": "/p"}}]"#;
+        assert_eq!(
+            field(&format!(
+                r#"{{"type": "t", "runtime": {{"kind": "oci", "rootfs": "img"}}, {component}}}"#
+            )),
+            "runtime.rootfs"
+        );
+        assert_eq!(
+            field(&format!(
+                r#"{{"type": "t", "runtime": {{"kind": "oci", "capabilities": ["CAP_NOPE"]}}, {component}}}"#
+            )),
+            "runtime.capabilities[0]"
+        );
+        assert_eq!(
+            field(&format!(
+                r#"{{"type": "t", "runtime": {{"kind": "oci", "rootfss": "/x"}}, {component}}}"#
+            )),
+            "runtime.rootfss"
+        );
+        assert_eq!(
+            field(
+                r#"{"type": "t", "runtime": {"kind": "oci"}, "containers": [{"services": ["NODE_SERVICE"],
+                    "command": {"value": "/p"}, "container": {"volumes": [{"container_path": "/s"}]}}]}"#
+            ),
+            "containers[0].container.volumes[0].host_path"
+        );
+        Ok(())
     }
 
     #[test]

@@ -14,6 +14,7 @@ pub mod config;
 pub mod endpoints;
 pub mod failpoint;
 pub mod layout;
+pub mod logs;
 pub mod metrics;
 pub mod mounts;
 pub mod runtime;

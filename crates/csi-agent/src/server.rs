@@ -42,6 +42,8 @@ pub struct ServerOptions {
     /// Dirs beneath which a publish's `bind_to` may go (`--bind-root`), absolute and
     /// canonical; empty: `bind_to` is refused.
     pub bind_roots: Vec<PathBuf>,
+    /// The OCI runtime binary of the `oci` runtime (`runc`, or a path).
+    pub oci_runtime: PathBuf,
 }
 
 /// Errors of engine operations.
@@ -299,6 +301,7 @@ impl CsiServer {
                 &plugin_type,
                 &plugin_name,
                 std::time::Duration::from_secs(10),
+                &self.manager_options().runtime_options(),
             )
             .await
             {
@@ -432,6 +435,7 @@ impl CsiServer {
             node_id: self.inner.options.node_id.clone(),
             socket_root: self.inner.options.socket_root.clone(),
             metrics: self.inner.metrics.clone(),
+            oci_runtime: self.inner.options.oci_runtime.clone(),
         }
     }
 

@@ -59,7 +59,9 @@ use crate::client::{ClientOptions, CsiClient, CsiVersion, RpcError};
 use crate::config::{Deployment, PluginConfig, Service};
 use crate::layout::Layout;
 use crate::metrics::{ComponentLabels, Metrics, PluginLabels, RpcLabels};
-use crate::runtime::{self, Component, LaunchContext, LaunchSpec, Runtime, RuntimeHandle};
+use crate::runtime::{
+    self, Component, LaunchContext, LaunchSpec, Runtime, RuntimeHandle, RuntimeOptions,
+};
 
 /// Prefix of every component id (Mesos uses `org-apache-mesos-csi-`).
 pub const CONTAINER_ID_PREFIX: &str = "csi-agent-";
@@ -103,6 +105,16 @@ pub struct ManagerOptions {
     /// Where short socket dirs are created (see [`default_socket_root`]).
     pub socket_root: PathBuf,
     pub metrics: Arc<Metrics>,
+    /// The OCI runtime binary of the `oci` runtime (`--oci-runtime`; default `runc`).
+    pub oci_runtime: PathBuf,
+}
+
+impl ManagerOptions {
+    /// The runtimes' daemon-wide settings: the OCI runtime, its state under
+    /// `<socket_root>/runc`.
+    pub fn runtime_options(&self) -> RuntimeOptions {
+        RuntimeOptions::new(&self.oci_runtime, &self.socket_root)
+    }
 }
 
 /// A ready endpoint: a connected client whose `Probe` said ready.
@@ -124,6 +136,8 @@ pub struct ReadyEndpoint {
 
 /// The state of one component, as published to waiters.
 #[derive(Clone, Debug)]
+// One per component and cloned rarely: boxing the ready endpoint would buy nothing.
+#[allow(clippy::large_enum_variant)]
 pub enum ComponentState {
     /// Not launched yet (launch is lazy), or not watched yet (unmanaged).
     Idle,
@@ -265,6 +279,8 @@ struct ComponentRecord {
 }
 
 #[derive(Debug)]
+// One per component, never moved after the manager is built.
+#[allow(clippy::large_enum_variant)]
 enum SlotKind {
     Managed { spec: LaunchSpec, spec_hash: String },
     Unmanaged { socket: PathBuf },
@@ -329,7 +345,7 @@ impl ServiceManager {
     /// one manager may supervise a plugin at a time: to reconfigure a plugin whose manager is
     /// still referenced, use [`ServiceManager::replace_with`].
     pub async fn new(config: PluginConfig, options: ManagerOptions) -> Result<Self, ManagerError> {
-        let runtime = runtime::for_config(&config.runtime);
+        let runtime = runtime::for_config(&config.runtime, &options.runtime_options());
         Self::with_runtime(config, options, runtime).await
     }
 
@@ -414,6 +430,11 @@ impl ServiceManager {
         // (and restarted if they end) and replaced ones relaunched at once, not on next need.
         for index in resume {
             manager.supervise(index);
+        }
+        if manager.inner.config.is_managed() {
+            let inner = Arc::clone(&manager.inner);
+            let task = tokio::spawn(async move { inner.rotate_logs_until_stopped().await });
+            lock(&manager.tasks).push(task);
         }
         Ok(manager)
     }
@@ -539,6 +560,16 @@ impl ServiceManager {
             slot.state.send_replace(ComponentState::Stopped);
         }
         self.inner.update_ready_gauge();
+        if self.inner.runtime.kind() == "oci" {
+            // No container needs the shared mount root any more.
+            runtime::oci::release_mount_root(
+                &self
+                    .inner
+                    .options
+                    .layout
+                    .mounts_dir(&self.inner.config.plugin_type, &self.inner.config.name),
+            );
+        }
         remove_containers_dir(&self.inner.containers_dir())
             .map_err(|(path, source)| self.inner.io_error(path, source))
     }
@@ -632,6 +663,18 @@ impl Inner {
             .containers_dir(&self.config.plugin_type, &self.config.name)
     }
 
+    /// Where the plugin is handed staging and target paths: its `mounts/` dir and the
+    /// configured `target_path_root`.
+    fn mount_roots(&self) -> Vec<PathBuf> {
+        let mut roots = vec![
+            self.options
+                .layout
+                .mounts_dir(&self.config.plugin_type, &self.config.name),
+        ];
+        roots.extend(self.config.target_path_root.clone());
+        roots
+    }
+
     fn io_error(&self, path: PathBuf, source: io::Error) -> ManagerError {
         ManagerError::Io {
             plugin: self.plugin().to_owned(),
@@ -697,7 +740,7 @@ impl Inner {
                     let runtime = if record.runtime.kind() == self.runtime.kind() {
                         Arc::clone(&self.runtime)
                     } else {
-                        runtime::for_handle(&record.runtime)
+                        runtime::for_handle(&record.runtime, &self.options.runtime_options())
                     };
                     match runtime.adopt(&record.runtime).await {
                         Ok(running) => running,
@@ -729,11 +772,30 @@ impl Inner {
                     clean_runtime_files(&container_dir);
                     resume.extend(index);
                 }
-                (Some(_), None) => clean_runtime_files(&container_dir),
+                (Some(_), None) => {
+                    if record.is_none() {
+                        // A launch interrupted before its record was written may have left
+                        // a container running that nothing accounts for.
+                        runtime::oci::forget_stray(
+                            &self.options.runtime_options().oci,
+                            &id,
+                            &container_dir,
+                        )
+                        .await;
+                    }
+                    clean_runtime_files(&container_dir);
+                }
                 (None, running) => {
                     if let Some(component) = running {
                         tracing::info!(plugin = self.plugin(), component = %id, "no longer configured: stopping it");
                         component.stop(self.config.stop_grace).await;
+                    } else if record.is_none() {
+                        runtime::oci::forget_stray(
+                            &self.options.runtime_options().oci,
+                            &id,
+                            &container_dir,
+                        )
+                        .await;
                     }
                     if let Err((path, err)) = remove_container_dir(&container_dir) {
                         tracing::warn!(plugin = self.plugin(), path = %path.display(), "cannot remove: {err}");
@@ -862,6 +924,36 @@ impl Inner {
         self.set_state(slot, ComponentState::Stopped);
     }
 
+    /// Keeps the components' stdout and stderr size-capped (see [`crate::logs`]) until the
+    /// manager stops.
+    async fn rotate_logs_until_stopped(&self) {
+        let mut ticks = tokio::time::interval(crate::logs::CHECK_INTERVAL);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = ticks.tick() => {}
+                () = self.stopped() => return,
+            }
+            let dirs: Vec<PathBuf> = self
+                .slots
+                .iter()
+                .filter(|slot| matches!(slot.kind, SlotKind::Managed { .. }))
+                .map(|slot| self.containers_dir().join(&slot.id))
+                .collect();
+            // Blocking file copies: off the async workers.
+            let _ = tokio::task::spawn_blocking(move || {
+                for dir in dirs {
+                    crate::logs::rotate_dir(
+                        &dir,
+                        crate::logs::DEFAULT_MAX_BYTES,
+                        crate::logs::DEFAULT_GENERATIONS,
+                    );
+                }
+            })
+            .await;
+        }
+    }
+
     /// Prepares the dirs, removes a stale socket, launches and records the component.
     async fn launch(
         &self,
@@ -871,6 +963,12 @@ impl Inner {
     ) -> Result<(Box<dyn Component>, PathBuf), String> {
         std::fs::create_dir_all(container_dir)
             .map_err(|err| format!("cannot create {}: {err}", container_dir.display()))?;
+        // A component crashing in a loop writes a lot: the cap holds across relaunches too.
+        crate::logs::rotate_dir(
+            container_dir,
+            crate::logs::DEFAULT_MAX_BYTES,
+            crate::logs::DEFAULT_GENERATIONS,
+        );
         let socket_dir = ensure_socket_dir(container_dir, &self.options.socket_root)
             .map_err(|err| format!("cannot prepare the socket dir: {err}"))?;
         let socket = socket_dir.join(SOCKET_FILE);
@@ -880,6 +978,7 @@ impl Inner {
         let context = LaunchContext {
             container_dir: container_dir.to_path_buf(),
             socket: socket.clone(),
+            mount_roots: self.mount_roots(),
         };
         let component = self
             .runtime
@@ -1270,6 +1369,8 @@ fn remove_container_dir(container_dir: &Path) -> Result<(), (PathBuf, io::Error)
             let name = name.to_string_lossy();
             let ours = name == "stdout"
                 || name == "stderr"
+                || name.starts_with("stdout.")
+                || name.starts_with("stderr.")
                 || name.starts_with(&format!("{COMPONENT_RECORD}."))
                 || name.starts_with(&format!("{ENDPOINT_LINK}."));
             if ours && entry.file_type().is_ok_and(|t| !t.is_dir()) {
@@ -1375,6 +1476,7 @@ pub async fn remove_components(
     plugin_type: &str,
     plugin_name: &str,
     grace: Duration,
+    runtimes: &RuntimeOptions,
 ) -> Result<usize, ManagerError> {
     let dir = layout.containers_dir(plugin_type, plugin_name);
     let io_error = |path: PathBuf, source| ManagerError::Io {
@@ -1390,8 +1492,17 @@ pub async fn remove_components(
     let mut stopped = 0;
     for entry in entries.flatten() {
         let container_dir = entry.path();
-        if let Some(record) = read_record(&container_dir) {
-            match runtime::for_handle(&record.runtime)
+        let record = read_record(&container_dir);
+        if record.is_none() {
+            runtime::oci::forget_stray(
+                &runtimes.oci,
+                &entry.file_name().to_string_lossy(),
+                &container_dir,
+            )
+            .await;
+        }
+        if let Some(record) = record {
+            match runtime::for_handle(&record.runtime, runtimes)
                 .adopt(&record.runtime)
                 .await
             {
@@ -1409,6 +1520,8 @@ pub async fn remove_components(
             }
         }
     }
+    // A shared mount root left by the oci runtime (a no-op for other runtimes).
+    runtime::oci::release_mount_root(&layout.mounts_dir(plugin_type, plugin_name));
     remove_containers_dir(&dir).map_err(|(path, err)| io_error(path, err))?;
     Ok(stopped)
 }

@@ -14,7 +14,6 @@ use csi_agent::config::{
 };
 use csi_agent::layout::Layout;
 use csi_agent::metrics::Metrics;
-use csi_agent::runtime::RuntimeHandle;
 use csi_agent::service_manager::{
     ComponentState, ManagerError, ManagerOptions, ReadyEndpoint, ServiceManager, container_id,
     plugins_with_components, remove_components,
@@ -51,6 +50,7 @@ impl Fixture {
             node_id: "node-1".into(),
             socket_root: self.root.join("s"),
             metrics: Arc::clone(&self.metrics),
+            oci_runtime: "runc".into(),
         }
     }
 
@@ -117,7 +117,7 @@ fn managed(plugin_type: &str, command: CommandConfig) -> PluginConfig {
 
 fn pid(endpoint: &ReadyEndpoint) -> anyhow::Result<i32> {
     match &endpoint.handle {
-        Some(RuntimeHandle::Process { pid, .. }) => Ok(*pid),
+        Some(handle) => Ok(handle.pid()),
         None => anyhow::bail!("no runtime handle"),
     }
 }
@@ -389,8 +389,14 @@ async fn supervision_recreated_manager_adopts_then_replaces_outdated_then_remove
         .parent()
         .map(Path::to_path_buf)
         .unwrap_or_default();
-    let stopped =
-        remove_components(&fx.layout(), plugin_type, "default", Duration::from_secs(5)).await?;
+    let stopped = remove_components(
+        &fx.layout(),
+        plugin_type,
+        "default",
+        Duration::from_secs(5),
+        &fx.options().runtime_options(),
+    )
+    .await?;
     assert_eq!(stopped, 1);
     assert!(!alive(node_pid));
     assert!(!fx.layout().containers_dir(plugin_type, "default").exists());

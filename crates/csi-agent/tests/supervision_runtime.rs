@@ -36,13 +36,12 @@ fn context(dir: &Path) -> LaunchContext {
     LaunchContext {
         container_dir: dir.to_path_buf(),
         socket: dir.join("sock/endpoint.sock"),
+        mount_roots: Vec::new(),
     }
 }
 
 fn pid_of(component: &dyn Component) -> i32 {
-    match component.handle() {
-        RuntimeHandle::Process { pid, .. } => pid,
-    }
+    component.handle().pid()
 }
 
 fn proc_exists(pid: i32) -> bool {
@@ -174,7 +173,10 @@ async fn supervision_process_adoption_checks_pid_and_start_time() -> anyhow::Res
         pid,
         start_time,
         boot_id,
-    } = handle.clone();
+    } = handle.clone()
+    else {
+        anyhow::bail!("the process runtime made a {} handle", handle.kind());
+    };
     assert!(start_time > 0);
     assert!(boot_id.is_some());
     // The launching side goes away (as when the daemon restarts); the process stays.

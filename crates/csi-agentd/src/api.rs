@@ -13,7 +13,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use csi_agent::metrics::ComponentLabels;
-use csi_agent::runtime::RuntimeHandle;
 use csi_agent::server::CsiServer;
 use csi_agent::service_manager::ComponentState;
 use csi_agent::volume::{PublishRequest, VolumeSecrets};
@@ -201,11 +200,10 @@ async fn plugin_infos(state: &AppState) -> api::PluginList {
                             ComponentState::Ready(ready) => {
                                 version = Some(ready.version.as_str().to_owned());
                                 (
-                                    ready.handle.as_ref().and_then(|h| match h {
-                                        RuntimeHandle::Process { pid, .. } => {
-                                            u32::try_from(*pid).ok()
-                                        }
-                                    }),
+                                    ready
+                                        .handle
+                                        .as_ref()
+                                        .and_then(|h| u32::try_from(h.pid()).ok()),
                                     Some(ready.socket.to_string_lossy().into_owned()),
                                 )
                             }
@@ -218,10 +216,18 @@ async fn plugin_infos(state: &AppState) -> api::PluginList {
                             pid,
                             endpoint,
                             restarts: component_restarts(state, &config.plugin_type, &s.component),
+                            error: match &s.state {
+                                ComponentState::BackingOff { last_error, .. } => {
+                                    Some(last_error.clone())
+                                }
+                                _ => None,
+                            },
                         }
                     })
                     .collect();
-                let volumes = plugin.volumes.list().await.len();
+                // Counted without waiting: a publish waiting for a restarting plugin must
+                // not make the plugin's status wait too.
+                let volumes = plugin.volumes.count();
                 (components, volumes, version, ready)
             }
         };
@@ -247,6 +253,15 @@ async fn plugin_infos(state: &AppState) -> api::PluginList {
                 }
             }
         };
+        // A component that keeps failing (runc missing, a rootfs that does not exist, ...)
+        // is the plugin's problem too: say so on the plugin, not only on the component.
+        let error = report.error.clone().or_else(|| {
+            components.iter().find_map(|c: &api::ComponentInfo| {
+                c.error
+                    .as_ref()
+                    .map(|error| format!("component {}: {error}", c.id))
+            })
+        });
         plugins.push(api::PluginInfo {
             plugin_type: config.plugin_type.clone(),
             name: config.name.clone(),
@@ -254,7 +269,7 @@ async fn plugin_infos(state: &AppState) -> api::PluginList {
             state: state_name.to_owned(),
             csi_version,
             config_file: report.loaded.file.to_string_lossy().into_owned(),
-            error: report.error.clone(),
+            error,
             components,
             volumes,
         });

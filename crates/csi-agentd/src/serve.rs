@@ -90,6 +90,10 @@ pub struct ServeArgs {
     /// orchestrator's container sandboxes. None: `bind_to` is refused.
     #[arg(long = "bind-root", value_name = "DIR")]
     bind_roots: Vec<PathBuf>,
+    /// The OCI runtime of plugins configured with `"runtime": {"kind": "oci"}`: runc (or
+    /// crun), a path or a name looked up in PATH (default `runc`).
+    #[arg(long)]
+    oci_runtime: Option<PathBuf>,
 }
 
 /// The TOML file: the same settings as the flags.
@@ -112,6 +116,7 @@ struct FileSettings {
     socket_root: Option<PathBuf>,
     #[serde(default)]
     bind_roots: Vec<PathBuf>,
+    oci_runtime: Option<PathBuf>,
 }
 
 /// The effective settings.
@@ -129,6 +134,7 @@ pub struct Settings {
     pub socket_root: PathBuf,
     pub boot_id_file: PathBuf,
     pub bind_roots: Vec<PathBuf>,
+    pub oci_runtime: PathBuf,
 }
 
 pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
@@ -183,6 +189,10 @@ pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
         .collect::<anyhow::Result<Vec<_>>>()?;
     Ok(Settings {
         bind_roots,
+        oci_runtime: args
+            .oci_runtime
+            .or(file.oci_runtime)
+            .unwrap_or_else(|| PathBuf::from(csi_agent::runtime::oci::DEFAULT_OCI_RUNTIME)),
         work_dir,
         plugin_config_dir: args
             .plugin_config_dir
@@ -333,6 +343,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
             node_id: settings.node_id.clone(),
             boot_id,
             bind_roots: settings.bind_roots.clone(),
+            oci_runtime: settings.oci_runtime.clone(),
         },
         metrics,
     )

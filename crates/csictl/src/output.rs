@@ -518,6 +518,7 @@ mod tests {
                         pid: Some(42),
                         endpoint: None,
                         restarts: 0,
+                        error: None,
                     }],
                     volumes: 3,
                 },
@@ -567,6 +568,7 @@ mod tests {
                 pid: None,
                 endpoint: Some("unix:///w/e.sock".to_owned()),
                 restarts: 4,
+                error: Some("no runc".to_owned()),
             }],
             volumes: 0,
         };

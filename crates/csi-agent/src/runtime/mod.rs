@@ -1,7 +1,7 @@
 //! Runtimes: how one managed plugin component is run (docs/design.md).
 //!
-//! This module owns the [`Runtime`] trait and the runtime kinds: `process` today
-//! ([`ProcessRuntime`]), `oci` and `mesos` later. A runtime launches a component, adopts one
+//! This module owns the [`Runtime`] trait and the runtime kinds: `process`
+//! ([`ProcessRuntime`]) and `oci` ([`OciRuntime`], containers through runc); `mesos` later. A runtime launches a component, adopts one
 //! launched by an earlier csi-agent from its persisted [`RuntimeHandle`], watches it and stops
 //! it. It must not decide *when* to do any of this (restarts, backoff, readiness and the
 //! on-disk records are the service manager's), and it never speaks CSI.
@@ -16,8 +16,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::{CommandConfig, RuntimeConfig};
 
+pub mod oci;
 pub mod process;
 
+pub use oci::OciRuntime;
 pub use process::ProcessRuntime;
 
 /// Environment variable carrying the component's endpoint (`unix://<socket>`), as Mesos sets
@@ -62,6 +64,27 @@ pub struct LaunchContext {
     pub container_dir: PathBuf,
     /// The socket the component must listen on (inside a short socket dir).
     pub socket: PathBuf,
+    /// The dirs beneath which csi-agent hands the plugin staging and target paths. A
+    /// runtime that isolates mounts shares them with the host (docs/design.md, "Supervision").
+    pub mount_roots: Vec<PathBuf>,
+}
+
+/// Settings of the runtimes that come from the daemon (flags), not from plugin configs.
+#[derive(Clone, Debug)]
+pub struct RuntimeOptions {
+    pub oci: oci::OciOptions,
+}
+
+impl RuntimeOptions {
+    /// `runc` from `PATH`, its state under `<socket_root>/runc`.
+    pub fn new(oci_runtime: impl Into<PathBuf>, socket_root: &std::path::Path) -> Self {
+        Self {
+            oci: oci::OciOptions {
+                binary: oci_runtime.into(),
+                state_root: socket_root.join(oci::STATE_ROOT_DIR),
+            },
+        }
+    }
 }
 
 /// The persisted identity of a running component, enough to find it again after csi-agent
@@ -77,12 +100,26 @@ pub enum RuntimeHandle {
         /// something within one boot.
         boot_id: Option<String>,
     },
+    /// A container of the `oci` runtime.
+    Oci {
+        container_id: String,
+        /// The container's init process, with its start time and boot id as above.
+        pid: i32,
+        start_time: u64,
+        boot_id: Option<String>,
+        /// runc's `--root` when it was launched.
+        state_root: PathBuf,
+        bundle: PathBuf,
+    },
 }
 
 impl fmt::Display for RuntimeHandle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             RuntimeHandle::Process { pid, .. } => write!(f, "process {pid}"),
+            RuntimeHandle::Oci {
+                container_id, pid, ..
+            } => write!(f, "container {container_id} (init {pid})"),
         }
     }
 }
@@ -126,6 +163,8 @@ pub enum RuntimeError {
         #[source]
         source: std::io::Error,
     },
+    #[error(transparent)]
+    Oci(Box<oci::OciError>),
     #[error("runtime \"{runtime}\" cannot adopt a component run by runtime \"{handle}\"")]
     WrongKind {
         runtime: &'static str,
@@ -166,9 +205,17 @@ pub trait Component: Send + Sync + fmt::Debug {
 
 /// The runtime that can adopt a persisted handle (whatever the plugin's configured kind is
 /// now: a component launched under an older configuration must still be found and stopped).
-pub fn for_handle(handle: &RuntimeHandle) -> Arc<dyn Runtime> {
+pub fn for_handle(handle: &RuntimeHandle, options: &RuntimeOptions) -> Arc<dyn Runtime> {
     match handle {
         RuntimeHandle::Process { .. } => Arc::new(ProcessRuntime::new()),
+        RuntimeHandle::Oci { state_root, .. } => {
+            // The state root it was launched under, even if the daemon's changed since.
+            let oci = oci::OciOptions {
+                binary: options.oci.binary.clone(),
+                state_root: state_root.clone(),
+            };
+            Arc::new(OciRuntime::new(&oci))
+        }
     }
 }
 
@@ -176,13 +223,22 @@ impl RuntimeHandle {
     pub const fn kind(&self) -> &'static str {
         match self {
             RuntimeHandle::Process { .. } => "process",
+            RuntimeHandle::Oci { .. } => "oci",
+        }
+    }
+
+    /// The component's (init) process.
+    pub const fn pid(&self) -> i32 {
+        match self {
+            RuntimeHandle::Process { pid, .. } | RuntimeHandle::Oci { pid, .. } => *pid,
         }
     }
 }
 
 /// The runtime for a configured kind.
-pub fn for_config(config: &RuntimeConfig) -> Arc<dyn Runtime> {
+pub fn for_config(config: &RuntimeConfig, options: &RuntimeOptions) -> Arc<dyn Runtime> {
     match config {
         RuntimeConfig::Process => Arc::new(ProcessRuntime::new()),
+        RuntimeConfig::Oci(_) => Arc::new(OciRuntime::new(&options.oci)),
     }
 }

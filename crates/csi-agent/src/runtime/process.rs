@@ -154,7 +154,13 @@ fn adopt(handle: &RuntimeHandle) -> Result<Option<ProcessComponent>, RuntimeErro
         pid,
         start_time,
         boot_id,
-    } = handle;
+    } = handle
+    else {
+        return Err(RuntimeError::WrongKind {
+            runtime: "process",
+            handle: handle.kind(),
+        });
+    };
     if let (Some(recorded), Some(now)) = (boot_id, current_boot_id())
         && *recorded != now
     {

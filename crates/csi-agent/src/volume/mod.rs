@@ -324,6 +324,16 @@ impl VolumeManager {
         self.snapshot_of(volume_id).map(|r| (*r).clone())
     }
 
+    /// How many volumes are known, from the read snapshot: never waits for an operation in
+    /// progress (status reads must not hang behind a publish waiting for its plugin).
+    pub fn count(&self) -> usize {
+        self.inner
+            .snapshot
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .len()
+    }
+
     /// The record of a volume from the read snapshot.
     pub fn snapshot_of(&self, volume_id: &str) -> Option<Arc<VolumeRecord>> {
         self.inner

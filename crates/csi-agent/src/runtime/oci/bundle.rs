@@ -1,0 +1,427 @@
+//! The OCI bundle of one component: `config.json` built with the `oci-spec` crate, and the
+//! empty `rootfs/` mount point used when the container runs on the host's root.
+//!
+//! It owns what the container sees (namespaces, mounts, capabilities, devices); it must not
+//! run anything.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+
+use oci_spec::runtime::{
+    Capability, LinuxBuilder, LinuxCapabilitiesBuilder, LinuxCpuBuilder, LinuxDeviceCgroupBuilder,
+    LinuxMemoryBuilder, LinuxNamespaceBuilder, LinuxNamespaceType, LinuxResourcesBuilder, Mount,
+    MountBuilder, ProcessBuilder, RootBuilder, Spec, SpecBuilder, UserBuilder,
+};
+
+use super::{ALL_CAPABILITIES, CPU_PERIOD_US, DEFAULT_CAPABILITIES, Limits, VolumeBind};
+use crate::config::OciConfig;
+
+/// The bundle's files, inside `containers/<id>/bundle/`.
+pub const CONFIG_FILE: &str = "config.json";
+pub const ROOTFS_DIR: &str = "rootfs";
+
+#[derive(Debug, thiserror::Error)]
+pub enum BundleError {
+    #[error("cannot build the container's config.json: {source}")]
+    Spec {
+        #[source]
+        source: oci_spec::OciSpecError,
+    },
+    #[error("capability {name:?} is not known to oci-spec")]
+    Capability { name: String },
+}
+
+impl From<oci_spec::OciSpecError> for BundleError {
+    fn from(source: oci_spec::OciSpecError) -> Self {
+        BundleError::Spec { source }
+    }
+}
+
+/// Everything the spec is made of, resolved by the runtime.
+#[derive(Debug)]
+pub struct BundleInput<'a> {
+    pub settings: &'a OciConfig,
+    /// `settings.privileged`, with its default (node components) applied.
+    pub privileged: bool,
+    /// `args[0]` is the executable.
+    pub args: Vec<String>,
+    /// `NAME=value`.
+    pub env: Vec<String>,
+    /// The container's root: the configured rootfs, or the bundle's empty `rootfs/` onto
+    /// which the host's root is bind-mounted.
+    pub root: &'a Path,
+    /// The dir holding the component's socket, shared with the host at the same path.
+    pub socket_dir: &'a Path,
+    /// The dirs csi-agent hands the plugin mount paths in, shared at the same path with
+    /// `rshared` propagation so that the plugin's mounts appear on the host.
+    pub mount_roots: &'a [PathBuf],
+    pub volumes: &'a [VolumeBind],
+    pub cgroups_path: String,
+    /// The capabilities csi-agent holds (see [`super::own_capabilities`]); the defaults are
+    /// cut down to them. `None`: unknown, the defaults are used whole.
+    pub available_capabilities: Option<&'a [&'static str]>,
+    /// `cpus` and `mem` from the component's `resources`.
+    pub limits: Limits,
+}
+
+fn mount(
+    destination: &Path,
+    typ: &str,
+    source: &Path,
+    options: &[&str],
+) -> Result<Mount, BundleError> {
+    Ok(MountBuilder::default()
+        .destination(destination)
+        .typ(typ)
+        .source(source)
+        .options(options.iter().map(|o| (*o).to_owned()).collect::<Vec<_>>())
+        .build()?)
+}
+
+fn capabilities(names: &[String]) -> Result<HashSet<Capability>, BundleError> {
+    names
+        .iter()
+        .map(|name| {
+            serde_json::from_value::<Capability>(serde_json::Value::String(name.clone()))
+                .map_err(|_| BundleError::Capability { name: name.clone() })
+        })
+        .collect()
+}
+
+/// Builds `config.json`. The mounts, in order:
+/// 1. without a configured rootfs, the host's `/` (`rbind`, `rslave`: the host's mounts
+///    come in, nothing made inside goes out);
+/// 2. the container's own `/proc`, `/dev` (the host's `/dev` when privileged: a node plugin
+///    needs the devices it formats and mounts), `/sys`, `/tmp`;
+/// 3. the socket dir, the mount roots (`rshared`) and `container.volumes`, parents first.
+pub fn spec(input: &BundleInput<'_>) -> Result<Spec, BundleError> {
+    let settings = input.settings;
+    let privileged = input.privileged;
+    let mut mounts = Vec::new();
+    if settings.rootfs.is_none() {
+        mounts.push(mount(
+            Path::new("/"),
+            "bind",
+            Path::new("/"),
+            &["rbind", "rslave"],
+        )?);
+    }
+    mounts.push(mount(
+        Path::new("/proc"),
+        "proc",
+        Path::new("proc"),
+        &["nosuid", "noexec", "nodev"],
+    )?);
+    if privileged {
+        mounts.push(mount(
+            Path::new("/dev"),
+            "bind",
+            Path::new("/dev"),
+            &["rbind", "rslave"],
+        )?);
+    } else {
+        mounts.push(mount(
+            Path::new("/dev"),
+            "tmpfs",
+            Path::new("tmpfs"),
+            &["nosuid", "strictatime", "mode=755", "size=65536k"],
+        )?);
+        mounts.push(mount(
+            Path::new("/dev/pts"),
+            "devpts",
+            Path::new("devpts"),
+            &[
+                "nosuid",
+                "noexec",
+                "newinstance",
+                "ptmxmode=0666",
+                "mode=0620",
+            ],
+        )?);
+        mounts.push(mount(
+            Path::new("/dev/shm"),
+            "tmpfs",
+            Path::new("shm"),
+            &["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"],
+        )?);
+        mounts.push(mount(
+            Path::new("/dev/mqueue"),
+            "mqueue",
+            Path::new("mqueue"),
+            &["nosuid", "noexec", "nodev"],
+        )?);
+    }
+    // A new sysfs can only be mounted in a network namespace of one's own (EBUSY
+    // otherwise): with the host's network, the host's /sys is bound.
+    let sys_options: &[&str] = match (settings.host_network.unwrap_or(true), privileged) {
+        (true, true) => &["rbind", "rslave"],
+        (true, false) => &["rbind", "rslave", "ro"],
+        (false, true) => &["nosuid", "noexec", "nodev"],
+        (false, false) => &["nosuid", "noexec", "nodev", "ro"],
+    };
+    let (sys_type, sys_source) = if settings.host_network.unwrap_or(true) {
+        ("bind", Path::new("/sys"))
+    } else {
+        ("sysfs", Path::new("sysfs"))
+    };
+    mounts.push(mount(Path::new("/sys"), sys_type, sys_source, sys_options)?);
+    mounts.push(mount(
+        Path::new("/tmp"),
+        "tmpfs",
+        Path::new("tmpfs"),
+        &["nosuid", "nodev", "mode=1777"],
+    )?);
+
+    // Binds at the same path, parents before children (a later mount may land inside an
+    // earlier one, e.g. a mount root under a volume).
+    let mut binds: Vec<(PathBuf, PathBuf, Vec<&str>)> = Vec::new();
+    binds.push((
+        input.socket_dir.to_path_buf(),
+        input.socket_dir.to_path_buf(),
+        vec!["rbind"],
+    ));
+    for root in input.mount_roots {
+        binds.push((root.clone(), root.clone(), vec!["rbind", "rshared"]));
+    }
+    for volume in input.volumes {
+        let mut options = vec!["rbind"];
+        options.push(if volume.bidirectional {
+            "rshared"
+        } else {
+            "rslave"
+        });
+        if volume.readonly {
+            options.push("ro");
+        }
+        binds.push((
+            volume.host_path.clone(),
+            volume.container_path.clone(),
+            options,
+        ));
+    }
+    binds.sort_by_key(|(_, destination, _)| destination.components().count());
+    for (source, destination, options) in &binds {
+        mounts.push(mount(destination, "bind", source, options)?);
+    }
+
+    let available = |name: &&&str| {
+        input
+            .available_capabilities
+            .is_none_or(|a| a.contains(*name))
+    };
+    let capability_names: Vec<String> = match (&settings.capabilities, privileged) {
+        (Some(names), _) => names.clone(),
+        (None, true) => ALL_CAPABILITIES
+            .iter()
+            .filter(available)
+            .map(|c| (*c).to_owned())
+            .collect(),
+        (None, false) => DEFAULT_CAPABILITIES
+            .iter()
+            .filter(available)
+            .map(|c| (*c).to_owned())
+            .collect(),
+    };
+    let caps = capabilities(&capability_names)?;
+    let process = ProcessBuilder::default()
+        .terminal(false)
+        .user(UserBuilder::default().uid(0u32).gid(0u32).build()?)
+        .args(input.args.clone())
+        .env(input.env.clone())
+        .cwd("/")
+        .capabilities(
+            LinuxCapabilitiesBuilder::default()
+                .bounding(caps.clone())
+                .effective(caps.clone())
+                .permitted(caps.clone())
+                .inheritable(HashSet::new())
+                .ambient(HashSet::new())
+                .build()?,
+        )
+        .no_new_privileges(!privileged)
+        .build()?;
+    // The builders start from oci-spec's defaults (a demo shell container): drop the parts
+    // that are not ours. Without rlimits the plugin inherits the daemon's, as with the
+    // process runtime.
+    let mut process = process;
+    process.set_rlimits(None);
+
+    // Always an own mount namespace (that is the point); an own PID and IPC namespace
+    // unless the config shares the host's PID namespace; the host's network by default (a
+    // new one would have only loopback) and the host's UTS namespace (node ids are often
+    // host names).
+    let mut namespaces = vec![
+        LinuxNamespaceBuilder::default()
+            .typ(LinuxNamespaceType::Mount)
+            .build()?,
+        LinuxNamespaceBuilder::default()
+            .typ(LinuxNamespaceType::Ipc)
+            .build()?,
+    ];
+    if !settings.host_pid.unwrap_or(false) {
+        namespaces.push(
+            LinuxNamespaceBuilder::default()
+                .typ(LinuxNamespaceType::Pid)
+                .build()?,
+        );
+    }
+    if !settings.host_network.unwrap_or(true) {
+        namespaces.push(
+            LinuxNamespaceBuilder::default()
+                .typ(LinuxNamespaceType::Network)
+                .build()?,
+        );
+    }
+    let mut linux = LinuxBuilder::default()
+        .namespaces(namespaces)
+        .cgroups_path(PathBuf::from(&input.cgroups_path))
+        // The host's mounts stay peers of ours, so that an `rshared` bind of a mount root
+        // is in the host's peer group; the `/` bind above is `rslave` so nothing else
+        // propagates out.
+        .rootfs_propagation("shared");
+    let mut resources = LinuxResourcesBuilder::default();
+    if privileged {
+        resources = resources.devices(vec![
+            LinuxDeviceCgroupBuilder::default()
+                .allow(true)
+                .access("rwm")
+                .build()?,
+        ]);
+    }
+    // Mesos semantics: `cpus` is both a share (1024 per CPU, as Mesos's cpu.shares) and a
+    // hard quota of that many CPUs; `mem` (MB) a hard limit.
+    if let Some(cpus) = input.limits.cpus {
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let shares = ((cpus * 1024.0).round() as u64).max(2);
+        #[allow(clippy::cast_possible_truncation)]
+        let quota = (cpus * CPU_PERIOD_US as f64).round() as i64;
+        resources = resources.cpu(
+            LinuxCpuBuilder::default()
+                .shares(shares)
+                .quota(quota)
+                .period(CPU_PERIOD_US)
+                .build()?,
+        );
+    }
+    if let Some(mem_mb) = input.limits.mem_mb {
+        #[allow(clippy::cast_possible_truncation)]
+        let bytes = (mem_mb * 1024.0 * 1024.0).round() as i64;
+        resources = resources.memory(LinuxMemoryBuilder::default().limit(bytes).build()?);
+    }
+    linux = linux.resources(resources.build()?);
+    if !privileged {
+        linux = linux
+            .masked_paths(oci_spec::runtime::get_default_maskedpaths())
+            .readonly_paths(oci_spec::runtime::get_default_readonly_paths());
+    }
+    let mut linux = linux.build()?;
+    if privileged {
+        // Privileged means the host's view: nothing masked, nothing read-only.
+        linux.set_masked_paths(None);
+        linux.set_readonly_paths(None);
+    }
+
+    let mut spec = SpecBuilder::default()
+        .version("1.0.2")
+        .root(
+            RootBuilder::default()
+                .path(input.root)
+                .readonly(settings.readonly_rootfs.unwrap_or(true))
+                .build()?,
+        )
+        .process(process)
+        .mounts(mounts)
+        .linux(linux)
+        .build()?;
+    // The host's UTS namespace is shared: runc refuses to set a hostname then.
+    spec.set_hostname(None);
+    spec.set_annotations(None);
+    Ok(spec)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn input<'a>(settings: &'a OciConfig, roots: &'a [PathBuf]) -> BundleInput<'a> {
+        BundleInput {
+            settings,
+            privileged: true,
+            args: vec!["/bin/plugin".to_owned()],
+            env: vec!["CSI_ENDPOINT=unix:///run/s/endpoint.sock".to_owned()],
+            root: Path::new("/b/rootfs"),
+            socket_dir: Path::new("/run/s"),
+            mount_roots: roots,
+            volumes: &[],
+            cgroups_path: "/csi-agent/x".to_owned(),
+            available_capabilities: Some(&["CAP_SYS_ADMIN", "CAP_CHOWN"]),
+            limits: Limits {
+                cpus: Some(0.5),
+                mem_mb: Some(64.0),
+            },
+        }
+    }
+
+    #[test]
+    fn host_root_node_plugin_shares_its_mount_root() -> anyhow::Result<()> {
+        let settings = OciConfig::default();
+        let roots = [PathBuf::from("/w/csi/t/default/mounts")];
+        let spec = spec(&input(&settings, &roots))?;
+        let json = serde_json::to_value(&spec)?;
+        let mounts = json["mounts"].as_array().cloned().unwrap_or_default();
+        assert_eq!(mounts[0]["destination"], "/");
+        assert_eq!(mounts[0]["source"], "/");
+        let root = mounts
+            .iter()
+            .find(|m| m["destination"] == "/w/csi/t/default/mounts")
+            .ok_or_else(|| anyhow::anyhow!("no mount root in {mounts:?}"))?;
+        assert!(
+            root["options"]
+                .as_array()
+                .is_some_and(|o| o.iter().any(|x| x == "rshared")),
+            "{root}"
+        );
+        assert!(mounts.iter().any(|m| m["destination"] == "/run/s"));
+        assert_eq!(json["root"]["readonly"], true);
+        assert_eq!(json["linux"]["rootfsPropagation"], "shared");
+        let caps = json["process"]["capabilities"]["bounding"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        // All capabilities, as far as csi-agent holds them.
+        assert_eq!(caps.len(), 2, "{caps:?}");
+        assert!(caps.iter().any(|c| c == "CAP_SYS_ADMIN"), "{caps:?}");
+        let namespaces: Vec<String> = json["linux"]["namespaces"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|n| n["type"].as_str().map(str::to_owned))
+            .collect();
+        assert!(namespaces.contains(&"mount".to_owned()), "{namespaces:?}");
+        assert!(
+            !namespaces.contains(&"network".to_owned()),
+            "{namespaces:?}"
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn capabilities_narrow_and_a_rootfs_replaces_the_host_root() -> anyhow::Result<()> {
+        let settings = OciConfig {
+            rootfs: Some(PathBuf::from("/images/plugin")),
+            capabilities: Some(vec!["CAP_SYS_ADMIN".to_owned()]),
+            ..OciConfig::default()
+        };
+        let mut input = input(&settings, &[]);
+        input.root = Path::new("/images/plugin");
+        let json = serde_json::to_value(spec(&input)?)?;
+        assert_eq!(json["root"]["path"], "/images/plugin");
+        assert_ne!(json["mounts"][0]["destination"], "/");
+        assert_eq!(
+            json["process"]["capabilities"]["bounding"],
+            serde_json::json!(["CAP_SYS_ADMIN"])
+        );
+        Ok(())
+    }
+}

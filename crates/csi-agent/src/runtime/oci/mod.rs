@@ -1,0 +1,1087 @@
+//! The `oci` runtime: a component is a real container run by an OCI runtime (`runc`, or
+//! `crun`, which takes the same command line).
+//!
+//! This module owns the component's OCI bundle (`containers/<id>/bundle/`), the runc
+//! command lines, the container's state root and the shared propagation of the plugin's
+//! mount root. Like every runtime it must not decide when to launch, restart or stop
+//! (the service manager does), must not write component records, and must not use `unsafe`.
+//!
+//! - **Launch**: any leftover container of the same id is deleted; the bundle is written
+//!   (`config.json` from [`bundle::spec`]); `runc create` with the component's `stdout`
+//!   and `stderr` files as the container's stdio, then `runc start`. The container id is
+//!   the component id (already made of `[A-Za-z0-9._-]` only; see [`container_id`]).
+//! - **State root**: `runc --root <socket root>/runc` (so `/run/csi-agent/runc` for root):
+//!   on tmpfs, so it vanishes at a reboot with the containers, and private to csi-agent,
+//!   so `runc --root /run/csi-agent/runc list` shows exactly csi-agent's containers.
+//! - **What the plugin sees**: see [`bundle::spec`]. The plugin's `mounts/` dir (every
+//!   staging and target path csi-agent hands it) is made a shared mount on the host (a bind
+//!   onto itself, `make-rshared`) and bound at the same path in the container with
+//!   `rshared`, so a mount the plugin makes inside appears on the host, and its unmount
+//!   disappears there. [`release_mount_root`] undoes the self-bind once the plugin stops.
+//! - **Identity**: container id, plus the init's pid and start time and the boot id (so a
+//!   reused pid is never taken for the container).
+//! - **Watching**: a pidfd on the container's init, readable once it exits; it is not our
+//!   child (runc's), so its exit status is unknown.
+//! - **Stopping**: `runc kill <id> SIGTERM`, `SIGKILL` after the grace period, then
+//!   `runc delete --force` and the bundle removed: nothing is left in `runc list`, in the
+//!   mount table or in the cgroup hierarchy.
+//! - **Adoption**: `runc state <id>`: a running container whose init is the recorded
+//!   process is adopted; anything else is deleted (and relaunched by the service manager).
+
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use rustix::io::Errno;
+use rustix::process::{Pid, PidfdFlags, pidfd_open};
+use serde_json::Value;
+use tokio::io::unix::AsyncFd;
+
+use super::process::{current_boot_id, read_stat};
+use super::{
+    CSI_ENDPOINT_VAR, CSI_NODE_ID_VAR, Component, ExitInfo, LaunchContext, LaunchSpec, Runtime,
+    RuntimeError, RuntimeHandle,
+};
+use crate::config::{RuntimeConfig, Service};
+use crate::mounts::MountTable;
+
+pub mod bundle;
+pub mod runc;
+
+pub use runc::{ContainerState, Runc, RuncError};
+
+/// The default OCI runtime binary (looked up in `PATH`).
+pub const DEFAULT_OCI_RUNTIME: &str = "runc";
+/// The bundle dir inside a component's container dir.
+pub const BUNDLE_DIR: &str = "bundle";
+/// The state root's name inside the socket root.
+pub const STATE_ROOT_DIR: &str = "runc";
+/// Failpoints of a launch: after `runc create` (a created, never started container) and
+/// after `runc start` (running, but no component record yet).
+pub const FP_AFTER_CREATE: &str = "oci.launch.after_create";
+pub const FP_AFTER_START: &str = "oci.launch.after_start";
+
+/// Every capability oci-spec and runc know, by number (capabilities(7)): what a privileged
+/// component gets, less what csi-agent itself does not hold.
+pub const ALL_CAPABILITIES: &[&str] = &[
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_DAC_READ_SEARCH",
+    "CAP_FOWNER",
+    "CAP_FSETID",
+    "CAP_KILL",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETPCAP",
+    "CAP_LINUX_IMMUTABLE",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_NET_BROADCAST",
+    "CAP_NET_ADMIN",
+    "CAP_NET_RAW",
+    "CAP_IPC_LOCK",
+    "CAP_IPC_OWNER",
+    "CAP_SYS_MODULE",
+    "CAP_SYS_RAWIO",
+    "CAP_SYS_CHROOT",
+    "CAP_SYS_PTRACE",
+    "CAP_SYS_PACCT",
+    "CAP_SYS_ADMIN",
+    "CAP_SYS_BOOT",
+    "CAP_SYS_NICE",
+    "CAP_SYS_RESOURCE",
+    "CAP_SYS_TIME",
+    "CAP_SYS_TTY_CONFIG",
+    "CAP_MKNOD",
+    "CAP_LEASE",
+    "CAP_AUDIT_WRITE",
+    "CAP_AUDIT_CONTROL",
+    "CAP_SETFCAP",
+    "CAP_MAC_OVERRIDE",
+    "CAP_MAC_ADMIN",
+    "CAP_SYSLOG",
+    "CAP_WAKE_ALARM",
+    "CAP_BLOCK_SUSPEND",
+    "CAP_AUDIT_READ",
+    "CAP_PERFMON",
+    "CAP_BPF",
+    "CAP_CHECKPOINT_RESTORE",
+];
+
+/// The capabilities csi-agent itself may hand on: its bounding set (`CapBnd` of
+/// `/proc/self/status`). A container cannot get more (runc fails with EPERM), and hosts
+/// differ (a sandbox may drop `CAP_SYS_RESOURCE`, an old kernel lacks `CAP_BPF`). `None`
+/// when it cannot be read.
+pub fn own_capabilities() -> Option<Vec<&'static str>> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let hex = status
+        .lines()
+        .find_map(|line| line.strip_prefix("CapBnd:"))?
+        .trim();
+    let mask = u64::from_str_radix(hex, 16).ok()?;
+    Some(
+        ALL_CAPABILITIES
+            .iter()
+            .enumerate()
+            .filter(|(bit, _)| mask & (1u64 << bit) != 0)
+            .map(|(_, name)| *name)
+            .collect(),
+    )
+}
+
+/// The capabilities of an unprivileged component without a `capabilities` list: the set
+/// container engines usually grant.
+pub const DEFAULT_CAPABILITIES: &[&str] = &[
+    "CAP_AUDIT_WRITE",
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FOWNER",
+    "CAP_FSETID",
+    "CAP_KILL",
+    "CAP_MKNOD",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_NET_RAW",
+    "CAP_SETFCAP",
+    "CAP_SETGID",
+    "CAP_SETPCAP",
+    "CAP_SETUID",
+    "CAP_SYS_CHROOT",
+];
+
+/// `CAP_SYS_ADMIN` for `CAP_SYS_ADMIN`, `SYS_ADMIN` or `sys_admin`; `None` for a name that
+/// is no capability.
+pub fn canonical_capability(name: &str) -> Option<String> {
+    let capability: oci_spec::runtime::Capability =
+        serde_json::from_value(Value::String(name.to_owned())).ok()?;
+    match serde_json::to_value(capability).ok()? {
+        Value::String(canonical) => Some(canonical),
+        _ => None,
+    }
+}
+
+/// The container id of a component id: runc accepts `[A-Za-z0-9_+.-]`; component ids are
+/// built from validated names and so already are, but anything else becomes `_`.
+pub fn container_id(component_id: &str) -> String {
+    component_id
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '_' | '+' | '-' | '.') {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+/// One entry of Mesos `ContainerInfo.volumes`, as a bind mount into the container.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VolumeBind {
+    pub container_path: PathBuf,
+    pub host_path: PathBuf,
+    pub readonly: bool,
+    /// `mount_propagation.mode: BIDIRECTIONAL`: mounts made inside appear on the host.
+    pub bidirectional: bool,
+}
+
+/// Parses `container.volumes` (Mesos `Volume`: `container_path`, `host_path` or
+/// `source: {type: HOST_PATH, host_path: {path, mount_propagation: {mode}}}`, `mode`
+/// `RW`/`RO`). An error is `(field relative to the container object, message)`.
+pub fn volumes(container: &Value) -> Result<Vec<VolumeBind>, (String, String)> {
+    let Some(items) = container.get("volumes") else {
+        return Ok(Vec::new());
+    };
+    let Some(items) = items.as_array() else {
+        return Err(("volumes".to_owned(), "must be a list".to_owned()));
+    };
+    let mut binds = Vec::new();
+    for (index, item) in items.iter().enumerate() {
+        let field = |key: &str| format!("volumes[{index}].{key}");
+        let absolute = |key: &str, value: Option<&Value>| -> Result<PathBuf, (String, String)> {
+            match value.and_then(Value::as_str) {
+                Some(path) if path.starts_with('/') => Ok(PathBuf::from(path)),
+                Some(path) => Err((field(key), format!("\"{path}\" must be an absolute path"))),
+                None => Err((field(key), "is required (an absolute path)".to_owned())),
+            }
+        };
+        let container_path = absolute("container_path", item.get("container_path"))?;
+        let source_host = item
+            .get("source")
+            .and_then(|s| s.get("host_path"))
+            .filter(|h| h.is_object());
+        let (host_path, bidirectional) = match (item.get("host_path"), source_host) {
+            (Some(path), _) => (absolute("host_path", Some(path))?, false),
+            (None, Some(host)) => {
+                let path = absolute("source.host_path.path", host.get("path"))?;
+                let mode = host
+                    .get("mount_propagation")
+                    .and_then(|p| p.get("mode"))
+                    .and_then(Value::as_str)
+                    .unwrap_or("HOST_TO_CONTAINER");
+                let bidirectional = match mode {
+                    "BIDIRECTIONAL" => true,
+                    "HOST_TO_CONTAINER" => false,
+                    other => {
+                        return Err((
+                            field("source.host_path.mount_propagation.mode"),
+                            format!(
+                                "\"{other}\" is not a propagation mode; use HOST_TO_CONTAINER or BIDIRECTIONAL"
+                            ),
+                        ));
+                    }
+                };
+                (path, bidirectional)
+            }
+            (None, None) => {
+                return Err((
+                    field("host_path"),
+                    "is required: the host dir to bind (or source.host_path.path)".to_owned(),
+                ));
+            }
+        };
+        let readonly = match item.get("mode").and_then(Value::as_str) {
+            None | Some("RW") => false,
+            Some("RO") => true,
+            Some(other) => {
+                return Err((
+                    field("mode"),
+                    format!("\"{other}\" is not a mode; use RW or RO"),
+                ));
+            }
+        };
+        binds.push(VolumeBind {
+            container_path,
+            host_path,
+            readonly,
+            bidirectional,
+        });
+    }
+    Ok(binds)
+}
+
+/// The capabilities Mesos `ContainerInfo.linux_info` asks for: `effective_capabilities`
+/// (or the older `capability_info`) `.capabilities`, Mesos enum names such as `SYS_ADMIN`.
+/// `None` when it asks for none. An error is `(field relative to the container, message)`.
+pub fn linux_info_capabilities(container: &Value) -> Result<Option<Vec<String>>, (String, String)> {
+    let Some(linux) = container.get("linux_info") else {
+        return Ok(None);
+    };
+    for key in ["effective_capabilities", "capability_info"] {
+        let Some(names) = linux.get(key).and_then(|c| c.get("capabilities")) else {
+            continue;
+        };
+        let field = format!("linux_info.{key}.capabilities");
+        let Some(names) = names.as_array() else {
+            return Err((field, "must be a list".to_owned()));
+        };
+        let mut canonical = Vec::new();
+        for (index, name) in names.iter().enumerate() {
+            let Some(found) = name.as_str().and_then(canonical_capability) else {
+                return Err((
+                    format!("{field}[{index}]"),
+                    format!("{name} is not a Linux capability; use a name like \"SYS_ADMIN\""),
+                ));
+            };
+            canonical.push(found);
+        }
+        return Ok(Some(canonical));
+    }
+    Ok(None)
+}
+
+/// The cgroup limits of a component, from Mesos `resources` (`cpus`, `mem` in MB).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Limits {
+    pub cpus: Option<f64>,
+    pub mem_mb: Option<f64>,
+}
+
+/// The smallest memory limit a container starts with (runc, its init and a small plugin).
+pub const MIN_MEM_MB: f64 = 8.0;
+/// The smallest CPU share: a CFS quota of 1 ms per 100 ms period.
+pub const MIN_CPUS: f64 = 0.01;
+/// The CFS period the CPU quota is a share of.
+pub const CPU_PERIOD_US: u64 = 100_000;
+
+/// Parses the `cpus` and `mem` of Mesos `resources` (`[{name, type: SCALAR, scalar:
+/// {value}}]`); other resources (`disk`, `ports`, ...) have no cgroup limit and are ignored.
+/// An error is `(field relative to the component, message)`.
+pub fn limits(resources: &[Value]) -> Result<Limits, (String, String)> {
+    let mut limits = Limits::default();
+    for (index, resource) in resources.iter().enumerate() {
+        let field = format!("resources[{index}]");
+        let Some(name) = resource.get("name").and_then(Value::as_str) else {
+            return Err((
+                format!("{field}.name"),
+                "is required (\"cpus\" or \"mem\")".to_owned(),
+            ));
+        };
+        if !matches!(name, "cpus" | "mem") {
+            continue;
+        }
+        let value = resource
+            .get("scalar")
+            .and_then(|s| s.get("value"))
+            .and_then(Value::as_f64)
+            .filter(|v| v.is_finite() && *v > 0.0)
+            .ok_or_else(|| {
+                (
+                    format!("{field}.scalar.value"),
+                    format!("{name} needs a positive number"),
+                )
+            })?;
+        match name {
+            "cpus" if value < MIN_CPUS => {
+                return Err((
+                    format!("{field}.scalar.value"),
+                    format!("cpus {value} is below the smallest CPU limit, {MIN_CPUS}"),
+                ));
+            }
+            "cpus" => limits.cpus = Some(value),
+            _ if value < MIN_MEM_MB => {
+                return Err((
+                    format!("{field}.scalar.value"),
+                    format!(
+                        "mem {value} MB is below the {MIN_MEM_MB} MB a container needs to start"
+                    ),
+                ));
+            }
+            _ => limits.mem_mb = Some(value),
+        }
+    }
+    Ok(limits)
+}
+
+/// Whether this host's cgroups can enforce a controller (`cpu`, `memory`): a v1 hierarchy
+/// of that name, or the controller listed in the v2 root's `cgroup.controllers`.
+pub fn cgroup_controller_available(controller: &str) -> bool {
+    let root = Path::new("/sys/fs/cgroup");
+    if root.join(controller).is_dir() {
+        return true;
+    }
+    std::fs::read_to_string(root.join("cgroup.controllers"))
+        .is_ok_and(|list| list.split_whitespace().any(|c| c == controller))
+}
+
+/// Errors of the oci runtime, each naming what to fix.
+#[derive(Debug, thiserror::Error)]
+pub enum OciError {
+    #[error(transparent)]
+    Runc(#[from] RuncError),
+    #[error(
+        "runtime.rootfs: {} does not exist or is not a directory: unpack the image there or fix the path",
+        path.display()
+    )]
+    RootfsMissing { path: PathBuf },
+    #[error(
+        "container.volumes: host_path {} does not exist: create it or fix the path",
+        path.display()
+    )]
+    HostPathMissing { path: PathBuf },
+    #[error("container: {0}")]
+    Volumes(String),
+    #[error(
+        "runtime.capabilities: {name} is not in csi-agent's own capability bounding set, so no container of it can have it: remove it"
+    )]
+    Capability { name: String },
+    #[error("the container's bundle: {0}")]
+    Bundle(#[from] bundle::BundleError),
+    #[error(transparent)]
+    Failpoint(#[from] crate::failpoint::FailpointError),
+    #[error("{0}")]
+    Resources(String),
+    #[error("{what} {}: {source}", path.display())]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("runc started container {id} but its init process {pid} cannot be watched: {source}")]
+    Watch {
+        id: String,
+        pid: i32,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl From<OciError> for RuntimeError {
+    fn from(err: OciError) -> Self {
+        RuntimeError::Oci(Box::new(err))
+    }
+}
+
+fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> OciError + 'a {
+    move |source| OciError::Io {
+        what,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Settings of the oci runtime that come from the daemon, not from plugin configs.
+#[derive(Clone, Debug)]
+pub struct OciOptions {
+    /// `--oci-runtime`: the runc (or crun) binary, a path or a name looked up in `PATH`.
+    pub binary: PathBuf,
+    /// runc's state root (`--root`).
+    pub state_root: PathBuf,
+}
+
+/// Runs components as containers. See the module documentation.
+#[derive(Debug)]
+pub struct OciRuntime {
+    runc: Runc,
+}
+
+impl OciRuntime {
+    pub fn new(options: &OciOptions) -> Self {
+        Self {
+            runc: Runc::new(&options.binary, &options.state_root),
+        }
+    }
+
+    pub fn runc(&self) -> &Runc {
+        &self.runc
+    }
+}
+
+impl Runtime for OciRuntime {
+    fn kind(&self) -> &'static str {
+        "oci"
+    }
+
+    fn launch<'a>(
+        &'a self,
+        spec: &'a LaunchSpec,
+        context: &'a LaunchContext,
+    ) -> BoxFuture<'a, Result<Box<dyn Component>, RuntimeError>> {
+        async move {
+            self.launch_container(spec, context)
+                .await
+                .map(|c| Box::new(c) as Box<dyn Component>)
+                .map_err(RuntimeError::from)
+        }
+        .boxed()
+    }
+
+    fn adopt<'a>(
+        &'a self,
+        handle: &'a RuntimeHandle,
+    ) -> BoxFuture<'a, Result<Option<Box<dyn Component>>, RuntimeError>> {
+        async move {
+            self.adopt_container(handle)
+                .await
+                .map(|c| c.map(|c| Box::new(c) as Box<dyn Component>))
+                .map_err(RuntimeError::from)
+        }
+        .boxed()
+    }
+}
+
+/// Makes `dir` a shared mount (a bind onto itself when it is not a mount point yet), so that
+/// an `rshared` bind of it in a container is a peer of the host's.
+pub fn share_mount_root(dir: &Path) -> Result<(), OciError> {
+    std::fs::create_dir_all(dir).map_err(io("cannot create the mount root", dir))?;
+    let table = MountTable::read().map_err(|err| OciError::Io {
+        what: "cannot read the mount table for",
+        path: dir.to_path_buf(),
+        source: std::io::Error::other(err.to_string()),
+    })?;
+    let mount = table.mount_at(dir).filter(|m| m.mount_point == dir);
+    if mount.is_some_and(|m| m.is_shared()) {
+        return Ok(());
+    }
+    if mount.is_none() {
+        rustix::mount::mount_bind(dir, dir)
+            .map_err(|errno| io("cannot bind the mount root onto itself", dir)(errno.into()))?;
+    }
+    rustix::mount::mount_change(
+        dir,
+        rustix::mount::MountPropagationFlags::SHARED | rustix::mount::MountPropagationFlags::REC,
+    )
+    .map_err(|errno| io("cannot make the mount root shared", dir)(errno.into()))
+}
+
+/// Undoes [`share_mount_root`] once no container needs it: unmounts the self-bind of `dir`
+/// if it is one and nothing is mounted beneath it (a volume still mounted keeps it; the
+/// volume's own unmount comes first).
+pub fn release_mount_root(dir: &Path) {
+    let Ok(table) = MountTable::read() else {
+        return;
+    };
+    let Some(mount) = table.mount_at(dir).filter(|m| m.mount_point == dir) else {
+        return;
+    };
+    // Only our self-bind: its root is the dir itself on the same file system. A mount root
+    // that is an operator's own mount is left alone.
+    if mount.root != dir {
+        return;
+    }
+    let beneath = table.mounts_under(dir).iter().any(|m| m.mount_point != dir);
+    if beneath {
+        tracing::info!(dir = %dir.display(), "mount root still has mounts beneath it; kept shared");
+        return;
+    }
+    if let Err(errno) = rustix::mount::unmount(dir, rustix::mount::UnmountFlags::empty()) {
+        tracing::warn!(dir = %dir.display(), "cannot unmount the shared mount root: {errno}");
+    }
+}
+
+impl OciRuntime {
+    async fn launch_container(
+        &self,
+        spec: &LaunchSpec,
+        context: &LaunchContext,
+    ) -> Result<OciComponent, OciError> {
+        let RuntimeConfig::Oci(settings) = &spec.runtime else {
+            return Err(OciError::Volumes(
+                "the oci runtime was given a component of another runtime kind".to_owned(),
+            ));
+        };
+        let id = container_id(&spec.container_id);
+        let bundle_dir = context.container_dir.join(BUNDLE_DIR);
+        // A container left by a crash or an earlier run of this component (stopped, or
+        // never started) would make `create` fail: it is ours, and outdated.
+        self.runc.delete(&id).await?;
+        remove_bundle(&bundle_dir);
+
+        let root = match &settings.rootfs {
+            Some(rootfs) => {
+                if !rootfs.is_dir() {
+                    return Err(OciError::RootfsMissing {
+                        path: rootfs.clone(),
+                    });
+                }
+                rootfs.clone()
+            }
+            None => bundle_dir.join(bundle::ROOTFS_DIR),
+        };
+        let volumes = match &spec.container {
+            Some(container) => volumes(container)
+                .map_err(|(field, message)| OciError::Volumes(format!("{field}: {message}")))?,
+            None => Vec::new(),
+        };
+        let limits = limits(&spec.resources)
+            .map_err(|(field, message)| OciError::Resources(format!("{field}: {message}")))?;
+        for (wanted, controller) in [
+            (limits.cpus.is_some(), "cpu"),
+            (limits.mem_mb.is_some(), "memory"),
+        ] {
+            if wanted && !cgroup_controller_available(controller) {
+                // A limit the host cannot enforce is an error, not silently dropped.
+                return Err(OciError::Resources(format!(
+                    "resources: this host has no {controller} cgroup controller to enforce the limit; remove it or enable the controller"
+                )));
+            }
+        }
+        for volume in &volumes {
+            if !volume.host_path.exists() {
+                return Err(OciError::HostPathMissing {
+                    path: volume.host_path.clone(),
+                });
+            }
+        }
+        for dir in &context.mount_roots {
+            share_mount_root(dir)?;
+        }
+        let socket_dir = context.socket.parent().unwrap_or(Path::new("/"));
+
+        let endpoint = format!("unix://{}", context.socket.display());
+        let vars = [
+            (CSI_ENDPOINT_VAR, endpoint.as_str()),
+            (CSI_NODE_ID_VAR, spec.node_id.as_str()),
+        ];
+        let (program, argv) = spec.command.argv(&vars);
+        // OCI has no separate argv[0]: args[0] is what runc executes.
+        let args: Vec<String> = std::iter::once(program)
+            .chain(argv.into_iter().skip(1))
+            .collect();
+        // The same environment as the process runtime: the daemon's, then the config's,
+        // then ours.
+        let mut env: Vec<(String, String)> = std::env::vars().collect();
+        for var in &spec.command.environment {
+            env.push((var.name.clone(), var.value.clone()));
+        }
+        env.push((CSI_ENDPOINT_VAR.to_owned(), endpoint.clone()));
+        env.push((CSI_NODE_ID_VAR.to_owned(), spec.node_id.clone()));
+        let mut seen = std::collections::BTreeSet::new();
+        let mut env: Vec<String> = env
+            .into_iter()
+            .rev()
+            .filter(|(name, _)| seen.insert(name.clone()))
+            .map(|(name, value)| format!("{name}={value}"))
+            .collect();
+        env.reverse();
+
+        // `runtime.capabilities` wins; else what Mesos `linux_info` asks for.
+        let mut effective = settings.clone();
+        if effective.capabilities.is_none()
+            && let Some(container) = &spec.container
+        {
+            effective.capabilities = linux_info_capabilities(container)
+                .map_err(|(field, message)| OciError::Volumes(format!("{field}: {message}")))?;
+        }
+        let settings = &effective;
+        let privileged = settings
+            .privileged
+            .unwrap_or_else(|| spec.container_id.contains(Service::Node.as_str()));
+        let own = own_capabilities();
+        if let (Some(own), Some(wanted)) = (&own, &settings.capabilities)
+            && let Some(missing) = wanted.iter().find(|c| !own.contains(&c.as_str()))
+        {
+            return Err(OciError::Capability {
+                name: missing.clone(),
+            });
+        }
+        let input = bundle::BundleInput {
+            settings,
+            privileged,
+            args,
+            env,
+            root: &root,
+            socket_dir,
+            mount_roots: &context.mount_roots,
+            volumes: &volumes,
+            cgroups_path: cgroups_path(self.runc.root(), &id),
+            available_capabilities: own.as_deref(),
+            limits,
+        };
+        let oci_spec = bundle::spec(&input)?;
+        std::fs::create_dir_all(bundle_dir.join(bundle::ROOTFS_DIR))
+            .map_err(io("cannot create the bundle", &bundle_dir))?;
+        let config_path = bundle_dir.join(bundle::CONFIG_FILE);
+        oci_spec.save(&config_path).map_err(|err| OciError::Io {
+            what: "cannot write",
+            path: config_path.clone(),
+            source: std::io::Error::other(err.to_string()),
+        })?;
+
+        let stdout = open_log(&context.container_dir.join("stdout"))?;
+        let stderr = open_log(&context.container_dir.join("stderr"))?;
+        let pid_file = bundle_dir.join("init.pid");
+        let log = bundle_dir.join("runc.log");
+        if let Err(err) = self
+            .runc
+            .create(&id, &bundle_dir, &pid_file, &log, stdout, stderr)
+            .await
+        {
+            self.discard(&id, &bundle_dir).await;
+            return Err(err.into());
+        }
+        if let Err(err) = crate::failpoint::hit(FP_AFTER_CREATE) {
+            self.discard(&id, &bundle_dir).await;
+            return Err(err.into());
+        }
+        let watched = self.watch_init(&id, &pid_file);
+        let component = match watched {
+            Ok(component) => component,
+            Err(err) => {
+                self.discard(&id, &bundle_dir).await;
+                return Err(err);
+            }
+        };
+        if let Err(err) = self.runc.start(&id).await {
+            self.discard(&id, &bundle_dir).await;
+            return Err(err.into());
+        }
+        if let Err(err) = crate::failpoint::hit(FP_AFTER_START) {
+            self.discard(&id, &bundle_dir).await;
+            return Err(err.into());
+        }
+        tracing::debug!(container = %id, pid = component.pid.as_raw_pid(), "started container");
+        Ok(component)
+    }
+
+    fn watch_init(&self, id: &str, pid_file: &Path) -> Result<OciComponent, OciError> {
+        let text = std::fs::read_to_string(pid_file)
+            .map_err(io("cannot read runc's pid file", pid_file))?;
+        let raw: i32 = text.trim().parse().map_err(|_| OciError::Io {
+            what: "runc's pid file holds no pid:",
+            path: pid_file.to_path_buf(),
+            source: std::io::Error::other(format!("{text:?}")),
+        })?;
+        let watch_err = |source: std::io::Error| OciError::Watch {
+            id: id.to_owned(),
+            pid: raw,
+            source,
+        };
+        let pid = Pid::from_raw(raw).ok_or_else(|| watch_err(std::io::Error::other("pid 0")))?;
+        let fd = pidfd_open(pid, PidfdFlags::NONBLOCK).map_err(|e| watch_err(e.into()))?;
+        // Read after the pidfd is open: the start time then belongs to the same process.
+        let start_time = read_stat(pid)
+            .map(|s| s.start_time)
+            .ok_or_else(|| watch_err(std::io::Error::other("no /proc/<pid>/stat")))?;
+        OciComponent::new(
+            self.runc.clone(),
+            id.to_owned(),
+            pid,
+            start_time,
+            current_boot_id(),
+            pid_file.parent().unwrap_or(Path::new("/")).to_path_buf(),
+            fd,
+        )
+        .map_err(watch_err)
+    }
+
+    /// A failed launch leaves nothing: the container deleted, the bundle removed.
+    async fn discard(&self, id: &str, bundle_dir: &Path) {
+        if let Err(err) = self.runc.delete(id).await {
+            tracing::warn!(container = %id, "cannot delete a container whose launch failed: {err}");
+        }
+        remove_bundle(bundle_dir);
+    }
+
+    async fn adopt_container(
+        &self,
+        handle: &RuntimeHandle,
+    ) -> Result<Option<OciComponent>, OciError> {
+        let RuntimeHandle::Oci {
+            container_id: id,
+            pid,
+            start_time,
+            boot_id,
+            bundle: bundle_dir,
+            ..
+        } = handle
+        else {
+            return Ok(None);
+        };
+        let state = self.runc.state(id).await?;
+        let same_boot = match (boot_id, current_boot_id()) {
+            (Some(recorded), Some(now)) => *recorded == now,
+            _ => true,
+        };
+        let running = state
+            .as_ref()
+            .is_some_and(|s| s.status == "running" && s.pid == *pid && same_boot);
+        let adopted = if running {
+            Pid::from_raw(*pid).and_then(|raw| match pidfd_open(raw, PidfdFlags::NONBLOCK) {
+                Ok(fd) => Some((raw, fd)),
+                Err(Errno::SRCH) => None,
+                Err(err) => {
+                    tracing::warn!(container = %id, "cannot open a pidfd on {pid}: {err}");
+                    None
+                }
+            })
+        } else {
+            None
+        };
+        if let Some((raw, fd)) = adopted
+            && read_stat(raw).is_some_and(|s| s.start_time == *start_time && s.state != 'Z')
+        {
+            let component = OciComponent::new(
+                self.runc.clone(),
+                id.clone(),
+                raw,
+                *start_time,
+                boot_id.clone(),
+                bundle_dir.clone(),
+                fd,
+            )
+            .map_err(|source| OciError::Watch {
+                id: id.clone(),
+                pid: *pid,
+                source,
+            })?;
+            return Ok(Some(component));
+        }
+        // Stopped, never started, or not the recorded one: it cannot be adopted, and a
+        // stale container would block the relaunch.
+        if state.is_some() {
+            tracing::info!(container = %id, status = ?state.as_ref().map(|s| s.status.clone()), "container not running; deleting it");
+            self.runc.delete(id).await?;
+        }
+        remove_bundle(bundle_dir);
+        Ok(None)
+    }
+}
+
+/// Deletes the container of a component that has no component record (a crash between
+/// `runc create` and the record's write, docs/design.md, "Supervision"), so that it neither runs unsupervised
+/// nor blocks the next launch. Costs nothing when runc knows no such container (its state
+/// dir is looked for first), so it is safe to call for components of any runtime.
+pub async fn forget_stray(options: &OciOptions, component_id: &str, container_dir: &Path) {
+    let id = container_id(component_id);
+    let bundle_dir = container_dir.join(BUNDLE_DIR);
+    if !options.state_root.join(&id).exists() {
+        remove_bundle(&bundle_dir);
+        return;
+    }
+    let runtime = OciRuntime::new(options);
+    tracing::info!(container = %id, "deleting a container that no component record accounts for");
+    runtime.discard(&id, &bundle_dir).await;
+}
+
+/// A cgroup path of its own per state root: two csi-agents (or test daemons) with the same
+/// plugin type must not share a cgroup. One level only, so that `runc delete` (which removes
+/// the leaf) leaves no dir behind.
+fn cgroups_path(state_root: &Path, id: &str) -> String {
+    let mut hash: u32 = 0x811c_9dc5;
+    for byte in state_root.as_os_str().as_encoded_bytes() {
+        hash ^= u32::from(*byte);
+        hash = hash.wrapping_mul(0x0100_0193);
+    }
+    format!("/csi-agent-{hash:08x}-{id}")
+}
+
+fn open_log(path: &Path) -> Result<std::fs::File, OciError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o640)
+        .open(path)
+        .map_err(io("cannot open log file", path))
+}
+
+/// Removes the files csi-agent writes into a bundle, then the bundle dir; never
+/// recursively (the `rootfs/` mount point is empty on the host: the container's mounts live
+/// in its own mount namespace).
+fn remove_bundle(bundle_dir: &Path) {
+    for name in [bundle::CONFIG_FILE, "init.pid", "runc.log"] {
+        let path = bundle_dir.join(name);
+        if let Err(err) = std::fs::remove_file(&path)
+            && err.kind() != std::io::ErrorKind::NotFound
+        {
+            tracing::warn!(path = %path.display(), "cannot remove: {err}");
+        }
+    }
+    for dir in [
+        bundle_dir.join(bundle::ROOTFS_DIR),
+        bundle_dir.to_path_buf(),
+    ] {
+        if let Err(err) = std::fs::remove_dir(&dir)
+            && err.kind() != std::io::ErrorKind::NotFound
+        {
+            tracing::warn!(path = %dir.display(), "cannot remove: {err}");
+        }
+    }
+}
+
+/// A watched container.
+#[derive(Debug)]
+struct OciComponent {
+    runc: Runc,
+    id: String,
+    pid: Pid,
+    start_time: u64,
+    boot_id: Option<String>,
+    bundle: PathBuf,
+    pidfd: AsyncFd<OwnedFd>,
+    exited: Mutex<bool>,
+    /// Serializes `stop` so that concurrent stops send one kill sequence.
+    stopping: tokio::sync::Mutex<()>,
+}
+
+impl OciComponent {
+    fn new(
+        runc: Runc,
+        id: String,
+        pid: Pid,
+        start_time: u64,
+        boot_id: Option<String>,
+        bundle: PathBuf,
+        fd: OwnedFd,
+    ) -> std::io::Result<Self> {
+        // See ProcessComponent::new: `with_interest` on an owned fd is sound; its
+        // replacement is `unsafe`, which the workspace denies.
+        #[allow(deprecated)]
+        let pidfd = AsyncFd::with_interest(fd, tokio::io::Interest::READABLE)?;
+        Ok(Self {
+            runc,
+            id,
+            pid,
+            start_time,
+            boot_id,
+            bundle,
+            pidfd,
+            exited: Mutex::new(false),
+            stopping: tokio::sync::Mutex::new(()),
+        })
+    }
+
+    fn has_exited(&self) -> bool {
+        *self
+            .exited
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    async fn wait_exit(&self) -> ExitInfo {
+        if self.has_exited() {
+            return ExitInfo::Unknown;
+        }
+        loop {
+            match self.pidfd.readable().await {
+                // Readiness is not cleared: an ended process stays readable.
+                Ok(_guard) => break,
+                Err(err) => {
+                    tracing::warn!(container = %self.id, "cannot poll pidfd: {err}");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    let alive = read_stat(self.pid)
+                        .is_some_and(|s| s.start_time == self.start_time && s.state != 'Z');
+                    if !alive {
+                        break;
+                    }
+                }
+            }
+        }
+        *self
+            .exited
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = true;
+        // The init is runc's child, not ours: its status is not ours to collect.
+        ExitInfo::Unknown
+    }
+
+    async fn kill(&self, signal: &str) {
+        if let Err(err) = self.runc.kill(&self.id, signal, false).await {
+            // Already stopped is the usual reason; the pidfd tells.
+            tracing::debug!(container = %self.id, "runc kill {signal}: {err}");
+        }
+    }
+
+    async fn stop_container(&self, grace: Duration) -> ExitInfo {
+        let _serial = self.stopping.lock().await;
+        let exit = if self.has_exited() {
+            ExitInfo::Unknown
+        } else {
+            self.kill("SIGTERM").await;
+            match tokio::time::timeout(grace, self.wait_exit()).await {
+                Ok(exit) => exit,
+                Err(_) => {
+                    tracing::warn!(container = %self.id,
+                        "container did not exit {} ms after SIGTERM; sending SIGKILL", grace.as_millis());
+                    self.kill("SIGKILL").await;
+                    match tokio::time::timeout(runc::QUICK_TIMEOUT, self.wait_exit()).await {
+                        Ok(exit) => exit,
+                        Err(_) => ExitInfo::Unknown,
+                    }
+                }
+            }
+        };
+        // `delete --force` also kills whatever is left (an init that ignored SIGKILL cannot
+        // exist, but a stuck runc state can) and removes the cgroup.
+        if let Err(err) = self.runc.delete(&self.id).await {
+            tracing::warn!(container = %self.id, "cannot delete the container: {err}");
+        }
+        remove_bundle(&self.bundle);
+        exit
+    }
+}
+
+impl Component for OciComponent {
+    fn handle(&self) -> RuntimeHandle {
+        RuntimeHandle::Oci {
+            container_id: self.id.clone(),
+            pid: self.pid.as_raw_pid(),
+            start_time: self.start_time,
+            boot_id: self.boot_id.clone(),
+            state_root: self.runc.root().to_path_buf(),
+            bundle: self.bundle.clone(),
+        }
+    }
+
+    fn wait(&self) -> BoxFuture<'_, ExitInfo> {
+        self.wait_exit().boxed()
+    }
+
+    fn stop(&self, grace: Duration) -> BoxFuture<'_, ExitInfo> {
+        self.stop_container(grace).boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn capability_names_are_canonicalized_or_refused() {
+        assert_eq!(
+            canonical_capability("CAP_SYS_ADMIN").as_deref(),
+            Some("CAP_SYS_ADMIN")
+        );
+        assert_eq!(
+            canonical_capability("sys_admin").as_deref(),
+            Some("CAP_SYS_ADMIN")
+        );
+        assert_eq!(canonical_capability("CAP_MAKE_COFFEE"), None);
+        for name in ALL_CAPABILITIES.iter().chain(DEFAULT_CAPABILITIES) {
+            assert_eq!(canonical_capability(name).as_deref(), Some(*name));
+        }
+    }
+
+    #[test]
+    fn mesos_linux_info_capabilities_are_read_and_checked() {
+        let container = serde_json::json!({"linux_info": {"effective_capabilities":
+            {"capabilities": ["SYS_ADMIN", "MKNOD"]}}});
+        assert_eq!(
+            linux_info_capabilities(&container),
+            Ok(Some(vec![
+                "CAP_SYS_ADMIN".to_owned(),
+                "CAP_MKNOD".to_owned()
+            ]))
+        );
+        let older =
+            serde_json::json!({"linux_info": {"capability_info": {"capabilities": ["CHOWN"]}}});
+        assert_eq!(
+            linux_info_capabilities(&older),
+            Ok(Some(vec!["CAP_CHOWN".to_owned()]))
+        );
+        assert_eq!(linux_info_capabilities(&serde_json::json!({})), Ok(None));
+        let bad = serde_json::json!({"linux_info": {"effective_capabilities":
+            {"capabilities": ["SYS_ADMIN", "TEA"]}}});
+        assert_eq!(
+            linux_info_capabilities(&bad).map_err(|(field, _)| field),
+            Err("linux_info.effective_capabilities.capabilities[1]".to_owned())
+        );
+    }
+
+    #[test]
+    fn container_ids_keep_component_ids() {
+        let id = "csi-agent-org-example-test-default--CONTROLLER_SERVICE-NODE_SERVICE";
+        assert_eq!(container_id(id), id);
+        assert_eq!(container_id("a/b c"), "a_b_c");
+    }
+
+    #[test]
+    fn mesos_volumes_become_binds() {
+        let container = serde_json::json!({"volumes": [
+            {"container_path": "/state", "host_path": "/var/lib/p", "mode": "RW"},
+            {"container_path": "/ro", "mode": "RO",
+             "source": {"type": "HOST_PATH", "host_path": {"path": "/etc/p",
+                        "mount_propagation": {"mode": "BIDIRECTIONAL"}}}}
+        ]});
+        assert_eq!(
+            volumes(&container),
+            Ok(vec![
+                VolumeBind {
+                    container_path: "/state".into(),
+                    host_path: "/var/lib/p".into(),
+                    readonly: false,
+                    bidirectional: false
+                },
+                VolumeBind {
+                    container_path: "/ro".into(),
+                    host_path: "/etc/p".into(),
+                    readonly: true,
+                    bidirectional: true
+                },
+            ])
+        );
+        let bad = serde_json::json!({"volumes": [{"container_path": "rel", "host_path": "/x"}]});
+        assert_eq!(
+            volumes(&bad).map_err(|(field, _)| field),
+            Err("volumes[0].container_path".to_owned())
+        );
+        let bad = serde_json::json!({"volumes": [{"container_path": "/a", "host_path": "/x", "mode": "RX"}]});
+        assert_eq!(
+            volumes(&bad).map_err(|(field, _)| field),
+            Err("volumes[0].mode".to_owned())
+        );
+    }
+}

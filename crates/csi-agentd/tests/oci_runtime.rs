@@ -1,0 +1,575 @@
+//! The `oci` runtime end to end: the real `csi-agentd` runs the real `csi-testplugin` inside a
+//! runc container (runc must be installed: `scripts/test` and `.ci/run` install it), and the
+//! mounts the plugin makes inside the container reach the host. Real mounts: run under
+//! `unshare -m --propagation private`.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use csi_agent::mounts::MountTable;
+use csi_agent_api::PluginInfo;
+use serde_json::{Value, json};
+
+use common::*;
+
+const ID: &str = "csi-agent-org-example-test-default--CONTROLLER_SERVICE-NODE_SERVICE";
+
+/// The test plugin in a container on the host's root, its state dir given as a volume.
+fn oci_config(plugin_dir: &Path, runtime: Value) -> Value {
+    let mut config = managed_config(PLUGIN, plugin_dir, "vol1:1M,vol2:1M");
+    config["runtime"] = runtime;
+    config["containers"][0]["container"] = json!({
+        "type": "MESOS",
+        "volumes": [{"container_path": plugin_dir, "host_path": plugin_dir, "mode": "RW"}]
+    });
+    config["restart_backoff"] = json!({"initial_ms": 100, "max_ms": 500});
+    config["stop_grace_ms"] = json!(5000);
+    config
+}
+
+fn runc_list(socket_root: &Path) -> Vec<Value> {
+    let out = Command::new("runc")
+        .arg("--root")
+        .arg(socket_root.join("runc"))
+        .args(["list", "--format", "json"])
+        .output()
+        .expect("runc is installed (scripts/test installs it)");
+    assert!(
+        out.status.success(),
+        "runc list: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice::<Option<Vec<Value>>>(&out.stdout)
+        .unwrap()
+        .unwrap_or_default()
+}
+
+async fn wait_plugin(
+    daemon: &Daemon,
+    what: &str,
+    timeout: Duration,
+    mut check: impl FnMut(&PluginInfo) -> bool,
+) -> PluginInfo {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let info = daemon.api().plugin(PLUGIN).await;
+        if let Ok(info) = &info
+            && check(info)
+        {
+            return info.clone();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for {what}: {info:?}\n{}",
+            daemon_log(daemon)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn daemon_log(daemon: &Daemon) -> String {
+    std::fs::read_to_string(daemon.work.parent().unwrap().join("daemon.log")).unwrap_or_default()
+}
+
+fn ready_pid(info: &PluginInfo) -> Option<u32> {
+    info.components
+        .first()
+        .filter(|c| c.ready)
+        .and_then(|c| c.pid)
+}
+
+fn mount_ns(pid: u32) -> PathBuf {
+    std::fs::read_link(format!("/proc/{pid}/ns/mnt")).unwrap()
+}
+
+fn is_mounted(path: &Path) -> bool {
+    MountTable::read().unwrap().is_mount_point(path)
+}
+
+#[tokio::test]
+async fn the_plugin_runs_in_a_container_and_its_mounts_reach_the_host() {
+    csi_agent::mounts::require_private_mount_namespace();
+    let dir = tempfile::Builder::new()
+        .prefix("csi-oci-")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let plugin_dir = dir.path().join("plugin");
+    std::fs::create_dir_all(&plugin_dir).unwrap();
+    let mut daemon = Daemon::new(dir.path(), &[]);
+    let mut config = oci_config(&plugin_dir, json!({"kind": "oci"}));
+    config["containers"][0]["resources"] = json!([
+        {"name": "cpus", "type": "SCALAR", "scalar": {"value": 0.5}},
+        {"name": "mem", "type": "SCALAR", "scalar": {"value": 256}}
+    ]);
+    daemon.add_config("test.json", &config);
+    daemon.start();
+    let api = daemon.api();
+
+    // A volume published through csi-agent is mounted by the plugin inside its container
+    // and is the volume on the host.
+    let published = api.publish(&publish("vol1", "w1")).await.unwrap();
+    let target = PathBuf::from(&published.target_path);
+    assert!(
+        is_mounted(&target),
+        "{} is not a mount point on the host",
+        target.display()
+    );
+    std::fs::write(target.join("file"), b"from the host").unwrap();
+    assert_eq!(
+        std::fs::read(plugin_dir.join("volumes/vol1/file")).unwrap(),
+        b"from the host"
+    );
+
+    // It runs in a container of its own: its own mount namespace, known to runc.
+    let info = wait_plugin(&daemon, "the plugin ready", Duration::from_secs(20), |i| {
+        ready_pid(i).is_some()
+    })
+    .await;
+    let pid = ready_pid(&info).unwrap();
+    let daemon_pid = daemon.child.as_ref().unwrap().id();
+    assert_ne!(
+        mount_ns(pid),
+        mount_ns(daemon_pid),
+        "the plugin shares the daemon's mount namespace"
+    );
+    let listed = runc_list(&daemon.socket_root);
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0]["id"], ID);
+    assert_eq!(listed[0]["status"], "running");
+    assert_eq!(listed[0]["pid"], pid);
+    assert!(
+        !cgroups_of(&daemon.socket_root).is_empty(),
+        "the container has no cgroup of its own"
+    );
+    // `resources` are its cgroup limits: 0.5 CPU (a 50 ms quota per 100 ms), 256 MB.
+    let (memory, cpu) = cgroup_limits(&daemon.socket_root);
+    assert_eq!(memory, 256 * 1024 * 1024);
+    assert_eq!(cpu, (50_000, 100_000));
+    // A read-only root; the state dir given as a volume is writable.
+    let err = std::fs::write(format!("/proc/{pid}/root/csi-oci-probe"), b"x").unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(30), "{err}");
+    let inside = format!("/proc/{pid}/root{}/probe", plugin_dir.display());
+    std::fs::write(&inside, b"x").unwrap();
+    assert!(plugin_dir.join("probe").exists());
+
+    // Unpublish: the plugin's unmount inside the container removes the mount on the host.
+    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    assert!(!is_mounted(&target), "still mounted after unpublish");
+    assert!(!target.exists(), "the target is left behind");
+
+    // The container killed → restarted (a new init), and it serves again.
+    api.publish(&publish("vol2", "w2")).await.unwrap();
+    common_kill9(pid);
+    let info = wait_plugin(
+        &daemon,
+        "a restarted container",
+        Duration::from_secs(20),
+        |i| ready_pid(i).is_some_and(|p| p != pid),
+    )
+    .await;
+    let restarted = ready_pid(&info).unwrap();
+    assert!(info.components[0].restarts >= 1, "{info:?}");
+    assert_eq!(runc_list(&daemon.socket_root).len(), 1);
+    let again = api.publish(&publish("vol1", "w1")).await.unwrap();
+    assert!(is_mounted(Path::new(&again.target_path)));
+
+    // The daemon SIGKILLed → the container adopted (same init), and volumes keep working.
+    daemon.kill9();
+    assert!(Path::new(&format!("/proc/{restarted}")).exists());
+    daemon.start();
+    let api = daemon.api();
+    api.unpublish(&unpublish("vol2", "w2")).await.unwrap();
+    let info = wait_plugin(
+        &daemon,
+        "the adopted plugin",
+        Duration::from_secs(20),
+        |i| ready_pid(i).is_some(),
+    )
+    .await;
+    assert_eq!(ready_pid(&info), Some(restarted), "relaunched, not adopted");
+    assert_eq!(info.components[0].restarts, 0, "{info:?}");
+    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    assert!(
+        mounts_under(&daemon.work)
+            .iter()
+            .all(|m| m.ends_with("mounts"))
+    );
+
+    // The config removed → the container stopped and deleted, nothing left behind.
+    std::fs::remove_file(daemon.configs.join("test.json")).unwrap();
+    let report = api.reload().await.unwrap();
+    assert_eq!(report.removed, vec![PLUGIN.to_owned()]);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Path::new(&format!("/proc/{restarted}")).exists() && !is_zombie(restarted) {
+        assert!(Instant::now() < deadline, "the container still runs");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(runc_list(&daemon.socket_root), Vec::<Value>::new());
+    assert_eq!(mounts_under(dir.path()), Vec::<PathBuf>::new());
+    let containers = csi_agent::layout::Layout::new(&daemon.work).containers_dir(PLUGIN, "default");
+    assert!(!containers.exists(), "{} is left", containers.display());
+    assert_eq!(cgroups_of(&daemon.socket_root), Vec::<PathBuf>::new());
+}
+
+/// The container's memory limit (bytes) and CPU quota (quota, period in µs), from cgroup v1
+/// or v2, whichever the host has.
+fn cgroup_limits(socket_root: &Path) -> (u64, (i64, u64)) {
+    let dirs = cgroups_of(socket_root);
+    let read = |name: &str| -> Option<String> {
+        dirs.iter()
+            .find_map(|d| std::fs::read_to_string(d.join(name)).ok())
+            .map(|s| s.trim().to_owned())
+    };
+    if let Some(limit) = read("memory.limit_in_bytes") {
+        let quota = read("cpu.cfs_quota_us").unwrap().parse().unwrap();
+        let period = read("cpu.cfs_period_us").unwrap().parse().unwrap();
+        return (limit.parse().unwrap(), (quota, period));
+    }
+    let memory = read("memory.max").unwrap().parse().unwrap();
+    let cpu = read("cpu.max").unwrap();
+    let (quota, period) = cpu.split_once(' ').unwrap();
+    (memory, (quota.parse().unwrap(), period.parse().unwrap()))
+}
+
+fn common_kill9(pid: u32) {
+    let pid = rustix::process::Pid::from_raw(i32::try_from(pid).unwrap()).unwrap();
+    rustix::process::kill_process(pid, rustix::process::Signal::KILL).unwrap();
+}
+
+fn is_zombie(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        stat.rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'))
+    })
+}
+
+/// Cgroup dirs of the daemon in `socket_root` (`csi-agent-<hash of its runc root>-<id>`),
+/// in any hierarchy (v1 or v2).
+fn cgroups_of(socket_root: &Path) -> Vec<PathBuf> {
+    let mut hash: u32 = 0x811c_9dc5;
+    for byte in socket_root.join("runc").as_os_str().as_encoded_bytes() {
+        hash ^= u32::from(*byte);
+        hash = hash.wrapping_mul(0x0100_0193);
+    }
+    let name = format!("csi-agent-{hash:08x}-{ID}");
+    let mut roots: Vec<PathBuf> = std::fs::read_dir("/sys/fs/cgroup")
+        .map(|entries| entries.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    roots.push(PathBuf::from("/sys/fs/cgroup"));
+    roots
+        .into_iter()
+        .map(|root| root.join(&name))
+        .filter(|dir| dir.exists())
+        .collect()
+}
+
+#[tokio::test]
+async fn launch_errors_are_reported_on_the_plugin_naming_the_field() {
+    csi_agent::mounts::require_private_mount_namespace();
+    let dir = tempfile::Builder::new()
+        .prefix("csi-oci-err-")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let plugin_dir = dir.path().join("plugin");
+    std::fs::create_dir_all(&plugin_dir).unwrap();
+
+    // A bad capability name: the file is refused at load, naming the field.
+    let mut daemon = Daemon::new(dir.path(), &["--oci-runtime", "/nonexistent/bin/runc"]);
+    let mut bad_cap = oci_config(
+        &plugin_dir,
+        json!({"kind": "oci", "capabilities": ["CAP_SYS_ADMIN", "CAP_MAKE_COFFEE"]}),
+    );
+    bad_cap["type"] = json!("org.example.badcap");
+    daemon.add_config("badcap.json", &bad_cap);
+    // A memory limit below what a container can start with.
+    let mut bad_mem = oci_config(&plugin_dir, json!({"kind": "oci"}));
+    bad_mem["type"] = json!("org.example.badmem");
+    bad_mem["containers"][0]["resources"] =
+        json!([{"name": "mem", "type": "SCALAR", "scalar": {"value": 1}}]);
+    daemon.add_config("badmem.json", &bad_mem);
+    // runc missing (the daemon's --oci-runtime names a file that does not exist).
+    daemon.add_config(
+        "test.json",
+        &oci_config(&plugin_dir, json!({"kind": "oci"})),
+    );
+    daemon.start();
+    let api = daemon.api();
+    let plugins = api.plugins().await.unwrap();
+    let error = plugins
+        .config_errors
+        .iter()
+        .find(|e| e.file.ends_with("badcap.json"))
+        .unwrap_or_else(|| panic!("no error for badcap.json: {plugins:?}"));
+    assert!(
+        error.message.contains("runtime.capabilities[1]")
+            && error.message.contains("CAP_MAKE_COFFEE"),
+        "{}",
+        error.message
+    );
+    let error = plugins
+        .config_errors
+        .iter()
+        .find(|e| e.file.ends_with("badmem.json"))
+        .unwrap_or_else(|| panic!("no error for badmem.json: {plugins:?}"));
+    assert!(
+        error
+            .message
+            .contains("containers[0].resources[0].scalar.value")
+            && error.message.contains("below"),
+        "{}",
+        error.message
+    );
+    let publishing = {
+        let api = api.clone();
+        tokio::spawn(async move { api.publish(&publish("vol1", "w1")).await })
+    };
+    let info = wait_plugin(&daemon, "the launch error", Duration::from_secs(20), |i| {
+        i.error
+            .as_deref()
+            .is_some_and(|e| e.contains("/nonexistent/bin/runc"))
+    })
+    .await;
+    assert_eq!(info.state, "restarting", "{info:?}");
+    assert!(
+        info.error.as_deref().unwrap().contains("--oci-runtime"),
+        "{info:?}"
+    );
+    assert!(
+        info.components[0]
+            .error
+            .as_deref()
+            .is_some_and(|e| e.contains("/nonexistent/bin/runc")),
+        "{info:?}"
+    );
+    publishing.abort();
+    daemon.kill9();
+
+    // A rootfs that does not exist, with the real runc.
+    let mut daemon = Daemon::new(dir.path(), &[]);
+    std::fs::remove_file(daemon.configs.join("badcap.json")).unwrap();
+    std::fs::remove_file(daemon.configs.join("badmem.json")).unwrap();
+    daemon.add_config(
+        "test.json",
+        &oci_config(
+            &plugin_dir,
+            json!({"kind": "oci", "rootfs": "/nonexistent/rootfs"}),
+        ),
+    );
+    daemon.start();
+    let api = daemon.api();
+    let publishing = {
+        let api = api.clone();
+        tokio::spawn(async move { api.publish(&publish("vol1", "w1")).await })
+    };
+    let info = wait_plugin(&daemon, "the rootfs error", Duration::from_secs(20), |i| {
+        i.error
+            .as_deref()
+            .is_some_and(|e| e.contains("runtime.rootfs"))
+    })
+    .await;
+    assert!(
+        info.error
+            .as_deref()
+            .unwrap()
+            .contains("/nonexistent/rootfs"),
+        "{info:?}"
+    );
+    publishing.abort();
+    assert_eq!(runc_list(&daemon.socket_root), Vec::<Value>::new());
+}
+
+#[tokio::test]
+async fn a_container_stopped_while_the_daemon_was_down_is_replaced_and_a_changed_config_too() {
+    csi_agent::mounts::require_private_mount_namespace();
+    let dir = tempfile::Builder::new()
+        .prefix("csi-oci-re-")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let plugin_dir = dir.path().join("plugin");
+    std::fs::create_dir_all(&plugin_dir).unwrap();
+    let mut daemon = Daemon::new(dir.path(), &[]);
+    daemon.add_config(
+        "test.json",
+        &oci_config(&plugin_dir, json!({"kind": "oci"})),
+    );
+    daemon.start();
+    daemon.api().publish(&publish("vol1", "w1")).await.unwrap();
+    let first = ready_pid(
+        &wait_plugin(&daemon, "the plugin ready", Duration::from_secs(20), |i| {
+            ready_pid(i).is_some()
+        })
+        .await,
+    )
+    .unwrap();
+
+    // The daemon dies, then the container: runc still lists it, stopped.
+    daemon.kill9();
+    common_kill9(first);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while runc_list(&daemon.socket_root)
+        .first()
+        .is_none_or(|c| c["status"] != "stopped")
+    {
+        assert!(
+            Instant::now() < deadline,
+            "{:?}",
+            runc_list(&daemon.socket_root)
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Back: the stopped container is deleted and a new one serves.
+    daemon.start();
+    let api = daemon.api();
+    let published = api.publish(&publish("vol2", "w2")).await.unwrap();
+    assert!(is_mounted(Path::new(&published.target_path)));
+    let info = wait_plugin(&daemon, "a new container", Duration::from_secs(20), |i| {
+        ready_pid(i).is_some()
+    })
+    .await;
+    let second = ready_pid(&info).unwrap();
+    assert_ne!(second, first);
+    let listed = runc_list(&daemon.socket_root);
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0]["status"], "running");
+    assert_eq!(listed[0]["pid"], second);
+
+    // A changed config (here: the environment, and Mesos `linux_info` capabilities)
+    // replaces the container.
+    let mut changed = oci_config(&plugin_dir, json!({"kind": "oci"}));
+    changed["containers"][0]["command"]["environment"] =
+        json!({"variables": [{"name": "CHANGED", "value": "1"}]});
+    changed["containers"][0]["container"]["linux_info"] =
+        json!({"effective_capabilities": {"capabilities": ["SYS_ADMIN", "DAC_OVERRIDE"]}});
+    daemon.add_config("test.json", &changed);
+    let report = api.reload().await.unwrap();
+    assert_eq!(report.changed, vec![PLUGIN.to_owned()], "{report:?}");
+    let info = wait_plugin(
+        &daemon,
+        "the replaced container",
+        Duration::from_secs(20),
+        |i| ready_pid(i).is_some_and(|p| p != second),
+    )
+    .await;
+    let third = ready_pid(&info).unwrap();
+    let environ = std::fs::read(format!("/proc/{third}/environ")).unwrap();
+    assert!(
+        environ.split(|b| *b == 0).any(|v| v == b"CHANGED=1"),
+        "the new container lacks the new environment"
+    );
+    // CAP_DAC_OVERRIDE is bit 1, CAP_SYS_ADMIN bit 21: exactly those.
+    let status = std::fs::read_to_string(format!("/proc/{third}/status")).unwrap();
+    let effective = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .map(|hex| u64::from_str_radix(hex.trim(), 16).unwrap());
+    assert_eq!(effective, Some((1 << 1) | (1 << 21)), "{status}");
+    assert!(
+        !Path::new(&format!("/proc/{second}")).exists() || is_zombie(second),
+        "the outdated container still runs"
+    );
+    let listed = runc_list(&daemon.socket_root);
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0]["pid"], third);
+
+    // The volumes published through the older containers are unpublished by the new one.
+    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    api.unpublish(&unpublish("vol2", "w2")).await.unwrap();
+    std::fs::remove_file(daemon.configs.join("test.json")).unwrap();
+    api.reload().await.unwrap();
+    assert_eq!(runc_list(&daemon.socket_root), Vec::<Value>::new());
+    assert_eq!(mounts_under(dir.path()), Vec::<PathBuf>::new());
+}
+
+/// Live processes whose command line has `dir` as an argument (the test plugin's
+/// `--work-dir`), zombies excluded.
+fn plugin_processes(dir: &Path) -> Vec<u32> {
+    let wanted = dir.as_os_str().as_encoded_bytes().to_vec();
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        if cmdline
+            .split(|b| *b == 0)
+            .any(|arg| arg == wanted.as_slice())
+            && !is_zombie(pid)
+        {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+#[tokio::test]
+async fn a_daemon_killed_while_starting_a_container_leaves_exactly_one_after_restart() {
+    csi_agent::mounts::require_private_mount_namespace();
+    for point in [
+        csi_agent::runtime::oci::FP_AFTER_CREATE,
+        csi_agent::runtime::oci::FP_AFTER_START,
+    ] {
+        let dir = tempfile::Builder::new()
+            .prefix("csi-oci-fp-")
+            .tempdir_in("/tmp")
+            .unwrap();
+        let plugin_dir = dir.path().join("plugin");
+        std::fs::create_dir_all(&plugin_dir).unwrap();
+        let mut daemon = Daemon::new(dir.path(), &[]);
+        daemon.add_config(
+            "test.json",
+            &oci_config(&plugin_dir, json!({"kind": "oci"})),
+        );
+        daemon.env.push((
+            csi_agent::failpoint::ENV_VAR.to_owned(),
+            format!("{point}=exit"),
+        ));
+        daemon.start();
+        let failed = daemon.api().publish(&publish("vol1", "w1")).await;
+        assert!(failed.is_err(), "{point}: the publish succeeded");
+        daemon.wait_exit();
+        // The container is left behind, created or running, with no record of it.
+        let left = runc_list(&daemon.socket_root);
+        assert_eq!(left.len(), 1, "{point}: {left:?}");
+
+        daemon.env.clear();
+        daemon.start();
+        let api = daemon.api();
+        let published = api.publish(&publish("vol1", "w1")).await.unwrap();
+        assert!(is_mounted(Path::new(&published.target_path)), "{point}");
+        let info = wait_plugin(&daemon, "the plugin ready", Duration::from_secs(20), |i| {
+            ready_pid(i).is_some()
+        })
+        .await;
+        let pid = ready_pid(&info).unwrap();
+        let listed = runc_list(&daemon.socket_root);
+        assert_eq!(listed.len(), 1, "{point}: {listed:?}");
+        assert_eq!(listed[0]["status"], "running", "{point}");
+        assert_eq!(listed[0]["pid"], pid, "{point}");
+        assert_eq!(plugin_processes(&plugin_dir), vec![pid], "{point}");
+
+        api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+        std::fs::remove_file(daemon.configs.join("test.json")).unwrap();
+        api.reload().await.unwrap();
+        assert_eq!(
+            runc_list(&daemon.socket_root),
+            Vec::<Value>::new(),
+            "{point}"
+        );
+        assert_eq!(mounts_under(dir.path()), Vec::<PathBuf>::new(), "{point}");
+        assert_eq!(
+            cgroups_of(&daemon.socket_root),
+            Vec::<PathBuf>::new(),
+            "{point}"
+        );
+    }
+}
