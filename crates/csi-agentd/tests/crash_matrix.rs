@@ -813,3 +813,38 @@ async fn after_a_reboot_in_each_state_claimed_volumes_are_published_again() {
         started.elapsed().as_secs_f64()
     );
 }
+
+/// The progress notes of a publish lost with the daemon (killed before their flush) leave a
+/// record below what is mounted. A claim removed before the reconciler has done the steps
+/// again (here it cannot: the plugin refuses every step up with a final error, so the
+/// reconciler backs off between tries and lets the unpublish in) must still take down what the
+/// mount table shows, not leave the target and staging mounted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_removed_before_recovery_caught_up_undoes_what_lost_notes_hid() {
+    require_private_mount_namespace();
+    let mut node = Node::new(&format!("{VOLUME}:1Mi"));
+    node.start(None).await;
+    node.wait_recovered().await;
+    node.publish(VOLUME, WORKLOAD).await.unwrap();
+    node.kill9();
+    let on_disk = node.disk_record(VOLUME).expect("the claim is durable");
+    assert!(
+        level(&on_disk.state) < level("PUBLISHED"),
+        "the notes were flushed before the kill ({on_disk:?}): the test proves nothing"
+    );
+    assert!(node.mounts().contains(&node.target(VOLUME)));
+    node.set_faults(&json!({"rules": [
+        {"method": "ControllerPublishVolume", "fail": {"code": "INTERNAL", "message": "refused"}},
+        {"method": "NodeStageVolume", "fail": {"code": "INTERNAL", "message": "refused"}},
+        {"method": "NodePublishVolume", "fail": {"code": "INTERNAL", "message": "refused"}}
+    ]}));
+    node.start(None).await;
+    node.wait_recovered().await;
+    node.unpublish(VOLUME, WORKLOAD).await.unwrap();
+    node.converged(
+        &Want::new(),
+        &[VOLUME],
+        "the volume after its claim was removed",
+    )
+    .await;
+}

@@ -184,6 +184,10 @@ struct Slot {
     record: Option<VolumeRecord>,
     /// Secrets cached after a publish or first read, so that steps need not re-read the file.
     secrets: Option<VolumeSecrets>,
+    /// The record was loaded at recovery below the state its claims want, and no operation
+    /// has driven it since: its lost progress notes may hide steps done (mounts made). A
+    /// claim removed before the reconciler caught up must not take it down from there.
+    unconfirmed: bool,
 }
 
 /// The volumes of one plugin.
@@ -680,6 +684,14 @@ impl VolumeManager {
         up: bool,
     ) -> Result<VolumeState, VolumeError> {
         let deadline = Instant::now() + self.inner.config.operation_timeout;
+        if slot.unconfirmed && !up {
+            let (mounts_root, mounted) = self.mounted_under_mounts_root()?;
+            let volume_dir = mounts_root.join(crate::layout::encode_id(&record.volume_id));
+            if self.raise_to_mounts(&mut record, &volume_dir, &mounted) {
+                tracing::info!(plugin = %self.inner.config.plugin_type, volume_id = ?record.volume_id, state = ?record.state, "record raised to what the mount table shows before going down");
+            }
+            slot.unconfirmed = false;
+        }
         if slot
             .record
             .as_ref()
@@ -711,7 +723,11 @@ impl VolumeManager {
                 dirty = true;
             }
             match next_step(record.state, up, caps) {
-                Step::Done => break,
+                Step::Done => {
+                    // Every step up has been done (again) and recorded: the record is true.
+                    slot.unconfirmed = false;
+                    break;
+                }
                 Step::Skip(to) => {
                     self.after_skip(&record, to)?;
                     record.state = to;

@@ -32,6 +32,51 @@ pub struct RecoveryReport {
 }
 
 impl VolumeManager {
+    /// Raises a record going down to the step the mount table shows done (`mounted`: the
+    /// mount points under the plugin's mounts dir; `volume_dir`: this volume's, resolved the
+    /// same way), marking that step uncertain so that going down undoes it. True when the
+    /// record changed.
+    pub(super) fn raise_to_mounts(
+        &self,
+        record: &mut VolumeRecord,
+        volume_dir: &std::path::Path,
+        mounted: &std::collections::HashSet<std::path::PathBuf>,
+    ) -> bool {
+        let target_mounted = mounted.contains(&volume_dir.join("target"));
+        let staging_mounted = mounted.contains(&volume_dir.join("staging"));
+        let raised = if target_mounted && record.state.level() < VolumeState::NodePublish.level() {
+            VolumeState::NodePublish
+        } else if staging_mounted && record.state.level() < VolumeState::NodeStage.level() {
+            VolumeState::NodeStage
+        } else {
+            return false;
+        };
+        record.state = raised;
+        record.boot_id = Some(self.inner.boot_id.clone());
+        true
+    }
+
+    /// The mount points under this plugin's mounts dir, and the dir as they name it.
+    pub(super) fn mounted_under_mounts_root(
+        &self,
+    ) -> Result<
+        (
+            std::path::PathBuf,
+            std::collections::HashSet<std::path::PathBuf>,
+        ),
+        VolumeError,
+    > {
+        let table = mount_table()?;
+        let mounts_root =
+            std::fs::canonicalize(self.mounts_root()).unwrap_or_else(|_| self.mounts_root());
+        let mounted = table
+            .mounts_under(&mounts_root)
+            .into_iter()
+            .map(|m| m.mount_point.clone())
+            .collect();
+        Ok((mounts_root, mounted))
+    }
+
     /// Loads and repairs every record, then starts reconciling the volumes that need it.
     pub async fn recover(&self) -> Result<RecoveryReport, VolumeError> {
         let started = Instant::now();
@@ -85,27 +130,13 @@ impl VolumeManager {
             // crash): when the volume is to go down, make the step uncertain so that the
             // reconciler undoes it instead of leaking it. A volume going up needs no
             // correction: it repeats every step from where the record is, and CSI makes each
-            // one idempotent — which also gets back a publish_context a lost note held.
+            // one idempotent — which also gets back a publish_context a lost note held. But
+            // until it has, a claim removed meanwhile would take it down from the recorded
+            // step: the slot remembers that the record is unconfirmed (see `drive`).
             let volume_dir = mounts_root.join(crate::layout::encode_id(&record.volume_id));
-            let target_mounted =
-                !mounted.is_empty() && mounted.contains(&volume_dir.join("target"));
-            let staging_mounted =
-                !mounted.is_empty() && mounted.contains(&volume_dir.join("staging"));
-            let going_down = !record.wants_published();
-            if going_down
-                && target_mounted
-                && record.state.level() < VolumeState::NodePublish.level()
+            let unconfirmed = record.wants_published() && record.state != VolumeState::Published;
+            if !record.wants_published() && self.raise_to_mounts(&mut record, &volume_dir, &mounted)
             {
-                record.state = VolumeState::NodePublish;
-                record.boot_id = Some(self.inner.boot_id.clone());
-                report.corrected_by_mount_table += 1;
-                changed = true;
-            } else if going_down
-                && staging_mounted
-                && record.state.level() < VolumeState::NodeStage.level()
-            {
-                record.state = VolumeState::NodeStage;
-                record.boot_id = Some(self.inner.boot_id.clone());
                 report.corrected_by_mount_table += 1;
                 changed = true;
             }
@@ -136,6 +167,7 @@ impl VolumeManager {
             let volume_id = record.volume_id.clone();
             let slot = self.slot(&volume_id);
             let mut guard = slot.lock().await;
+            guard.unconfirmed = unconfirmed;
             if changed {
                 self.persist(&mut guard, record).await?;
             } else {
