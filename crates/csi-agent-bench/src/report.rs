@@ -319,6 +319,12 @@ pub fn throughput_table(r: &ThroughputReport) -> String {
     );
     let _ = writeln!(
         out,
+        "- Durable writes (store commits) of the daemon under {} clients: {:.3} per publish, \
+         {:.3} per unpublish (group commit shares them).",
+        r.concurrency, r.daemon_writes_per_publish, r.daemon_writes_per_unpublish
+    );
+    let _ = writeln!(
+        out,
         "- §9 throughput check: daemon publish {:.2}× raw (target ≥ {:.1}×) → {}; unpublish \
          {:.2}× → {}.\n",
         r.daemon_to_raw_publish,

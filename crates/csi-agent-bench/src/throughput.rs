@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use serde::Serialize;
 
-use crate::daemon::{Daemon, DaemonDirs, PluginSpec};
+use crate::daemon::{Checkpoints, Daemon, DaemonDirs, PluginSpec};
 use crate::env::{Env, Machine, PLUGIN_TYPE};
 use crate::raw::{Engine, Raw};
 
@@ -62,6 +62,10 @@ pub struct ThroughputReport {
     pub daemon_to_raw_unpublish: f64,
     pub daemon_to_raw_cycle: f64,
     pub min_ratio: f64,
+    /// The daemon's durable writes (store commits, one fsync each) per publish and per
+    /// unpublish under this concurrency: what group commit shares.
+    pub daemon_writes_per_publish: f64,
+    pub daemon_writes_per_unpublish: f64,
     /// Publish throughput of the daemon ≥ 0.8 × raw.
     pub pass: bool,
     pub pass_unpublish: bool,
@@ -78,7 +82,7 @@ pub struct Rates {
     pub unpublish_rounds: Vec<f64>,
 }
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Contender {
     Raw,
     Engine,
@@ -154,6 +158,11 @@ pub async fn run(env: &Env, args: &ThroughputArgs) -> anyhow::Result<ThroughputR
 
     let mut publish: [Vec<Duration>; 3] = Default::default();
     let mut unpublish: [Vec<Duration>; 3] = Default::default();
+    // The daemon's durable writes (store commits) during its measured phases.
+    let (mut publish_writes, mut unpublish_writes) = (0.0, 0.0);
+    let writes = || async {
+        Ok::<f64, anyhow::Error>(Checkpoints::parse(&daemon.metrics_text().await?).writes)
+    };
     for round in 0..args.rounds {
         for k in 0..ORDER.len() {
             let index = (round + k) % ORDER.len();
@@ -167,10 +176,17 @@ pub async fn run(env: &Env, args: &ThroughputArgs) -> anyhow::Result<ThroughputR
             );
             let settle = Duration::from_secs(args.settle_s);
             tokio::time::sleep(settle).await;
+            let before = writes().await?;
             publish[index].push(phase(&shared, who, true, args.volumes, args.concurrency).await?);
+            let between = writes().await?;
             tokio::time::sleep(settle).await;
+            let after_settle = writes().await?;
             unpublish[index]
                 .push(phase(&shared, who, false, args.volumes, args.concurrency).await?);
+            if who == Contender::Daemon {
+                publish_writes += between - before;
+                unpublish_writes += writes().await? - after_settle;
+            }
         }
     }
     drop(shared);
@@ -196,6 +212,8 @@ pub async fn run(env: &Env, args: &ThroughputArgs) -> anyhow::Result<ThroughputR
         daemon_to_raw_unpublish: ratio(daemon_rates.unpublish_per_s, raw.unpublish_per_s),
         daemon_to_raw_cycle: ratio(daemon_rates.cycle_per_s, raw.cycle_per_s),
         min_ratio: MIN_RATIO,
+        daemon_writes_per_publish: publish_writes / (args.rounds * args.volumes) as f64,
+        daemon_writes_per_unpublish: unpublish_writes / (args.rounds * args.volumes) as f64,
         pass: daemon_rates.publish_per_s >= MIN_RATIO * raw.publish_per_s,
         pass_unpublish: daemon_rates.unpublish_per_s >= MIN_RATIO * raw.unpublish_per_s,
         raw,
