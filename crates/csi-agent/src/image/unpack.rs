@@ -40,7 +40,12 @@
 //!   A skipped or failing attribute is counted in [`Report::xattrs_not_kept`], not an error.
 //! - Limits ([`Limits`]) bound the entry count, name length and depth, the bytes written to
 //!   files (sparse files counted as expanded) and the decompressed stream, so a hostile layer
-//!   cannot fill the disk or run unbounded.
+//!   cannot fill the disk or run unbounded. Known gap: the tar crate reads a GNU long name
+//!   or long link record, and a PAX record, whole into memory before the entry it describes
+//!   reaches this module, so the memory one such record takes is bounded only by
+//!   `max_layer_bytes`. Closing it means iterating the tar raw and parsing those records
+//!   here, with their own bound (GNU sparse files and PAX `size` would then need handling
+//!   here too).
 //!
 //! On any error the root is left partly written: the caller must discard it (unpack into a
 //! fresh directory and rename it into place only when every layer applied). Nothing is
