@@ -1110,3 +1110,117 @@ fn io_error(shown: &str, op: &'static str, errno: Errno) -> UnpackError {
         source: errno.into(),
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    fn layer(limits: &Limits) -> Layer<'_> {
+        Layer {
+            root: Path::new("/nonexistent"),
+            root_fd: beneath::open_root(Path::new("/")).unwrap(),
+            limits,
+            as_root: false,
+            report: Report::default(),
+            ours: HashSet::new(),
+            dirs: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn names_are_normalised_like_docker_and_dotdot_refused() {
+        let limits = Limits::default();
+        let layer = layer(&limits);
+        let parts = |raw: &str| {
+            layer
+                .components(raw.as_bytes(), raw, Refusal::ParentDir)
+                .map(|c| {
+                    c.iter()
+                        .map(|p| String::from_utf8_lossy(p).into_owned())
+                        .collect::<Vec<_>>()
+                        .join("/")
+                })
+        };
+        for (raw, want) in [
+            ("a/b", "a/b"),
+            ("/a/b", "a/b"),
+            ("./a/b/", "a/b"),
+            ("//a/./b", "a/b"),
+            ("./", ""),
+            ("...", "..."),
+            ("..a/b..", "..a/b.."),
+        ] {
+            assert_eq!(parts(raw).unwrap(), want, "{raw:?}");
+        }
+        for raw in ["..", "../a", "a/../b", "a/..", "/../a"] {
+            assert!(
+                matches!(
+                    parts(raw),
+                    Err(UnpackError::Refused {
+                        reason: Refusal::ParentDir,
+                        ..
+                    })
+                ),
+                "{raw:?}"
+            );
+        }
+        assert!(matches!(
+            layer.components(b"a\0b", "a", Refusal::ParentDir),
+            Err(UnpackError::Refused {
+                reason: Refusal::Nul,
+                ..
+            })
+        ));
+        let long = "x".repeat(256);
+        assert!(matches!(
+            parts(&long),
+            Err(UnpackError::Limit {
+                limit: LimitKind::ComponentBytes,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn a_path_this_layer_made_is_recorded_with_its_ancestors() {
+        let limits = Limits::default();
+        let mut layer = layer(&limits);
+        layer.record(&[b"a".to_vec(), b"b".to_vec(), b"c".to_vec()]);
+        for path in ["a", "a/b", "a/b/c"] {
+            assert!(layer.ours.contains(path.as_bytes()), "{path}");
+        }
+        assert!(!layer.ours.contains(&b"a/b/d"[..]));
+        assert_eq!(layer.ours.len(), 3);
+    }
+
+    #[test]
+    fn the_bound_trips_past_the_limit_not_at_it() {
+        let exceeded = Rc::new(Cell::new(false));
+        let mut exact = Bounded {
+            inner: &[1u8; 10][..],
+            left: 10,
+            exceeded: Rc::clone(&exceeded),
+        };
+        let mut out = Vec::new();
+        exact.read_to_end(&mut out).unwrap();
+        assert_eq!(out.len(), 10);
+        assert!(!exceeded.get());
+        let mut over = Bounded {
+            inner: &[1u8; 11][..],
+            left: 10,
+            exceeded: Rc::clone(&exceeded),
+        };
+        assert!(over.read_to_end(&mut Vec::new()).is_err());
+        assert!(exceeded.get());
+    }
+
+    #[test]
+    fn empty_numeric_fields_read_as_zero_and_garbage_does_not() {
+        let mut header = tar::Header::new_ustar();
+        header.as_mut_bytes()[108..116].fill(0);
+        assert_eq!(lenient(&header, 108..116, header.uid()).unwrap(), 0);
+        header.as_mut_bytes()[108..116].copy_from_slice(b"zzzzzzz\0");
+        assert!(lenient(&header, 108..116, header.uid()).is_err());
+    }
+}
