@@ -1,0 +1,19 @@
+//! The image store's local half: a content-addressed blob store and the safe application of
+//! layer tars to a root file system (issue #13, plugin images). Not wired into the daemon yet.
+//!
+//! It owns two things:
+//! - [`blobs`]: `blobs/sha256/<hex>` under a directory the caller chooses. A blob enters only
+//!   whole and verified (digest and size checked while streaming, fsynced, renamed into place,
+//!   the directory fsynced); a partial or mismatching blob is never visible under its name.
+//! - [`unpack`]: applying a layer tar (plain or gzip) to a root directory in the OCI layer
+//!   semantics (whiteouts, opaque directories), creating every entry with `*at` syscalls
+//!   relative to a parent fd reached beneath the root without following symlinks
+//!   ([`crate::beneath`]), within configurable limits.
+//!
+//! It must not talk to a registry or the network, decide where in the work dir the store lives,
+//! nor decide which roots are safe to unpack into: the caller hands it a directory it owns
+//! (an empty temp dir it will rename into place once every layer is applied). Layer tars are
+//! treated as hostile input; the root directory given is trusted as the operator's.
+
+pub mod blobs;
+pub mod unpack;
