@@ -26,6 +26,8 @@ const VOLUMES: usize = 8;
 const WORKLOADS: usize = 4;
 /// Every request must be answered within this, chaos or not.
 const REQUEST_BOUND: Duration = Duration::from_secs(60);
+/// The value of the node-stage secret `publish_request` sends.
+const SECRET: &str = "crash-matrix";
 
 /// A small xorshift: the run is reproducible from its seed without another dependency.
 struct Rng(u64);
@@ -224,6 +226,25 @@ async fn sixteen_clients_under_plugin_and_daemon_kills_converge() {
         })
         .collect();
 
+    // Health is asked every 50 ms throughout: while a daemon is up it must answer promptly,
+    // however busy the storm keeps it.
+    let health = tokio::spawn({
+        let api = api.clone();
+        async move {
+            let mut slowest = Duration::ZERO;
+            let mut answered = 0u64;
+            while Instant::now() < until {
+                let asked = Instant::now();
+                if api.health().await.is_ok() {
+                    slowest = slowest.max(asked.elapsed());
+                    answered += 1;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            (answered, slowest)
+        }
+    });
+
     // The chaos: every 1–3 s, SIGKILL the plugin or SIGKILL and restart the daemon.
     let (mut plugin_kills, mut daemon_kills) = (0u32, 0u32);
     while Instant::now() + Duration::from_secs(1) < until {
@@ -241,6 +262,13 @@ async fn sixteen_clients_under_plugin_and_daemon_kills_converge() {
     for client in clients {
         client.await.unwrap();
     }
+    let (health_answers, health_slowest) = health.await.unwrap();
+    println!("soak: health answered {health_answers} times, slowest {health_slowest:?}");
+    assert!(health_answers > 0, "health never answered");
+    assert!(
+        health_slowest < Duration::from_secs(1),
+        "health took {health_slowest:?} during the storm"
+    );
     let stats = std::mem::take(&mut *stats.lock().unwrap());
     println!(
         "soak: {plugin_kills} plugin kills, {daemon_kills} daemon kills; {} publishes and {} unpublishes acknowledged, errors {:?}, slowest answer {:?}",
@@ -363,6 +391,11 @@ async fn sixteen_clients_under_plugin_and_daemon_kills_converge() {
         assert!(
             !log.contains("panicked"),
             "daemon start {start} panicked: {log}"
+        );
+        // The node-stage secret every publish carries (`publish_request`) never reaches a log.
+        assert!(
+            !log.contains(SECRET),
+            "daemon start {start} logged the secret"
         );
     }
 }
