@@ -685,7 +685,7 @@ impl VolumeManager {
     ) -> Result<VolumeState, VolumeError> {
         let deadline = Instant::now() + self.inner.config.operation_timeout;
         if slot.unconfirmed && !up {
-            let (mounts_root, mounted) = self.mounted_under_mounts_root()?;
+            let (mounts_root, mounted) = self.mounted_under_mounts_root(&mount_table()?);
             let volume_dir = mounts_root.join(crate::layout::encode_id(&record.volume_id));
             if self.raise_to_mounts(&mut record, &volume_dir, &mounted) {
                 tracing::info!(plugin = %self.inner.config.plugin_type, volume_id = ?record.volume_id, state = ?record.state, "record raised to what the mount table shows before going down");

@@ -56,17 +56,16 @@ impl VolumeManager {
         true
     }
 
-    /// The mount points under this plugin's mounts dir, and the dir as they name it.
+    /// The mount points of `table` under this plugin's mounts dir, and the dir as they name
+    /// it: one lookup set for the whole plugin instead of resolving two paths per record
+    /// (10,000 records would mean hundreds of thousands of readlink calls).
     pub(super) fn mounted_under_mounts_root(
         &self,
-    ) -> Result<
-        (
-            std::path::PathBuf,
-            std::collections::HashSet<std::path::PathBuf>,
-        ),
-        VolumeError,
-    > {
-        let table = mount_table()?;
+        table: &crate::mounts::MountTable,
+    ) -> (
+        std::path::PathBuf,
+        std::collections::HashSet<std::path::PathBuf>,
+    ) {
         let mounts_root =
             std::fs::canonicalize(self.mounts_root()).unwrap_or_else(|_| self.mounts_root());
         let mounted = table
@@ -74,7 +73,7 @@ impl VolumeManager {
             .into_iter()
             .map(|m| m.mount_point.clone())
             .collect();
-        Ok((mounts_root, mounted))
+        (mounts_root, mounted)
     }
 
     /// Loads and repairs every record, then starts reconciling the volumes that need it.
@@ -93,15 +92,7 @@ impl VolumeManager {
             tracing::error!(plugin = %self.inner.config.plugin_type, %problem, "volume record unreadable");
         }
         let table = mount_table()?;
-        // One lookup set for the whole plugin instead of resolving two paths per record
-        // (10,000 records would mean hundreds of thousands of readlink calls).
-        let mounts_root =
-            std::fs::canonicalize(self.mounts_root()).unwrap_or_else(|_| self.mounts_root());
-        let mounted: std::collections::HashSet<std::path::PathBuf> = table
-            .mounts_under(&mounts_root)
-            .into_iter()
-            .map(|m| m.mount_point.clone())
-            .collect();
+        let (mounts_root, mounted) = self.mounted_under_mounts_root(&table);
         for entry in loaded.records {
             let mut record = entry.record;
             // The directory name is the truth for which volume this is.
