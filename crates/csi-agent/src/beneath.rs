@@ -206,11 +206,9 @@ fn open_dir_once(
             }
             Err(BeneathError::NotFound { .. }) if create.is_some() => {
                 let mode = create.unwrap_or(Mode::RWXU);
-                match rustix::fs::mkdirat(parent, name, mode) {
-                    Ok(()) => {
-                        created += 1;
-                        mark_created(parent, name);
-                    }
+                purge_stale_new_dirs_in(parent);
+                match mkdir_marked(parent, name, mode) {
+                    Ok(()) => created += 1,
                     // Made by someone else meanwhile: use it, it is not ours to remove.
                     Err(Errno::EXIST) => created = 0,
                     Err(Errno::NOENT) => {
@@ -283,18 +281,96 @@ fn is_symlink(parent: BorrowedFd<'_>, name: &OsStr) -> bool {
 /// user cannot mark a directory of their own for removal.
 const CREATED_MARK: &str = "trusted.csi-agent.created";
 
-/// Marks `name` beneath `parent` as created by csi-agent; best effort (a file system without
-/// extended attributes keeps the count-only behaviour).
-fn mark_created(parent: BorrowedFd<'_>, name: &OsStr) {
+/// The name prefix of a directory being created: it is made and marked under this name, then
+/// renamed to its own, so that a directory never exists under its real name unmarked (a kill
+/// between a plain `mkdir` and the mark left a directory nobody would remove).
+const NEW_DIR_PREFIX: &str = ".csi-agent-mkdir.";
+
+/// This process's part of [`NEW_DIR_PREFIX`] names: a directory being made by another
+/// (killed) process is stale and may be purged; one of ours may be in flight on another thread.
+fn new_dir_token() -> &'static str {
+    static TOKEN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    TOKEN.get_or_init(|| format!("{:016x}", rand::random::<u64>()))
+}
+
+/// Creates `name` beneath `parent`, already marked as created by csi-agent: made under a
+/// temporary name, marked, then renamed into place without replacing anything. `EEXIST`
+/// means someone else made `name` first. A file system without extended attributes still
+/// gets the directory (the count a bind records then is the only trace).
+fn mkdir_marked(parent: BorrowedFd<'_>, name: &OsStr, mode: Mode) -> Result<(), Errno> {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static SEQUENCE: AtomicU64 = AtomicU64::new(0);
+    let temp = format!(
+        "{NEW_DIR_PREFIX}{}.{}",
+        new_dir_token(),
+        SEQUENCE.fetch_add(1, Ordering::Relaxed)
+    );
+    rustix::fs::mkdirat(parent, temp.as_str(), mode)?;
     let marked = rustix::fs::openat(
         parent,
-        name,
+        temp.as_str(),
         OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
         Mode::empty(),
     )
     .and_then(|fd| rustix::fs::fsetxattr(&fd, CREATED_MARK, b"1", rustix::fs::XattrFlags::empty()));
     if let Err(errno) = marked {
         tracing::debug!(dir = ?name, %errno, "dir created for bind_to not marked");
+    }
+    if crate::failpoint::hit("beneath.mkdir.before_rename").is_err() {
+        let _ = rustix::fs::unlinkat(parent, temp.as_str(), AtFlags::REMOVEDIR);
+        return Err(Errno::IO);
+    }
+    let renamed = rustix::fs::renameat_with(
+        parent,
+        temp.as_str(),
+        parent,
+        name,
+        rustix::fs::RenameFlags::NOREPLACE,
+    );
+    if renamed.is_err() {
+        let _ = rustix::fs::unlinkat(parent, temp.as_str(), AtFlags::REMOVEDIR);
+    }
+    renamed
+}
+
+/// Removes, inside the directory `name` beneath `parent`, the empty marked directories a
+/// killed process left while creating them (see [`NEW_DIR_PREFIX`]), so that they do not keep
+/// the directory from being removed. Best effort: anything unexpected is left alone.
+fn purge_stale_new_dirs(parent: BorrowedFd<'_>, name: &OsStr) {
+    if let Ok(dir) = rustix::fs::openat(
+        parent,
+        name,
+        OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    ) {
+        purge_stale_new_dirs_in(dir.as_fd());
+    }
+}
+
+/// [`purge_stale_new_dirs`] of the directory `dir` itself (an `O_PATH` fd will do).
+fn purge_stale_new_dirs_in(dir: BorrowedFd<'_>) {
+    let Ok(dir_fd) = rustix::fs::openat(
+        dir,
+        ".",
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    ) else {
+        return;
+    };
+    let Ok(entries) = rustix::fs::Dir::read_from(&dir_fd) else {
+        return;
+    };
+    let ours = format!("{NEW_DIR_PREFIX}{}.", new_dir_token());
+    // Bounded: a directory a workload filled with entries is not scanned to the end.
+    for entry in entries.take(4096).flatten() {
+        let entry_name = OsStr::from_bytes(entry.file_name().to_bytes());
+        let bytes = entry_name.as_bytes();
+        if !bytes.starts_with(NEW_DIR_PREFIX.as_bytes()) || bytes.starts_with(ours.as_bytes()) {
+            continue;
+        }
+        if is_marked_created(dir_fd.as_fd(), entry_name) {
+            let _ = rustix::fs::unlinkat(&dir_fd, entry_name, AtFlags::REMOVEDIR);
+        }
     }
 }
 
@@ -344,6 +420,7 @@ pub fn remove_trailing_dirs(
         if !ours_by_count && !is_marked_created(dir, name) {
             return Ok(());
         }
+        purge_stale_new_dirs(dir, name);
         match rustix::fs::unlinkat(dir, name, AtFlags::REMOVEDIR) {
             Ok(()) | Err(Errno::NOENT) => {}
             Err(Errno::NOTEMPTY | Errno::EXIST) => return Ok(()),

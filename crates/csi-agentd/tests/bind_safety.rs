@@ -525,6 +525,57 @@ async fn a_crash_between_the_bind_and_its_record_is_adopted_not_doubled() {
 }
 
 #[tokio::test]
+async fn a_crash_while_making_the_dirs_of_a_bind_leaves_nothing_once_unpublished() {
+    let mut scene = Scene::with_extra(&[]);
+    // `rootfs` is made and renamed into place; the daemon dies while `mnt` is being made
+    // inside it, leaving `mnt`'s temporary dir behind.
+    scene
+        .daemon
+        .stop_and_set_env("CSI_AGENT_FAILPOINTS", "beneath.mkdir.before_rename=2*exit");
+    scene.daemon.start();
+    let bind = scene.root.join("w1/rootfs/mnt/data");
+    let result = scene
+        .daemon
+        .api()
+        .publish(&scene.bind_request("vol1", "w1", &bind))
+        .await;
+    assert!(
+        result.is_err(),
+        "the daemon dies at the failpoint: {result:?}"
+    );
+    scene.daemon.wait_exit();
+    let left: Vec<String> = std::fs::read_dir(scene.root.join("w1/rootfs"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        left.len() == 1 && left[0].starts_with(".csi-agent-mkdir."),
+        "only the temporary dir of `mnt` is there: {left:?}"
+    );
+    assert!(
+        !scene.root.join("w1/rootfs/mnt").exists(),
+        "never unmarked under its name"
+    );
+    scene.daemon.stop_and_set_env("CSI_AGENT_FAILPOINTS", "");
+    scene.daemon.start();
+    let api = scene.daemon.api();
+    // Whatever recovery made of the lost attempt, the retried publish binds and the unpublish
+    // removes every dir made for it, the stale temporary one included.
+    api.publish(&scene.bind_request("vol1", "w1", &bind))
+        .await
+        .unwrap();
+    assert_eq!(scene.binds(), vec![bind.clone()]);
+    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    assert!(scene.binds().is_empty());
+    assert!(
+        !scene.root.join("w1/rootfs").exists(),
+        "the dirs made for the bind are gone, the killed attempt's too"
+    );
+    assert!(scene.root.join("w1").is_dir(), "what existed before stays");
+    scene.assert_victim_intact();
+}
+
+#[tokio::test]
 async fn a_published_record_whose_bind_is_missing_is_bound_again() {
     let mut scene = Scene::new();
     let bind = scene.root.join("w1/data");
