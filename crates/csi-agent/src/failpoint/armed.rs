@@ -1,41 +1,8 @@
-//! Named failpoints: points in engine code where a test can inject a crash, an error or a
-//! delay ("before and after every durable write and every RPC").
+//! The armed half of [`crate::failpoint`], compiled only with the `failpoints` cargo feature:
+//! the registry of armed points, the `CSI_AGENT_FAILPOINTS` parser and the hit counters.
 //!
-//! This module owns the mechanism only: the registry of armed points, the
-//! `CSI_AGENT_FAILPOINTS` syntax, and the hit counters. Each module names its own points
-//! (`store.write.before_rename`, `volume.node_stage.before_rpc`, ...) and calls [`hit`]. This
-//! module must not know any point's name, and it must cost nothing measurable when nothing is
-//! armed: [`hit`] is then one relaxed atomic load.
-//!
-//! # Actions
-//! - `exit`: the process dies at once, like `kill -9`: it sends itself `SIGKILL` (falling back
-//!   to [`std::process::abort`]), so no destructor runs, no buffer is flushed and no file is
-//!   closed cleanly. A parent sees the child killed by signal 9.
-//! - `error`: [`hit`] returns [`FailpointError`], which the caller propagates as a failure.
-//! - `sleep(MS)`: the calling thread sleeps `MS` milliseconds (a blocking sleep: on an async
-//!   runtime it stalls that worker, which is what a slow disk or a slow syscall does too).
-//! - `off`: disarms the point (useful to override an earlier entry).
-//!
-//! An action may be prefixed by `N*`: it then fires on the N-th hit only (counted from the
-//! moment it was armed) and the point is inert before and after. Without a count it fires on
-//! every hit.
-//!
-//! # Arming
-//! - Programmatically: [`arm`], [`arm_nth`], [`disarm`], [`disarm_all`].
-//! - For one thread only: [`arm_local`] returns a guard; the point fires only on the calling
-//!   thread until the guard is dropped. Tests in one binary run in parallel threads, so a test
-//!   that breaks `store.write.before_rename` for everyone would break its neighbours; a local
-//!   arm does not (it suits synchronous code and current-thread async runtimes).
-//! - From the environment: `CSI_AGENT_FAILPOINTS="name=action;name=N*action;..."`, e.g.
-//!   `store.write.after_rename=exit;volume.node_stage.before_rpc=2*error;x=sleep(50)`. It is
-//!   read once, at the first [`hit`] of the process, or earlier by [`init_from_env`], which
-//!   reports a malformed spec (the daemon should call it at start-up and refuse to run on
-//!   error). A malformed spec found lazily by [`hit`] is logged and ignored, since [`hit`]
-//!   cannot fail the caller for it.
-//!
-//! # Counting
-//! While anything is armed (or [`count_hits`] is on), every [`hit`] is counted per name and
-//! [`hits`] reads the count. Nothing is counted on the unarmed fast path.
+//! It must not be reachable from a release build: nothing here is compiled without the
+//! feature, so no environment variable can make a production daemon kill itself.
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -43,8 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-/// The environment variable read by [`init_from_env`] and by the first [`hit`].
-pub const ENV_VAR: &str = "CSI_AGENT_FAILPOINTS";
+use super::{ENV_VAR, FailpointError, SpecError};
 
 /// What an armed failpoint does when it fires.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -71,21 +37,6 @@ impl Trigger {
     pub fn always(action: Action) -> Self {
         Self { action, nth: None }
     }
-}
-
-/// The error an `error` failpoint injects.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("failpoint {name} injected an error")]
-pub struct FailpointError {
-    pub name: String,
-}
-
-/// A malformed failpoint spec; names the offending entry.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("bad failpoint spec entry `{entry}`: {reason}")]
-pub struct SpecError {
-    pub entry: String,
-    pub reason: String,
 }
 
 /// One armed point and how many hits it has seen since it was armed.
@@ -592,7 +543,7 @@ mod tests {
         let output = Command::new(std::env::current_exe().unwrap())
             .args([
                 "--exact",
-                "failpoint::tests::exit_child",
+                "failpoint::armed::tests::exit_child",
                 "--nocapture",
                 "--test-threads=1",
             ])
