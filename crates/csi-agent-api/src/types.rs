@@ -82,6 +82,9 @@ impl ErrorCode {
 impl fmt::Display for ErrorBody {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.grpc_code {
+            // Said once: a message that already names the code (`NodeStageVolume failed:
+            // NOT_FOUND: ...`) is not followed by it again.
+            Some(grpc) if self.message.contains(grpc.as_str()) => f.write_str(&self.message),
             Some(grpc) => write!(f, "{} (plugin said {grpc})", self.message),
             None => f.write_str(&self.message),
         }

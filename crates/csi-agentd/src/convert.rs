@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use csi_agent::client::code_name;
+use csi_agent::client::{RpcErrorKind, code_name};
 use csi_agent::server::ServerError;
 use csi_agent::volume::{AccessMode, AccessType, Capability, Origin, VolumeError, VolumeRecord};
 use csi_agent_api as api;
@@ -30,7 +30,9 @@ impl From<VolumeError> for ApiFailure {
     fn from(err: VolumeError) -> Self {
         let message = err.to_string();
         match &err {
-            VolumeError::InvalidRequest(_) => Self::new(api::ErrorCode::InvalidRequest, message),
+            VolumeError::InvalidRequest(_) | VolumeError::NotServed { .. } => {
+                Self::new(api::ErrorCode::InvalidRequest, message)
+            }
             VolumeError::Conflict(_) => Self::new(api::ErrorCode::Conflict, message),
             VolumeError::Plugin(rpc) => {
                 let code = if rpc.is_transient() {
@@ -41,7 +43,10 @@ impl From<VolumeError> for ApiFailure {
                 Self(api::ErrorBody {
                     code,
                     message,
-                    grpc_code: Some(code_name(rpc.code()).to_owned()),
+                    // Only what the plugin itself answered: an exit, a refused socket or a
+                    // deadline is not a code the plugin said.
+                    grpc_code: matches!(rpc.kind, RpcErrorKind::Status { .. })
+                        .then(|| code_name(rpc.code()).to_owned()),
                 })
             }
             VolumeError::Protocol(_) => Self::new(api::ErrorCode::PluginProtocol, message),

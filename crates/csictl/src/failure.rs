@@ -83,6 +83,45 @@ impl Failure {
     }
 }
 
+impl Failure {
+    /// The failure as `-o json` prints it (on stderr, one object): the API's own error body
+    /// when the daemon answered, else a `code` naming csictl's side (`usage`, `unreachable`,
+    /// `client`), with the hint and exit status, so a script never parses the text.
+    pub fn to_json(&self) -> serde_json::Value {
+        let (code, message, grpc_code, status) = match self {
+            Failure::Api(ApiError::Api { status, body }) => (
+                serde_json::to_value(body.code).unwrap_or(serde_json::Value::Null),
+                body.message.clone(),
+                body.grpc_code.clone(),
+                Some(*status),
+            ),
+            Failure::Usage(_) => ("usage".into(), self.to_string(), None, None),
+            failure if failure.exit_code() == EXIT_CONNECT => {
+                ("unreachable".into(), self.to_string(), None, None)
+            }
+            failure if failure.exit_code() == EXIT_USAGE => {
+                ("usage".into(), self.to_string(), None, None)
+            }
+            _ => ("client".into(), self.to_string(), None, None),
+        };
+        let mut error = serde_json::json!({
+            "code": code,
+            "message": message,
+            "exit_code": self.exit_code(),
+        });
+        if let Some(grpc_code) = grpc_code {
+            error["grpc_code"] = grpc_code.into();
+        }
+        if let Some(status) = status {
+            error["http_status"] = status.into();
+        }
+        if let Some(hint) = self.hint() {
+            error["hint"] = hint.into();
+        }
+        serde_json::json!({ "error": error })
+    }
+}
+
 fn code_hint(code: ErrorCode) -> &'static str {
     match code {
         ErrorCode::InvalidRequest => {

@@ -17,6 +17,7 @@ use clap::Parser;
 fn main() -> ExitCode {
     // clap prints usage errors itself and exits 2; --help and --version exit 0.
     let cli = args::Cli::parse();
+    let json_errors = cli.global.output == args::OutputFormat::Json;
     // One request at a time: a current-thread runtime is all csictl needs.
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -45,9 +46,13 @@ fn main() -> ExitCode {
             }
         }
         Err(failure) => {
-            eprintln!("csictl: {failure}");
-            if let Some(hint) = failure.hint() {
-                eprintln!("hint: {hint}");
+            if json_errors {
+                eprintln!("{}", failure.to_json());
+            } else {
+                eprintln!("csictl: {failure}");
+                if let Some(hint) = failure.hint() {
+                    eprintln!("hint: {hint}");
+                }
             }
             ExitCode::from(failure.exit_code())
         }

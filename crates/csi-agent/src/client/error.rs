@@ -58,7 +58,13 @@ impl fmt::Display for RpcError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.kind {
             RpcErrorKind::Status { code, message } => {
-                write!(f, "{} failed: {:?}: {}", self.method, code, message)
+                write!(
+                    f,
+                    "{} failed: {}: {}",
+                    self.method,
+                    code_name(*code),
+                    message
+                )
             }
             RpcErrorKind::DeadlineExceeded => {
                 write!(f, "{} got no answer within its deadline", self.method)

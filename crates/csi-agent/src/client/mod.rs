@@ -720,14 +720,31 @@ fn is_transport_failure(status: &tonic::Status) -> bool {
         || status.code() == tonic::Code::Cancelled && status.source().is_some()
 }
 
+/// The causes of a transport failure, each said once: tonic's status message repeats its
+/// source's text, and its `transport error` wrapper says nothing the next link does not.
 fn transport_detail(status: &tonic::Status) -> String {
     use std::error::Error as _;
-    let mut detail = status.message().to_owned();
+    let mut links = vec![status.message().to_owned()];
     let mut source = status.source();
     while let Some(err) = source {
-        detail.push_str(": ");
-        detail.push_str(&err.to_string());
+        links.push(err.to_string());
         source = err.source();
+    }
+    let mut detail = String::new();
+    for (i, link) in links.iter().enumerate() {
+        let last = i + 1 == links.len();
+        if link.is_empty() || detail.contains(link.as_str()) || (link == "transport error" && !last)
+        {
+            continue;
+        }
+        // A later link that contains everything said so far replaces it.
+        if !detail.is_empty() && link.contains(detail.as_str()) {
+            detail.clear();
+        }
+        if !detail.is_empty() {
+            detail.push_str(": ");
+        }
+        detail.push_str(link);
     }
     detail
 }

@@ -154,6 +154,13 @@ pub enum VolumeError {
     /// timeout); the volume is left in its transient state for the reconciler.
     #[error("{0}")]
     Plugin(#[from] RpcError),
+    /// The plugin's config has no component serving the service the operation needs (a
+    /// config mistake); nothing was changed.
+    #[error(
+        "plugin {plugin} serves no {service}: no container or endpoint of its config lists \
+         \"{service}\" in `services`; add it there (see docs/configuration.md) and reload"
+    )]
+    NotServed { plugin: String, service: Service },
     /// The plugin answered success but broke a rule of the CSI spec.
     #[error("the plugin broke the CSI spec: {0}")]
     Protocol(String),
@@ -408,6 +415,14 @@ impl VolumeManager {
     async fn publish_inner(&self, request: PublishRequest) -> Result<Published, VolumeError> {
         validate_id("volume_id", &request.volume_id)?;
         validate_id("workload", &request.workload)?;
+        if !self.inner.endpoints.serves(Service::Node) {
+            // A config mistake, not the plugin's: nothing may be recorded for a publish no
+            // component can ever carry out.
+            return Err(VolumeError::NotServed {
+                plugin: self.inner.config.plugin_type.clone(),
+                service: Service::Node,
+            });
+        }
         if !request.readonly && request.capability.access_mode.is_read_only() {
             return Err(VolumeError::InvalidRequest(format!(
                 "access_mode {} is read-only but readonly is false: set \"readonly\": true or use a writer access mode",
