@@ -197,6 +197,43 @@ struct Slot {
     unconfirmed: bool,
 }
 
+/// One request's hold on a volume's [`Slot`] (see [`VolumeManager::slot`]).
+struct SlotHandle<'a> {
+    slots: &'a StdMutex<HashMap<String, Arc<Mutex<Slot>>>>,
+    volume_id: String,
+    slot: Arc<Mutex<Slot>>,
+}
+
+impl std::ops::Deref for SlotHandle<'_> {
+    type Target = Mutex<Slot>;
+
+    fn deref(&self) -> &Mutex<Slot> {
+        &self.slot
+    }
+}
+
+impl Drop for SlotHandle<'_> {
+    fn drop(&mut self) {
+        let mut slots = lock(self.slots);
+        // Clones are made only under the map's lock: with the map and this handle the only
+        // holders, nobody can be waiting for the slot or about to.
+        if Arc::strong_count(&self.slot) != 2 {
+            return;
+        }
+        let empty = self
+            .slot
+            .try_lock()
+            .is_ok_and(|slot| slot.record.is_none());
+        if empty
+            && slots
+                .get(&self.volume_id)
+                .is_some_and(|held| Arc::ptr_eq(held, &self.slot))
+        {
+            slots.remove(&self.volume_id);
+        }
+    }
+}
+
 /// The volumes of one plugin.
 #[derive(Clone, Debug)]
 pub struct VolumeManager {
@@ -324,9 +361,16 @@ impl VolumeManager {
         }
     }
 
-    fn slot(&self, volume_id: &str) -> Arc<Mutex<Slot>> {
+    /// The lock and cached record of one volume. The entry lives while some request holds
+    /// it or a record exists: a handle dropped while the slot holds no record removes it, so
+    /// requests naming ids that do not exist leave nothing behind (bounded engine state).
+    fn slot(&self, volume_id: &str) -> SlotHandle<'_> {
         let mut slots = lock(&self.inner.slots);
-        slots.entry(volume_id.to_owned()).or_default().clone()
+        SlotHandle {
+            slots: &self.inner.slots,
+            volume_id: volume_id.to_owned(),
+            slot: slots.entry(volume_id.to_owned()).or_default().clone(),
+        }
     }
 
     /// The record of a volume, as last written. Never waits for an operation on the volume,

@@ -261,6 +261,11 @@ impl Node {
         }
     }
 
+    /// The running daemon's pid.
+    pub fn daemon_pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
