@@ -200,6 +200,12 @@ impl ApiClient {
             .await
     }
 
+    /// `POST /v1/drain`: unpublishes every claim and stops every plugin. May take as long as
+    /// the unpublishes do.
+    pub async fn drain(&self) -> Result<DrainReport, ApiError> {
+        self.call_json(Method::POST, routes::DRAIN, None).await
+    }
+
     /// `POST /v1/volumes/publish`
     pub async fn publish(&self, request: &PublishRequest) -> Result<PublishResponse, ApiError> {
         self.post_json(routes::PUBLISH, request).await

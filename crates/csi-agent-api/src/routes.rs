@@ -21,6 +21,8 @@ pub const VOLUMES: &str = "/v1/volumes";
 pub const VOLUME: &str = "/v1/volumes/{plugin}/{volume_id}";
 pub const VALIDATE: &str = "/v1/volumes/validate";
 pub const CAPACITY: &str = "/v1/capacity";
+/// `POST`: unpublish every claim and stop every plugin (`csictl drain`).
+pub const DRAIN: &str = "/v1/drain";
 
 /// Every `(method, path)` the API serves. `openapi.yaml` describes exactly these (checked by
 /// `tests/openapi.rs`), and the daemon's router must serve exactly these.
@@ -40,6 +42,7 @@ pub const ALL_ROUTES: &[(&str, &str)] = &[
     ("DELETE", VOLUME),
     ("POST", VALIDATE),
     ("POST", CAPACITY),
+    ("POST", DRAIN),
 ];
 
 /// `/v1/plugins/{type}` for one plugin type.

@@ -363,6 +363,35 @@ pub struct ReloadReport {
     pub config_errors: Vec<ConfigErrorInfo>,
 }
 
+/// `POST /v1/drain`: what the drain did. The node publishes nothing and starts no plugin
+/// afterwards, until csi-agentd is restarted.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DrainReport {
+    /// Every claim released (unpublished through the usual durable steps).
+    pub released: Vec<ClaimRef>,
+    /// What could not be released or stopped; those plugins keep running.
+    pub failed: Vec<DrainFailure>,
+    /// The plugin types whose components were stopped.
+    pub stopped_plugins: Vec<String>,
+}
+
+/// One workload's claim on one volume.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClaimRef {
+    pub plugin: String,
+    pub volume_id: String,
+    pub workload: String,
+}
+
+/// A claim (or, with empty `volume_id` and `workload`, a plugin) the drain could not finish.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DrainFailure {
+    pub plugin: String,
+    pub volume_id: String,
+    pub workload: String,
+    pub error: String,
+}
+
 /// `POST /v1/volumes` (CreateVolume)
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -200,6 +200,22 @@ fn cases() -> Result<Vec<Case>> {
         removed: vec![],
         config_errors: vec![config_error()],
     };
+    let claim = ClaimRef {
+        plugin: "p".to_owned(),
+        volume_id: "v".to_owned(),
+        workload: "w".to_owned(),
+    };
+    let drain_failure = DrainFailure {
+        plugin: "p".to_owned(),
+        volume_id: "v".to_owned(),
+        workload: "w".to_owned(),
+        error: "e".to_owned(),
+    };
+    let drain = DrainReport {
+        released: vec![claim.clone()],
+        failed: vec![drain_failure.clone()],
+        stopped_plugins: vec!["p".to_owned()],
+    };
     let created = CreateVolumeResponse {
         volume_id: "v1".to_owned(),
         capacity_bytes: 1,
@@ -261,6 +277,9 @@ fn cases() -> Result<Vec<Case>> {
         response("ConfigErrorInfo", config_error(), config_error())?,
         response("PluginList", plugins.clone(), plugins)?,
         response("ReloadReport", reload.clone(), reload)?,
+        response("DrainReport", drain.clone(), drain)?,
+        response("ClaimRef", claim.clone(), claim)?,
+        response("DrainFailure", drain_failure.clone(), drain_failure)?,
         request(
             "CreateVolumeRequest",
             CreateVolumeRequest {
@@ -418,6 +437,7 @@ const BODIES: &[(&str, &str, Option<&str>, Option<&str>)] = &[
     ("GET", routes::PLUGINS, None, Some("PluginList")),
     ("GET", routes::PLUGIN, None, Some("PluginInfo")),
     ("POST", routes::PLUGINS_RELOAD, None, Some("ReloadReport")),
+    ("POST", routes::DRAIN, None, Some("DrainReport")),
     (
         "GET",
         routes::BACKEND_VOLUMES,

@@ -65,6 +65,24 @@ pub enum ServerError {
     Volume(#[from] VolumeError),
     #[error("work dir: {0}")]
     Store(#[from] StoreError),
+    /// The node was drained (`POST /v1/drain`): it publishes nothing and starts no plugin
+    /// until csi-agentd is restarted.
+    #[error(
+        "the node is drained: it publishes nothing and starts no plugin; restart csi-agentd to serve again"
+    )]
+    Drained,
+}
+
+/// What [`CsiServer::drain`] did.
+#[derive(Debug, Default)]
+pub struct DrainReport {
+    /// `(plugin type, volume id, workload)` of every claim released.
+    pub released: Vec<(String, String, String)>,
+    /// Claims that could not be released, with why (they stay recorded and their plugin
+    /// keeps running, so a later drain or unpublish can finish them).
+    pub failed: Vec<(String, String, String, String)>,
+    /// Plugin types whose components were stopped.
+    pub stopped: Vec<String>,
 }
 
 /// The endpoints of a managed or unmanaged plugin, through its service manager, which can be
@@ -189,6 +207,8 @@ struct Inner {
     /// Set once the start gate opened and every configured plugin was initialized (its
     /// volumes recovered) or failed to.
     recovered: std::sync::atomic::AtomicBool,
+    /// Set by [`CsiServer::drain`]; never cleared (a restart serves again).
+    drained: std::sync::atomic::AtomicBool,
     table: Mutex<Table>,
 }
 
@@ -208,6 +228,7 @@ impl CsiServer {
                 binder,
                 started,
                 recovered: std::sync::atomic::AtomicBool::new(false),
+                drained: std::sync::atomic::AtomicBool::new(false),
                 table: Mutex::new(Table::default()),
             }),
         };
@@ -322,8 +343,106 @@ impl CsiServer {
         let _ = rx.wait_for(|started| *started).await;
     }
 
-    /// The plugin of `plugin_type`, initialized on first use. Waits for the gate.
+    /// True once the node was drained ([`CsiServer::drain`]).
+    pub fn is_drained(&self) -> bool {
+        self.inner
+            .drained
+            .load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Refuses an operation that would claim a volume or start a plugin on a drained node.
+    pub fn refuse_if_drained(&self) -> Result<(), ServerError> {
+        if self.is_drained() {
+            return Err(ServerError::Drained);
+        }
+        Ok(())
+    }
+
+    /// Stops the node (`csictl drain`, docs/operations.md): from now on nothing is published
+    /// and no plugin is started; every claim of every configured plugin is unpublished through
+    /// the usual durable steps, and then every plugin whose claims are all gone is stopped.
+    /// A claim that cannot be released is reported and keeps its plugin running.
+    pub async fn drain(&self) -> DrainReport {
+        self.inner
+            .drained
+            .store(true, std::sync::atomic::Ordering::Release);
+        self.wait_started().await;
+        let types: Vec<String> = {
+            let table = self.inner.table.lock().await;
+            table.configs.plugins.keys().cloned().collect()
+        };
+        let mut report = DrainReport::default();
+        for plugin_type in types {
+            // Not `plugin()`: the drain itself must reach the plugins that hold claims.
+            let plugin = match self.plugin_unchecked(&plugin_type).await {
+                Ok(plugin) => plugin,
+                Err(err) => {
+                    tracing::warn!(plugin = %plugin_type, error = %err, "drain: plugin not initialized; nothing of it to release");
+                    continue;
+                }
+            };
+            let mut all_released = true;
+            for volume in plugin.volumes.list().await {
+                for workload in &volume.claims {
+                    let claim = (
+                        plugin_type.clone(),
+                        volume.volume_id.clone(),
+                        workload.clone(),
+                    );
+                    match plugin.volumes.unpublish(&volume.volume_id, workload).await {
+                        Ok(()) => report.released.push(claim),
+                        Err(err) => {
+                            all_released = false;
+                            tracing::error!(plugin = %plugin_type, volume_id = ?volume.volume_id, workload = ?workload, error = %err, "drain: claim not released");
+                            report
+                                .failed
+                                .push((claim.0, claim.1, claim.2, err.to_string()));
+                        }
+                    }
+                }
+            }
+            if !all_released {
+                continue;
+            }
+            // Out of the table first, so no request reaches the manager being stopped.
+            self.inner.table.lock().await.plugins.remove(&plugin_type);
+            match plugin.endpoints.manager().stop().await {
+                Ok(()) => report.stopped.push(plugin_type),
+                Err(err) => {
+                    tracing::error!(plugin = %plugin_type, error = %err, "drain: plugin not stopped cleanly");
+                    report.failed.push((
+                        plugin_type,
+                        String::new(),
+                        String::new(),
+                        format!("components not stopped: {err}"),
+                    ));
+                }
+            }
+        }
+        tracing::info!(
+            released = report.released.len(),
+            failed = report.failed.len(),
+            stopped = report.stopped.len(),
+            "node drained"
+        );
+        report
+    }
+
+    /// The plugin of `plugin_type`, initialized on first use. Waits for the gate. On a drained
+    /// node only a plugin still loaded (one whose claims could not all be released) is given.
     pub async fn plugin(&self, plugin_type: &str) -> Result<Arc<Plugin>, ServerError> {
+        if self.is_drained() {
+            let table = self.inner.table.lock().await;
+            return table
+                .plugins
+                .get(plugin_type)
+                .cloned()
+                .ok_or(ServerError::Drained);
+        }
+        self.plugin_unchecked(plugin_type).await
+    }
+
+    async fn plugin_unchecked(&self, plugin_type: &str) -> Result<Arc<Plugin>, ServerError> {
         self.wait_started().await;
         let (loaded, init_lock) = {
             let mut table = self.inner.table.lock().await;

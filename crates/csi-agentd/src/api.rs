@@ -104,6 +104,7 @@ pub fn router(state: AppState) -> Router {
         .route(routes::VOLUME, get(volume).delete(delete_volume))
         .route(routes::VALIDATE, post(validate))
         .route(routes::CAPACITY, post(capacity))
+        .route(routes::DRAIN, post(drain))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
@@ -338,6 +339,29 @@ async fn reload(State(state): State<AppState>) -> Json<api::ReloadReport> {
     })
 }
 
+async fn drain(State(state): State<AppState>) -> Json<api::DrainReport> {
+    let report = state.server.drain().await;
+    let claim = |(plugin, volume_id, workload)| api::ClaimRef {
+        plugin,
+        volume_id,
+        workload,
+    };
+    Json(api::DrainReport {
+        released: report.released.into_iter().map(claim).collect(),
+        failed: report
+            .failed
+            .into_iter()
+            .map(|(plugin, volume_id, workload, error)| api::DrainFailure {
+                plugin,
+                volume_id,
+                workload,
+                error,
+            })
+            .collect(),
+        stopped_plugins: report.stopped,
+    })
+}
+
 async fn publish(State(state): State<AppState>, body: Bytes) -> ApiResult<api::PublishResponse> {
     let request: api::PublishRequest = parse_body("POST /v1/volumes/publish", &body)?;
     if request.plugin.is_empty() {
@@ -349,6 +373,7 @@ async fn publish(State(state): State<AppState>, body: Bytes) -> ApiResult<api::P
     // The engine checks bind_to (roots, form, NUL) before anything else happens.
     let bind_to = request.bind_to.as_ref().map(PathBuf::from);
     let secrets = request.secrets.clone().unwrap_or_default();
+    state.server.refuse_if_drained()?;
     let plugin = state.server.plugin(&request.plugin).await?;
     let published = plugin
         .volumes
@@ -522,6 +547,7 @@ async fn create_volume(
 ) -> Result<(StatusCode, Json<api::CreateVolumeResponse>), ApiFailure> {
     let request: api::CreateVolumeRequest = parse_body("POST /v1/volumes", &body)?;
     let capability = convert::capability(&request.capability)?;
+    state.server.refuse_if_drained()?;
     let plugin = state.server.plugin(&request.plugin).await?;
     let created = plugin
         .volumes

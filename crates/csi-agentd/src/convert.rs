@@ -78,6 +78,7 @@ impl From<ServerError> for ApiFailure {
                 Self::new(api::ErrorCode::Unavailable, err.to_string())
             }
             ServerError::Store(_) => Self::new(api::ErrorCode::Internal, err.to_string()),
+            ServerError::Drained => Self::new(api::ErrorCode::Unavailable, err.to_string()),
         }
     }
 }

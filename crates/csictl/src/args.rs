@@ -88,6 +88,9 @@ pub enum Command {
     },
     /// Re-read the plugin configuration directory (as SIGHUP does).
     Reload,
+    /// Stop the node: unpublish every claim, then stop every plugin, leaving nothing mounted.
+    /// The daemon then publishes nothing until it is restarted (docs/operations.md).
+    Drain,
     /// Publish a volume for a workload and print the host path to bind-mount.
     Publish(PublishArgs),
     /// Remove a workload's claim on a volume; the last claim's removal unpublishes it.

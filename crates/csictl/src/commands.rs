@@ -30,6 +30,14 @@ pub async fn run(cli: Cli) -> Result<String, Failure> {
             plugin_type: Some(plugin_type),
         } => render(format, &client.plugin(&plugin_type).await?, output::plugin),
         Command::Reload => render(format, &client.reload().await?, output::reload),
+        Command::Drain => {
+            let report = client.drain().await?;
+            if report.failed.is_empty() {
+                render(format, &report, output::drain)
+            } else {
+                Err(Failure::Incomplete(output::drain(&report)))
+            }
+        }
         Command::Publish(args) => {
             let request = publish_request(&args)?;
             render(format, &client.publish(&request).await?, output::publish)

@@ -22,6 +22,8 @@ pub enum Failure {
     Api(ApiError),
     /// Printing the answer failed (not a broken pipe, which is silent).
     Output(String),
+    /// The daemon did only part of the work (a drain that left claims); what it did.
+    Incomplete(String),
 }
 
 impl From<UsageError> for Failure {
@@ -40,6 +42,7 @@ impl fmt::Display for Failure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Failure::Usage(message) | Failure::Output(message) => f.write_str(message),
+            Failure::Incomplete(report) => write!(f, "not everything was done:\n{report}"),
             Failure::Api(err) => write!(f, "{err}"),
         }
     }
@@ -51,7 +54,7 @@ impl Failure {
             Failure::Usage(_) => EXIT_USAGE,
             Failure::Api(ApiError::InvalidUrl { .. } | ApiError::InvalidToken { .. }) => EXIT_USAGE,
             Failure::Api(err) if err.is_connection() => EXIT_CONNECT,
-            Failure::Api(_) | Failure::Output(_) => EXIT_API,
+            Failure::Api(_) | Failure::Output(_) | Failure::Incomplete(_) => EXIT_API,
         }
     }
 
@@ -60,6 +63,11 @@ impl Failure {
         let Failure::Api(err) = self else {
             return match self {
                 Failure::Usage(_) => Some("see csictl COMMAND --help".to_owned()),
+                Failure::Incomplete(_) => Some(
+                    "the daemon's log says why each claim was not released; fix that and \
+                     repeat the command (it is safe to repeat)"
+                        .to_owned(),
+                ),
                 _ => None,
             };
         };

@@ -285,6 +285,32 @@ pub fn reload(report: &ReloadReport) -> String {
     out
 }
 
+pub fn drain(report: &DrainReport) -> String {
+    let mut out = fields(&[
+        ("claims released", report.released.len().to_string()),
+        ("plugins stopped", report.stopped_plugins.join(", ")),
+    ]);
+    for claim in &report.released {
+        let _ = writeln!(
+            out,
+            "released: {} {} (workload {})",
+            claim.plugin, claim.volume_id, claim.workload
+        );
+    }
+    for failure in &report.failed {
+        if failure.volume_id.is_empty() {
+            let _ = writeln!(out, "not stopped: {}: {}", failure.plugin, failure.error);
+        } else {
+            let _ = writeln!(
+                out,
+                "not released: {} {} (workload {}): {}",
+                failure.plugin, failure.volume_id, failure.workload, failure.error
+            );
+        }
+    }
+    out
+}
+
 pub fn publish(answer: &PublishResponse) -> String {
     let mut pairs = vec![
         ("state", answer.state.clone()),

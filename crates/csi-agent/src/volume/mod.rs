@@ -220,10 +220,7 @@ impl Drop for SlotHandle<'_> {
         if Arc::strong_count(&self.slot) != 2 {
             return;
         }
-        let empty = self
-            .slot
-            .try_lock()
-            .is_ok_and(|slot| slot.record.is_none());
+        let empty = self.slot.try_lock().is_ok_and(|slot| slot.record.is_none());
         if empty
             && slots
                 .get(&self.volume_id)
