@@ -9,6 +9,7 @@
 pub mod client;
 mod error;
 pub mod routes;
+pub mod size;
 pub mod types;
 
 pub use client::ApiClient;

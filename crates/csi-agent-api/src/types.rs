@@ -248,6 +248,14 @@ pub struct UnpublishRequest {
 pub struct UnpublishResponse {
     /// The volume's state afterwards (`UNPUBLISHED` when csi-agent no longer tracks it; a pre-provisioned volume is forgotten once unpublished).
     pub state: String,
+    /// False when the workload held no claim on the volume (or csi-agent does not track the
+    /// volume): nothing was changed. Unpublish is idempotent, so this is not an error.
+    #[serde(default = "yes")]
+    pub was_claimed: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// One volume as csi-agent tracks it (`GET /v1/volumes`, `GET /v1/volumes/{plugin}/{id}`).
@@ -269,6 +277,28 @@ pub struct VolumeInfo {
     pub has_secrets: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_error: Option<String>,
+    /// The operation in progress on the volume (a request's, or a background reconciler
+    /// waiting to retry); absent when none runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub operation: Option<OperationInfo>,
+}
+
+/// What a volume's operation in progress is doing.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OperationInfo {
+    /// `publish`, `unpublish` or `reconcile`.
+    pub operation: String,
+    /// The lifecycle step being tried (`node_stage`, `node_publish`, …), once one started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step: Option<String>,
+    /// Attempts so far (of the step, or of the reconciler's whole drive).
+    pub attempt: u32,
+    /// The last transient error, while retrying.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+    /// When the next attempt is due, in milliseconds since the Unix epoch, while waiting.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_retry_at_unix_ms: Option<u64>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -32,6 +32,7 @@ fn volume(plugin: String, volume_id: String, raw_path: String) -> VolumeInfo {
         origin: "created".to_owned(),
         has_secrets: false,
         last_error: None,
+        operation: None,
     }
 }
 

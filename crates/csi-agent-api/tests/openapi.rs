@@ -74,6 +74,17 @@ fn volume_info(full: bool) -> VolumeInfo {
         origin: "created".to_owned(),
         has_secrets: true,
         last_error: full.then(|| "boom".to_owned()),
+        operation: full.then(|| operation_info(true)),
+    }
+}
+
+fn operation_info(full: bool) -> OperationInfo {
+    OperationInfo {
+        operation: "publish".to_owned(),
+        step: full.then(|| "node_stage".to_owned()),
+        attempt: 3,
+        last_error: full.then(|| "NodeStageVolume failed: UNAVAILABLE: busy".to_owned()),
+        next_retry_at_unix_ms: full.then_some(1_800_000_000_000),
     }
 }
 
@@ -184,6 +195,7 @@ fn cases() -> Result<Vec<Case>> {
     };
     let unpublished = UnpublishResponse {
         state: "CREATED".to_owned(),
+        was_claimed: true,
     };
     let volumes = VolumeList {
         volumes: vec![volume_info(true)],
@@ -273,6 +285,7 @@ fn cases() -> Result<Vec<Case>> {
             },
         )?,
         response("ComponentInfo", component(true), component(false))?,
+        response("OperationInfo", operation_info(true), operation_info(false))?,
         response("PluginInfo", plugin_info(true), plugin_info(false))?,
         response("ConfigErrorInfo", config_error(), config_error())?,
         response("PluginList", plugins.clone(), plugins)?,

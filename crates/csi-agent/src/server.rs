@@ -44,6 +44,8 @@ pub struct ServerOptions {
     pub bind_roots: Vec<PathBuf>,
     /// The OCI runtime binary of the `oci` runtime (`runc`, or a path).
     pub oci_runtime: PathBuf,
+    /// Launch every managed plugin's components when the gate opens, instead of on first use.
+    pub start_plugins: bool,
 }
 
 /// Errors of engine operations.
@@ -210,6 +212,9 @@ struct Inner {
     /// Set by [`CsiServer::drain`]; never cleared (a restart serves again).
     drained: std::sync::atomic::AtomicBool,
     table: Mutex<Table>,
+    /// Held by [`CsiServer::reload`] for its whole run: reloads happen one at a time, while
+    /// `table` is held only for short sections.
+    reload_lock: Mutex<()>,
 }
 
 impl CsiServer {
@@ -230,6 +235,7 @@ impl CsiServer {
                 recovered: std::sync::atomic::AtomicBool::new(false),
                 drained: std::sync::atomic::AtomicBool::new(false),
                 table: Mutex::new(Table::default()),
+                reload_lock: Mutex::new(()),
             }),
         };
         Ok(server)
@@ -285,8 +291,40 @@ impl CsiServer {
             self.inner
                 .recovered
                 .store(true, std::sync::atomic::Ordering::Release);
+            if self.inner.options.start_plugins {
+                self.launch_all_components().await;
+            }
         }
         opened
+    }
+
+    /// `--start-plugins`: asks every initialized plugin for each service it serves, which
+    /// launches its components now. Each waits in its own task: a plugin slow to start (or
+    /// failing) delays no other, and its error shows on the plugin as for a lazy start.
+    async fn launch_all_components(&self) {
+        let plugins: Vec<Arc<Plugin>> = {
+            let table = self.inner.table.lock().await;
+            table.plugins.values().cloned().collect()
+        };
+        for plugin in plugins {
+            for service in [Service::Controller, Service::Node] {
+                if !config_serves(plugin.config(), service) {
+                    continue;
+                }
+                let manager = plugin.endpoints.manager();
+                let plugin_type = plugin.config().plugin_type.clone();
+                tokio::spawn(async move {
+                    match manager.endpoint(service).await {
+                        Ok(_) => {
+                            tracing::info!(plugin = %plugin_type, %service, "started at start-up (--start-plugins)")
+                        }
+                        Err(err) => {
+                            tracing::warn!(plugin = %plugin_type, %service, error = %err, "not started at start-up (--start-plugins); retried on first use")
+                        }
+                    }
+                });
+            }
+        }
     }
 
     /// Components left running by an earlier csi-agent for plugins that are no longer
@@ -569,6 +607,10 @@ impl CsiServer {
     /// Re-reads the config dir: added plugins become usable, changed ones get new components
     /// (their volumes stay), removed ones stop once none of their volumes is in use.
     pub async fn reload(&self) -> (ConfigDiff, Vec<(PathBuf, String)>) {
+        // One reload at a time; the table itself is locked only for the bookkeeping, never
+        // across a component's stop grace (issue #11: a reload must not stall status reads or
+        // other plugins' operations).
+        let _reloading = self.inner.reload_lock.lock().await;
         let report = match &self.inner.options.plugin_config_dir {
             Some(dir) => config::load_dir(dir, Some(&self.inner.metrics)),
             None => config::LoadReport::default(),
@@ -581,28 +623,61 @@ impl CsiServer {
         for (_, message) in &errors {
             tracing::error!(%message, "plugin config skipped");
         }
-        let mut table = self.inner.table.lock().await;
-        let diff = ConfigDiff::between(&table.configs, &report);
-        let mut next = report.set.clone();
-        // A file that failed this time keeps its plugin on the old configuration.
-        for plugin_type in &diff.kept_on_error {
-            if let Some(old) = table.configs.plugins.get(plugin_type) {
-                next.plugins.insert(plugin_type.clone(), old.clone());
+        // Under the lock, no slow await: the new configs, the plugins to replace or stop.
+        let mut to_replace: Vec<(String, Arc<Plugin>, LoadedConfig)> = Vec::new();
+        let mut to_stop: Vec<(String, Arc<Plugin>)> = Vec::new();
+        let diff = {
+            let mut table = self.inner.table.lock().await;
+            let diff = ConfigDiff::between(&table.configs, &report);
+            let mut next = report.set.clone();
+            // A file that failed this time keeps its plugin on the old configuration.
+            for plugin_type in &diff.kept_on_error {
+                if let Some(old) = table.configs.plugins.get(plugin_type) {
+                    next.plugins.insert(plugin_type.clone(), old.clone());
+                }
             }
-        }
-        for plugin_type in &diff.changed {
-            let Some(plugin) = table.plugins.get(plugin_type).cloned() else {
-                continue;
-            };
-            let Some(loaded) = next.plugins.get(plugin_type).cloned() else {
-                continue;
-            };
-            let same_volume_settings = plugin.config().name == loaded.config.name;
-            if !same_volume_settings {
-                // A renamed plugin lives in another directory: set it up afresh.
+            for plugin_type in &diff.changed {
+                let Some(plugin) = table.plugins.get(plugin_type).cloned() else {
+                    continue;
+                };
+                let Some(loaded) = next.plugins.get(plugin_type).cloned() else {
+                    continue;
+                };
+                if plugin.config().name != loaded.config.name {
+                    // A renamed plugin lives in another directory: set it up afresh.
+                    table.plugins.remove(plugin_type);
+                    continue;
+                }
+                to_replace.push((plugin_type.clone(), plugin, loaded));
+            }
+            for plugin_type in &diff.removed {
+                let Some(plugin) = table.plugins.get(plugin_type).cloned() else {
+                    continue;
+                };
+                // From the read snapshot: never waits for an operation in progress.
+                let in_use = plugin.volumes.list().await.iter().any(|v| {
+                    !v.claims.is_empty() || v.state != crate::volume::VolumeState::Created
+                });
+                if in_use {
+                    // A node plugin must outlive its volumes (nomad#11614): keep it configured
+                    // until they are unpublished.
+                    tracing::warn!(plugin = %plugin_type, "plugin config removed but volumes are in use; it keeps running until they are unpublished");
+                    if let Some(old) = table.configs.plugins.get(plugin_type) {
+                        next.plugins.insert(plugin_type.clone(), old.clone());
+                    }
+                    continue;
+                }
                 table.plugins.remove(plugin_type);
-                continue;
+                to_stop.push((plugin_type.clone(), plugin));
             }
+            table.configs = next;
+            table.config_errors = errors.iter().map(|(_, m)| m.clone()).collect();
+            table.config_error_files = errors.clone();
+            diff
+        };
+        // Unlocked: the slow part. A changed plugin stays in the table on its old manager
+        // (same volumes) until its replacement is ready.
+        for (plugin_type, plugin, loaded) in to_replace {
             // The old manager's supervision must stop before the new one looks at the
             // components: otherwise the old one relaunches what the new one kills.
             let replaced = plugin
@@ -621,7 +696,16 @@ impl CsiServer {
                         volumes: plugin.volumes.clone(),
                         recovery: plugin.recovery.clone(),
                     });
-                    table.plugins.insert(plugin_type.clone(), updated);
+                    let mut table = self.inner.table.lock().await;
+                    // Only over the entry this reload replaced (the reload lock keeps other
+                    // reloads out; a drain may have removed it meanwhile).
+                    if table
+                        .plugins
+                        .get(&plugin_type)
+                        .is_some_and(|current| Arc::ptr_eq(current, &plugin))
+                    {
+                        table.plugins.insert(plugin_type.clone(), updated);
+                    }
                     tracing::info!(plugin = %plugin_type, "plugin configuration changed; components replaced");
                 }
                 Err(err) => {
@@ -629,31 +713,11 @@ impl CsiServer {
                 }
             }
         }
-        for plugin_type in &diff.removed {
-            let Some(plugin) = table.plugins.get(plugin_type).cloned() else {
-                continue;
-            };
-            let in_use =
-                plugin.volumes.list().await.iter().any(|v| {
-                    !v.claims.is_empty() || v.state != crate::volume::VolumeState::Created
-                });
-            if in_use {
-                // A node plugin must outlive its volumes (nomad#11614): keep it configured
-                // until they are unpublished.
-                tracing::warn!(plugin = %plugin_type, "plugin config removed but volumes are in use; it keeps running until they are unpublished");
-                if let Some(old) = table.configs.plugins.get(plugin_type) {
-                    next.plugins.insert(plugin_type.clone(), old.clone());
-                }
-                continue;
-            }
-            table.plugins.remove(plugin_type);
+        for (plugin_type, plugin) in to_stop {
             if let Err(err) = plugin.endpoints.manager().stop().await {
                 tracing::error!(plugin = %plugin_type, error = %err, "removed plugin not stopped cleanly");
             }
         }
-        table.configs = next;
-        table.config_errors = errors.iter().map(|(_, m)| m.clone()).collect();
-        table.config_error_files = errors.clone();
         (diff, errors)
     }
 

@@ -54,7 +54,7 @@ async fn round_trip(versions: &str) {
     let dir = tempfile::tempdir().unwrap();
     let plugin = TestPlugin::start(
         dir.path(),
-        &["--api-versions", versions, "--capacity", "1G"],
+        &["--api-versions", versions, "--capacity", "1Gi"],
     );
     let client = connect(&plugin).await;
 

@@ -86,9 +86,9 @@ async fn list_pages_validate_and_capacity() {
             "--mount-mode",
             "none",
             "--volumes",
-            "a:1M,b:1M,c:1M,d:1M,e:1M",
+            "a:1Mi,b:1Mi,c:1Mi,d:1Mi,e:1Mi",
             "--capacity",
-            "1G",
+            "1Gi",
         ],
     );
     let manager = manager(&dir.path().join("agent"), &plugin.socket, "boot-a");

@@ -405,6 +405,13 @@ async fn unpublish(
 ) -> ApiResult<api::UnpublishResponse> {
     let request: api::UnpublishRequest = parse_body("POST /v1/volumes/unpublish", &body)?;
     let plugin = state.server.plugin(&request.plugin).await?;
+    // From the read snapshot, before the operation: advisory (a publish racing with this
+    // unpublish may be ordered either way), it only tells the caller nothing was there.
+    let was_claimed = plugin
+        .volumes
+        .get(&request.volume_id)
+        .await
+        .is_some_and(|record| record.claims.contains(&request.workload));
     plugin
         .volumes
         .unpublish(&request.volume_id, &request.workload)
@@ -415,7 +422,10 @@ async fn unpublish(
         .await
         .map(|r| r.state.as_str().to_owned())
         .unwrap_or_else(|| "UNPUBLISHED".to_owned());
-    Ok(Json(api::UnpublishResponse { state: state_name }))
+    Ok(Json(api::UnpublishResponse {
+        state: state_name,
+        was_claimed,
+    }))
 }
 
 /// The most volumes one page holds.
@@ -488,6 +498,7 @@ async fn volumes(
             volumes.push(convert::volume_info(
                 plugin_type,
                 &record,
+                plugin.volumes.progress(&record.volume_id),
                 &target,
                 state.server.work_dir(),
             ));
@@ -536,6 +547,7 @@ async fn volume(
     Ok(Json(convert::volume_info(
         &plugin_type,
         &record,
+        plugin.volumes.progress(&volume_id),
         &target,
         state.server.work_dir(),
     )))

@@ -5,6 +5,7 @@ use std::path::Path;
 
 use csi_agent::client::{RpcErrorKind, code_name};
 use csi_agent::server::ServerError;
+use csi_agent::volume::progress::Progress;
 use csi_agent::volume::{AccessMode, AccessType, Capability, Origin, VolumeError, VolumeRecord};
 use csi_agent_api as api;
 
@@ -175,6 +176,7 @@ pub fn relative(work_dir: &Path, path: &Path) -> String {
 pub fn volume_info(
     plugin: &str,
     record: &VolumeRecord,
+    progress: Option<Progress>,
     target_path: &Path,
     work_dir: &Path,
 ) -> api::VolumeInfo {
@@ -195,6 +197,21 @@ pub fn volume_info(
         .to_owned(),
         has_secrets: record.has_secrets,
         last_error: record.last_error.clone(),
+        operation: progress.map(operation_info),
+    }
+}
+
+fn operation_info(progress: Progress) -> api::OperationInfo {
+    api::OperationInfo {
+        operation: progress.operation.to_owned(),
+        step: progress.step.map(str::to_owned),
+        attempt: progress.attempt,
+        last_error: progress.last_error,
+        next_retry_at_unix_ms: progress.next_retry_at.and_then(|at| {
+            at.duration_since(std::time::UNIX_EPOCH)
+                .ok()
+                .map(|since| since.as_millis() as u64)
+        }),
     }
 }
 

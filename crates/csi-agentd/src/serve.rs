@@ -94,6 +94,9 @@ pub struct ServeArgs {
     /// crun), a path or a name looked up in PATH (default `runc`).
     #[arg(long)]
     oci_runtime: Option<PathBuf>,
+    /// Launch every managed plugin when the daemon starts, instead of on first use.
+    #[arg(long)]
+    start_plugins: bool,
 }
 
 /// The TOML file: the same settings as the flags.
@@ -117,6 +120,7 @@ struct FileSettings {
     #[serde(default)]
     bind_roots: Vec<PathBuf>,
     oci_runtime: Option<PathBuf>,
+    start_plugins: Option<bool>,
 }
 
 /// The effective settings.
@@ -135,6 +139,7 @@ pub struct Settings {
     pub boot_id_file: PathBuf,
     pub bind_roots: Vec<PathBuf>,
     pub oci_runtime: PathBuf,
+    pub start_plugins: bool,
 }
 
 pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
@@ -188,6 +193,7 @@ pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
         .map(|root| bind_root(root, &work_dir))
         .collect::<anyhow::Result<Vec<_>>>()?;
     Ok(Settings {
+        start_plugins: args.start_plugins || file.start_plugins == Some(true),
         bind_roots,
         oci_runtime: args
             .oci_runtime
@@ -344,6 +350,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
             boot_id,
             bind_roots: settings.bind_roots.clone(),
             oci_runtime: settings.oci_runtime.clone(),
+            start_plugins: settings.start_plugins,
         },
         metrics,
     )

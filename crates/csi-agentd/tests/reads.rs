@@ -301,3 +301,78 @@ async fn reads_answer_while_a_plugin_starts_after_a_restart() {
     )
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_in_a_retry_loop_shows_its_attempts_and_logs_each_at_info() {
+    require_private_mount_namespace();
+    let mut node = Node::new("busy:1Mi,other:1Mi");
+    node.start(None).await;
+    node.wait_recovered().await;
+    node.publish("other", "w1").await.unwrap();
+    // Seven UNAVAILABLE answers: with the 50 ms doubling backoff the publish retries for
+    // about six seconds before it succeeds.
+    node.set_faults(&json!({"rules": [
+        {"id": "busy", "method": "NodeStageVolume", "fail": {"code": "UNAVAILABLE",
+         "message": "backend busy"}, "times": 7}
+    ]}));
+    let api = node.api();
+    let publishing = tokio::spawn({
+        let api = api.clone();
+        async move { api.publish(&publish_request("busy", "w2")).await }
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let op = loop {
+        let volume = api.volume(PLUGIN, "busy").await;
+        if let Ok(csi_agent_api::VolumeInfo {
+            operation: Some(op),
+            ..
+        }) = &volume
+            && op.attempt >= 3
+        {
+            break op.clone();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the retrying publish never showed its attempts: {volume:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    println!("operation while retrying: {op:?}");
+    assert_eq!(op.operation, "publish");
+    assert_eq!(op.step.as_deref(), Some("node_stage"));
+    assert!(
+        op.last_error
+            .as_deref()
+            .is_some_and(|e| e.contains("UNAVAILABLE") && e.contains("backend busy")),
+        "{op:?}"
+    );
+    // Reads and another volume's operations do not wait for the retrying one.
+    let list = timed("GET /v1/volumes", api.volumes()).await.unwrap();
+    assert!(
+        list.volumes
+            .iter()
+            .any(|v| v.volume_id == "busy" && v.operation.is_some())
+    );
+    timed("GET /v1/plugins", api.plugins()).await.unwrap();
+    timed_within(
+        "unpublish of another volume",
+        OTHER_OPERATION_BOUND,
+        node.unpublish("other", "w1"),
+    )
+    .await
+    .unwrap();
+
+    let published = publishing.await.unwrap().unwrap();
+    assert_eq!(published.state, "PUBLISHED");
+    let done = api.volume(PLUGIN, "busy").await.unwrap();
+    assert_eq!(done.operation, None, "nothing in progress once published");
+    let retries = node.log_events("transient error; retrying");
+    assert_eq!(retries.len(), 7, "one info line per attempt: {retries:?}");
+    assert!(
+        retries
+            .iter()
+            .all(|event| event["code"] == "UNAVAILABLE" && event["step"] == "node_stage"),
+        "{retries:?}"
+    );
+    node.unpublish("busy", "w2").await.unwrap();
+}

@@ -42,7 +42,7 @@ pub struct Args {
     pub api_versions: String,
 
     /// Pre-provisioned volumes created at start if absent: `name:size,...`
-    /// (size in bytes, or with a K/M/G/T suffix, binary units).
+    /// (size in bytes, or with an SI suffix k/M/G/T/P or an IEC one Ki/Mi/Gi/Ti/Pi).
     #[arg(long, value_delimiter = ',')]
     pub volumes: Vec<String>,
 
@@ -150,29 +150,10 @@ pub struct Config {
     pub quirks: Quirks,
 }
 
-/// Parses `123`, `4K`, `1Gi`, `2T`... (binary units).
+/// Sizes follow csi-agent's one convention ([`csi_agent_api::size`]): `1G` is 10^9 bytes,
+/// `1Gi` 2^30.
 pub fn parse_size(s: &str) -> anyhow::Result<i64> {
-    let s = s.trim();
-    let digits_end = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (num, suffix) = s.split_at(digits_end);
-    let n: i64 = num
-        .parse()
-        .with_context(|| format!("size {s:?} does not start with a number"))?;
-    let shift = match suffix
-        .trim_end_matches(['i', 'B'])
-        .to_ascii_uppercase()
-        .as_str()
-    {
-        "" => 0,
-        "K" => 10,
-        "M" => 20,
-        "G" => 30,
-        "T" => 40,
-        "P" => 50,
-        _ => bail!("size {s:?} has an unknown unit (use K, M, G, T, P)"),
-    };
-    n.checked_mul(1_i64 << shift)
-        .with_context(|| format!("size {s:?} is too large"))
+    csi_agent_api::size::parse_size(s).map_err(|err| anyhow::anyhow!("size {s:?}: {err}"))
 }
 
 /// Accepts `unix:///abs` or a bare absolute path (some plugins get a plain
@@ -306,7 +287,8 @@ mod tests {
     #[test]
     fn sizes() -> anyhow::Result<()> {
         assert_eq!(parse_size("10")?, 10);
-        assert_eq!(parse_size("1K")?, 1024);
+        assert_eq!(parse_size("1K")?, 1000);
+        assert_eq!(parse_size("1Ki")?, 1024);
         assert_eq!(parse_size("1Gi")?, 1 << 30);
         assert_eq!(parse_size("2TiB")?, 2 << 40);
         assert!(parse_size("1X").is_err());
@@ -346,7 +328,7 @@ mod tests {
         assert!(!c.stage_unstage && !c.controller_publish);
         let c = cfg(&["--no-stage-unstage", "--stage-unstage"])?;
         assert!(c.stage_unstage);
-        let c = cfg(&["--volumes", "a:1G,b:10"])?;
+        let c = cfg(&["--volumes", "a:1Gi,b:10"])?;
         assert_eq!(c.volumes, vec![("a".into(), 1 << 30), ("b".into(), 10)]);
         assert!(cfg(&["--volumes", "a/b:1"]).is_err());
         assert_eq!(c.faults_path, PathBuf::from("/tmp/w/faults.json"));

@@ -64,7 +64,7 @@ async fn create_delete_are_idempotent() -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn create_volume_error_codes() -> anyhow::Result<()> {
-    let p = Plugin::start(&["--mount-mode", "none", "--capacity", "1G"]).await?;
+    let p = Plugin::start(&["--mount-mode", "none", "--capacity", "1Gi"]).await?;
     let mut c = p.v1().await?;
 
     expect_code(
@@ -143,9 +143,9 @@ async fn capacity_list_and_pagination() -> anyhow::Result<()> {
         "--mount-mode",
         "none",
         "--capacity",
-        "10G",
+        "10Gi",
         "--volumes",
-        "pre-1:1G,pre-2:2G",
+        "pre-1:1Gi,pre-2:2Gi",
     ])
     .await?;
     let mut c = p.v1().await?;

@@ -231,7 +231,7 @@ async fn preprovisioned_volumes_and_plain_socket_path() -> anyhow::Result<()> {
         .env("CSI_TESTPLUGIN_WORK_DIR", dir.path().join("w"))
         .env("CSI_NODE_ID", "env-node")
         .args(NONE)
-        .args(["--volumes", "data:1G,logs:5M"])
+        .args(["--volumes", "data:1Gi,logs:5Mi"])
         .stderr(std::process::Stdio::null())
         .spawn()?;
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);

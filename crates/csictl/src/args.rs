@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use csi_agent_api::CapabilitySpec;
+use csi_agent_api::{CapabilitySpec, VolumeQuery};
 
 /// Where `--socket` points when neither the flag nor `CSI_AGENT_SOCKET` is given: the socket of
 /// a daemon started with `--work-dir ./csi-agent-state`, as in the README's demo.
@@ -82,7 +82,9 @@ pub enum Command {
     Metrics,
     /// List the plugins and the configuration files that failed to load, or show one plugin.
     Plugins {
-        /// Show this plugin type only.
+        /// Show this plugin type only (also accepted as the positional TYPE).
+        #[arg(long = "plugin", value_name = "TYPE", conflicts_with = "plugin_type")]
+        plugin_flag: Option<String>,
         #[arg(value_name = "TYPE")]
         plugin_type: Option<String>,
     },
@@ -95,13 +97,9 @@ pub enum Command {
     Publish(PublishArgs),
     /// Remove a workload's claim on a volume; the last claim's removal unpublishes it.
     Unpublish(UnpublishArgs),
-    /// List the volumes csi-agent tracks, or show one.
-    Volumes {
-        /// With VOLUME_ID: show this volume only.
-        #[arg(requires = "volume_id")]
-        plugin: Option<String>,
-        volume_id: Option<String>,
-    },
+    /// List the volumes csi-agent tracks (filtered and paged), or show one (--plugin and
+    /// --volume, or PLUGIN VOLUME_ID).
+    Volumes(VolumesArgs),
     /// Create a volume through the plugin's controller (CreateVolume).
     Create(CreateArgs),
     /// Delete a volume through the plugin's controller (DeleteVolume).
@@ -114,14 +112,122 @@ pub enum Command {
     Capacity(CapacityArgs),
 }
 
+/// A volume named the same way by every command: `--plugin TYPE --volume VOLUME_ID`, or the
+/// positionals `PLUGIN VOLUME_ID` (either one of a pair may be a flag, the other positional).
 #[derive(Debug, Args)]
 pub struct VolumeRef {
     /// The plugin's type, e.g. org.example.lvm.
-    #[arg(long, value_name = "TYPE")]
-    pub plugin: String,
+    #[arg(long = "plugin", value_name = "TYPE")]
+    plugin_flag: Option<String>,
     /// The CSI volume id.
-    #[arg(long, value_name = "VOLUME_ID")]
-    pub volume: String,
+    #[arg(long = "volume", value_name = "VOLUME_ID")]
+    volume_flag: Option<String>,
+    /// PLUGIN VOLUME_ID, as an alternative to the flags.
+    #[arg(value_name = "PLUGIN VOLUME_ID", num_args = 0..=2)]
+    positional: Vec<String>,
+}
+
+impl VolumeRef {
+    /// The plugin type and the volume id, from the flags or the positionals.
+    pub fn resolve(&self) -> Result<(String, String), UsageError> {
+        let mut positional = self.positional.iter().cloned();
+        let plugin = self.plugin_flag.clone().or_else(|| positional.next());
+        let volume = self.volume_flag.clone().or_else(|| positional.next());
+        if positional.next().is_some() {
+            return Err(UsageError(
+                "too many arguments: give the plugin and the volume once, as --plugin TYPE \
+                 --volume VOLUME_ID or as PLUGIN VOLUME_ID"
+                    .to_owned(),
+            ));
+        }
+        match (plugin, volume) {
+            (Some(plugin), Some(volume)) => Ok((plugin, volume)),
+            (None, _) => Err(UsageError(
+                "no plugin given: add --plugin TYPE (or PLUGIN VOLUME_ID)".to_owned(),
+            )),
+            (Some(_), None) => Err(UsageError(
+                "no volume given: add --volume VOLUME_ID (or PLUGIN VOLUME_ID)".to_owned(),
+            )),
+        }
+    }
+}
+
+/// `csictl volumes`: one volume, or the list with the API's filters.
+#[derive(Debug, Args)]
+pub struct VolumesArgs {
+    /// Only this plugin's volumes (with --volume or VOLUME_ID: show that one volume).
+    #[arg(long = "plugin", value_name = "TYPE")]
+    plugin_flag: Option<String>,
+    /// Show this volume only (needs the plugin).
+    #[arg(long = "volume", value_name = "VOLUME_ID")]
+    volume_flag: Option<String>,
+    /// PLUGIN [VOLUME_ID], as an alternative to the flags.
+    #[arg(value_name = "PLUGIN VOLUME_ID", num_args = 0..=2)]
+    positional: Vec<String>,
+    /// Only volumes in this state (PUBLISHED, NODE_STAGE, ...).
+    #[arg(long, value_name = "STATE")]
+    pub state: Option<String>,
+    /// Only volumes this workload claims.
+    #[arg(long, value_name = "ID")]
+    pub workload: Option<String>,
+    /// At most this many volumes (1 to 10000); the next page's token is printed.
+    #[arg(long, value_name = "N")]
+    pub limit: Option<usize>,
+    /// The token printed with the previous page.
+    #[arg(long, value_name = "TOKEN")]
+    pub page_token: Option<String>,
+}
+
+impl VolumesArgs {
+    /// `Some((plugin, volume))` to show one volume, `None` to list.
+    pub fn one(&self) -> Result<Option<(String, String)>, UsageError> {
+        let (plugin, volume) = self.plugin_and_volume()?;
+        match (plugin, volume) {
+            (Some(plugin), Some(volume)) => {
+                if self.state.is_some()
+                    || self.workload.is_some()
+                    || self.limit.is_some()
+                    || self.page_token.is_some()
+                {
+                    return Err(UsageError(
+                        "--state, --workload, --limit and --page-token filter the list; \
+                         drop them to show one volume"
+                            .to_owned(),
+                    ));
+                }
+                Ok(Some((plugin, volume)))
+            }
+            (None, Some(_)) => Err(UsageError(
+                "a volume id needs its plugin: add --plugin TYPE".to_owned(),
+            )),
+            _ => Ok(None),
+        }
+    }
+
+    /// The list's query (the plugin filter from --plugin or PLUGIN).
+    pub fn query(&self) -> Result<VolumeQuery, UsageError> {
+        let (plugin, _) = self.plugin_and_volume()?;
+        Ok(VolumeQuery {
+            plugin,
+            state: self.state.clone(),
+            workload: self.workload.clone(),
+            limit: self.limit,
+            page_token: self.page_token.clone(),
+        })
+    }
+
+    fn plugin_and_volume(&self) -> Result<(Option<String>, Option<String>), UsageError> {
+        let mut positional = self.positional.iter().cloned();
+        let plugin = self.plugin_flag.clone().or_else(|| positional.next());
+        let volume = self.volume_flag.clone().or_else(|| positional.next());
+        if positional.next().is_some() {
+            return Err(UsageError(
+                "too many arguments: give PLUGIN [VOLUME_ID] once, or --plugin and --volume"
+                    .to_owned(),
+            ));
+        }
+        Ok((plugin, volume))
+    }
 }
 
 /// How a volume is accessed: a filesystem (`--fs-type`, `--mount-flag`) or a raw device.
@@ -205,7 +311,7 @@ pub struct CreateArgs {
     pub name: String,
     /// Requested size in bytes; suffixes k M G T P (powers of 1000) or Ki Mi Gi Ti Pi (powers
     /// of 1024), e.g. 10Gi. Default: the plugin's choice.
-    #[arg(long, value_parser = parse_size, value_name = "BYTES")]
+    #[arg(long, value_parser = csi_agent_api::size::parse_size, value_name = "BYTES")]
     pub capacity: Option<i64>,
     /// CSI access mode, e.g. SINGLE_NODE_WRITER, SINGLE_NODE_READER_ONLY,
     /// MULTI_NODE_MULTI_WRITER (case-insensitive, `-` for `_`).
@@ -363,41 +469,6 @@ pub fn parse_access_mode(raw: &str) -> Result<String, String> {
     }
 }
 
-/// A byte count: an integer with an optional suffix, `k M G T P` (powers of 1000) or
-/// `Ki Mi Gi Ti Pi` (powers of 1024), optionally followed by `B` (`10GiB`, `500MB`).
-pub fn parse_size(raw: &str) -> Result<i64, String> {
-    const EXPECTED: &str = "expected a byte count with an optional suffix k, M, G, T, P (powers \
-                            of 1000) or Ki, Mi, Gi, Ti, Pi (powers of 1024), e.g. 10Gi";
-    let text = raw.trim();
-    let split = text
-        .find(|c: char| !c.is_ascii_digit())
-        .unwrap_or(text.len());
-    let (digits, suffix) = text.split_at(split);
-    if digits.is_empty() {
-        return Err(EXPECTED.to_owned());
-    }
-    let suffix = suffix.strip_suffix('B').unwrap_or(suffix);
-    let multiplier: i64 = match suffix {
-        "" => 1,
-        "k" | "K" => 1_000,
-        "M" => 1_000_000,
-        "G" => 1_000_000_000,
-        "T" => 1_000_000_000_000,
-        "P" => 1_000_000_000_000_000,
-        "Ki" => 1 << 10,
-        "Mi" => 1 << 20,
-        "Gi" => 1 << 30,
-        "Ti" => 1 << 40,
-        "Pi" => 1 << 50,
-        _ => return Err(EXPECTED.to_owned()),
-    };
-    digits
-        .parse::<i64>()
-        .ok()
-        .and_then(|n| n.checked_mul(multiplier))
-        .ok_or_else(|| "too large: at most 2^63-1 bytes (8Ei)".to_owned())
-}
-
 fn parse_seconds(raw: &str) -> Result<Duration, String> {
     match raw.trim().parse::<f64>() {
         Ok(secs) if secs.is_finite() && secs > 0.0 && secs < 1e9 => {
@@ -431,8 +502,7 @@ mod tests {
         let Command::Publish(args) = cli.command else {
             panic!("not publish");
         };
-        assert_eq!(args.volume.plugin, "p");
-        assert_eq!(args.volume.volume, "v");
+        assert_eq!(args.volume.resolve(), Ok(("p".to_owned(), "v".to_owned())));
         assert_eq!(args.workload, "default");
         assert_eq!(args.access_mode, "SINGLE_NODE_WRITER");
         assert!(!args.readonly && !args.access_type.block);
@@ -546,25 +616,75 @@ mod tests {
     }
 
     #[test]
-    fn volumes_takes_both_or_neither() -> Result<(), clap::Error> {
-        let cli = parse(&["volumes"])?;
-        assert!(matches!(
-            cli.command,
-            Command::Volumes {
-                plugin: None,
-                volume_id: None
-            }
-        ));
-        let cli = parse(&["volumes", "p", "a/b"])?;
-        let Command::Volumes {
-            plugin: Some(plugin),
-            volume_id: Some(id),
-        } = cli.command
-        else {
-            panic!("not volumes P ID");
+    fn a_volume_is_named_by_flags_or_positionals_alike() -> Result<(), clap::Error> {
+        let pair = Ok(("p".to_owned(), "a/b".to_owned()));
+        for args in [
+            &["unpublish", "--plugin", "p", "--volume", "a/b"][..],
+            &["unpublish", "p", "a/b"],
+            &["unpublish", "--plugin", "p", "a/b"],
+            &["unpublish", "--volume", "a/b", "p"],
+        ] {
+            let Command::Unpublish(unpublish) = parse(args)?.command else {
+                panic!("not unpublish");
+            };
+            assert_eq!(unpublish.volume.resolve(), pair, "{args:?}");
+        }
+        let Command::Delete(volume) = parse(&["delete", "p"])?.command else {
+            panic!("not delete");
         };
-        assert_eq!((plugin.as_str(), id.as_str()), ("p", "a/b"));
-        assert!(parse(&["volumes", "p"]).is_err());
+        assert!(volume.resolve().is_err_and(|e| e.0.contains("--volume")));
+        let Command::Delete(volume) = parse(&["delete", "--plugin", "p", "x", "y"])?.command else {
+            panic!("not delete");
+        };
+        assert!(volume.resolve().is_err_and(|e| e.0.contains("too many")));
+        Ok(())
+    }
+
+    #[test]
+    fn volumes_lists_with_filters_or_shows_one() -> Result<(), clap::Error> {
+        let Command::Volumes(all) = parse(&["volumes"])?.command else {
+            panic!("not volumes");
+        };
+        assert_eq!(all.one(), Ok(None));
+        assert_eq!(all.query(), Ok(VolumeQuery::default()));
+        for args in [
+            &["volumes", "p", "a/b"][..],
+            &["volumes", "--plugin", "p", "--volume", "a/b"],
+        ] {
+            let Command::Volumes(one) = parse(args)?.command else {
+                panic!("not volumes");
+            };
+            assert_eq!(one.one(), Ok(Some(("p".to_owned(), "a/b".to_owned()))));
+        }
+        let Command::Volumes(filtered) = parse(&[
+            "volumes",
+            "p",
+            "--state",
+            "PUBLISHED",
+            "--workload",
+            "w",
+            "--limit",
+            "5",
+        ])?
+        .command
+        else {
+            panic!("not volumes");
+        };
+        assert_eq!(filtered.one(), Ok(None));
+        assert_eq!(
+            filtered.query(),
+            Ok(VolumeQuery {
+                plugin: Some("p".to_owned()),
+                state: Some("PUBLISHED".to_owned()),
+                workload: Some("w".to_owned()),
+                limit: Some(5),
+                page_token: None,
+            })
+        );
+        let Command::Volumes(volume_only) = parse(&["volumes", "--volume", "v"])?.command else {
+            panic!("not volumes");
+        };
+        assert!(volume_only.one().is_err_and(|e| e.0.contains("--plugin")));
         Ok(())
     }
 
@@ -681,41 +801,5 @@ mod tests {
         );
         let err = parse_access_mode("rw").err().unwrap_or_default();
         assert!(err.contains("SINGLE_NODE_WRITER"), "{err}");
-    }
-
-    #[test]
-    fn sizes_parse() {
-        for (raw, bytes) in [
-            ("0", 0),
-            ("512", 512),
-            ("10k", 10_000),
-            ("10K", 10_000),
-            ("10M", 10_000_000),
-            ("10MB", 10_000_000),
-            ("1G", 1_000_000_000),
-            ("2T", 2_000_000_000_000),
-            ("1P", 1_000_000_000_000_000),
-            ("1Ki", 1024),
-            ("1Mi", 1 << 20),
-            ("1Gi", 1 << 30),
-            ("1GiB", 1 << 30),
-            ("3Ti", 3 << 40),
-            ("1Pi", 1 << 50),
-            (" 4Gi ", 4 << 30),
-        ] {
-            assert_eq!(parse_size(raw), Ok(bytes), "{raw}");
-        }
-    }
-
-    #[test]
-    fn bad_sizes_are_refused() {
-        for raw in ["", "Gi", "1.5Gi", "-1", "1X", "1gi", "1 Gi", "1iB"] {
-            let Err(err) = parse_size(raw) else {
-                panic!("accepted {raw:?}");
-            };
-            assert!(err.contains("e.g. 10Gi"), "{raw}: {err}");
-        }
-        assert!(parse_size("9999999Pi").is_err());
-        assert!(parse_size("99999999999999999999").is_err());
     }
 }

@@ -23,12 +23,15 @@ pub async fn run(cli: Cli) -> Result<String, Failure> {
         Command::Start => render(format, &client.start().await?, output::start),
         // Prometheus text is already meant for programs; JSON would only wrap it.
         Command::Metrics => Ok(client.metrics().await?),
-        Command::Plugins { plugin_type: None } => {
-            render(format, &client.plugins().await?, output::plugins)
-        }
         Command::Plugins {
-            plugin_type: Some(plugin_type),
-        } => render(format, &client.plugin(&plugin_type).await?, output::plugin),
+            plugin_flag,
+            plugin_type,
+        } => match plugin_flag.or(plugin_type) {
+            None => render(format, &client.plugins().await?, output::plugins),
+            Some(plugin_type) => {
+                render(format, &client.plugin(&plugin_type).await?, output::plugin)
+            }
+        },
         Command::Reload => render(format, &client.reload().await?, output::reload),
         Command::Drain => {
             let report = client.drain().await?;
@@ -43,9 +46,10 @@ pub async fn run(cli: Cli) -> Result<String, Failure> {
             render(format, &client.publish(&request).await?, output::publish)
         }
         Command::Unpublish(args) => {
+            let (plugin, volume_id) = args.volume.resolve()?;
             let request = UnpublishRequest {
-                plugin: args.volume.plugin,
-                volume_id: args.volume.volume,
+                plugin,
+                volume_id,
                 workload: args.workload,
             };
             render(
@@ -54,15 +58,18 @@ pub async fn run(cli: Cli) -> Result<String, Failure> {
                 output::unpublish,
             )
         }
-        Command::Volumes {
-            plugin: Some(plugin),
-            volume_id: Some(volume_id),
-        } => render(
-            format,
-            &client.volume(&plugin, &volume_id).await?,
-            output::volume,
-        ),
-        Command::Volumes { .. } => render(format, &client.volumes().await?, output::volumes),
+        Command::Volumes(args) => match args.one()? {
+            Some((plugin, volume_id)) => render(
+                format,
+                &client.volume(&plugin, &volume_id).await?,
+                output::volume,
+            ),
+            None => render(
+                format,
+                &client.volumes_matching(&args.query()?).await?,
+                output::volumes,
+            ),
+        },
         Command::Create(args) => {
             let request = CreateVolumeRequest {
                 capability: args.access_type.capability(&args.access_mode),
@@ -77,18 +84,22 @@ pub async fn run(cli: Cli) -> Result<String, Failure> {
                 output::created,
             )
         }
-        Command::Delete(volume) => render(
-            format,
-            &client.delete_volume(&volume.plugin, &volume.volume).await?,
-            output::deleted,
-        ),
+        Command::Delete(volume) => {
+            let (plugin, volume_id) = volume.resolve()?;
+            render(
+                format,
+                &client.delete_volume(&plugin, &volume_id).await?,
+                output::deleted,
+            )
+        }
         Command::Validate(args) => {
+            let (plugin, volume_id) = args.volume.resolve()?;
             let request = ValidateRequest {
                 capabilities: args.capabilities(),
                 volume_context: args::parse_pairs("--context", &args.context)?,
                 parameters: args::parse_pairs("--param", &args.params)?,
-                plugin: args.volume.plugin,
-                volume_id: args.volume.volume,
+                plugin,
+                volume_id,
             };
             render(format, &client.validate(&request).await?, output::validated)
         }
@@ -163,9 +174,10 @@ fn publish_request(args: &args::PublishArgs) -> Result<PublishRequest, Failure> 
     )?;
     let secrets =
         (!secrets.node_stage.is_empty() || !secrets.node_publish.is_empty()).then_some(secrets);
+    let (plugin, volume_id) = args.volume.resolve()?;
     Ok(PublishRequest {
-        plugin: args.volume.plugin.clone(),
-        volume_id: args.volume.volume.clone(),
+        plugin,
+        volume_id,
         workload: args.workload.clone(),
         capability: args.access_type.capability(&args.access_mode),
         readonly: args.readonly,

@@ -102,35 +102,12 @@ fn pairs(map: &std::collections::BTreeMap<String, String>) -> String {
         .join(",")
 }
 
-/// `10Gi`, `1.5Gi`, `512` (bytes below 1 KiB).
-pub fn human_bytes(bytes: i64) -> String {
-    const UNITS: &[(&str, i64)] = &[
-        ("Pi", 1 << 50),
-        ("Ti", 1 << 40),
-        ("Gi", 1 << 30),
-        ("Mi", 1 << 20),
-        ("Ki", 1 << 10),
-    ];
-    for (suffix, unit) in UNITS {
-        if bytes >= *unit {
-            if bytes % unit == 0 {
-                return format!("{}{suffix}", bytes / unit);
-            }
-            // Display only; precision loss of the float is irrelevant at one decimal.
-            #[allow(clippy::cast_precision_loss)]
-            let value = bytes as f64 / *unit as f64;
-            return format!("{value:.1}{suffix}");
-        }
-    }
-    bytes.to_string()
-}
-
 /// `10737418240 (10Gi)`, or just `0`.
 fn bytes_with_human(bytes: i64) -> String {
     if bytes < 1024 {
         bytes.to_string()
     } else {
-        format!("{bytes} ({})", human_bytes(bytes))
+        format!("{bytes} ({})", csi_agent_api::size::human(bytes))
     }
 }
 
@@ -208,7 +185,7 @@ pub fn plugins(list: &PluginList) -> String {
                 plugin.plugin_type.clone(),
                 plugin.name.clone(),
                 yes_no(plugin.managed),
-                plugin.state.clone(),
+                state_label(&plugin.state),
                 plugin.csi_version.clone().unwrap_or_default(),
                 components_summary(&plugin.components),
                 plugin.volumes.to_string(),
@@ -222,6 +199,16 @@ pub fn plugins(list: &PluginList) -> String {
     };
     out.push_str(&config_errors(&list.config_errors));
     out
+}
+
+/// A plugin state with what it means where that is not obvious: a lazily started plugin is
+/// not a broken one.
+fn state_label(state: &str) -> String {
+    match state {
+        "idle" => "idle (starts on first use)".to_owned(),
+        "not_started" => "not started (the start gate is closed)".to_owned(),
+        other => other.to_owned(),
+    }
 }
 
 /// `ready/total`, or empty for an unmanaged plugin (no components of csi-agent's).
@@ -238,7 +225,7 @@ pub fn plugin(plugin: &PluginInfo) -> String {
         ("type", plugin.plugin_type.clone()),
         ("name", plugin.name.clone()),
         ("managed", yes_no(plugin.managed)),
-        ("state", plugin.state.clone()),
+        ("state", state_label(&plugin.state)),
         (
             "csi version",
             plugin.csi_version.clone().unwrap_or_default(),
@@ -327,7 +314,11 @@ pub fn publish(answer: &PublishResponse) -> String {
 }
 
 pub fn unpublish(answer: &UnpublishResponse) -> String {
-    fields(&[("state", answer.state.clone())])
+    let mut out = fields(&[("state", answer.state.clone())]);
+    if !answer.was_claimed {
+        out.push_str("note: csi-agent tracked no such claim; nothing was changed\n");
+    }
+    out
 }
 
 pub fn volumes(list: &VolumeList) -> String {
@@ -344,7 +335,14 @@ pub fn volumes(list: &VolumeList) -> String {
             v.target_path.clone(),
         ]);
     }
-    table.render()
+    let mut out = table.render();
+    if let Some(token) = &list.next_page_token {
+        let _ = writeln!(out, "more volumes follow: add --page-token {token}");
+    }
+    if list.recovering {
+        out.push_str("the daemon is still recovering: more volumes may be listed soon\n");
+    }
+    out
 }
 
 fn capability(cap: &CapabilitySpec) -> String {
@@ -390,7 +388,35 @@ pub fn volume(v: &VolumeInfo) -> String {
     if let Some(error) = &v.last_error {
         pairs.push(("last error", error.clone()));
     }
+    if let Some(op) = &v.operation {
+        pairs.push(("in progress", operation(op)));
+    }
     fields(&pairs)
+}
+
+/// `publish: node_stage, attempt 3, retrying in 2.0 s after: NodeStageVolume failed: …`.
+fn operation(op: &OperationInfo) -> String {
+    let mut out = op.operation.clone();
+    if let Some(step) = &op.step {
+        let _ = write!(out, ": {step}");
+    }
+    if op.attempt > 0 {
+        let _ = write!(out, ", attempt {}", op.attempt);
+    }
+    if let Some(at) = op.next_retry_at_unix_ms {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        let _ = write!(
+            out,
+            ", retrying in {:.1} s",
+            at.saturating_sub(now) as f64 / 1000.0
+        );
+    }
+    if let Some(error) = &op.last_error {
+        let _ = write!(out, " after: {error}");
+    }
+    out
 }
 
 pub fn created(answer: &CreateVolumeResponse) -> String {
@@ -421,7 +447,7 @@ pub fn backend_volumes(plugin_type: &str, page: &BackendVolumePage) -> String {
         for v in &page.volumes {
             table.row(vec![
                 v.volume_id.clone(),
-                human_bytes(v.capacity_bytes),
+                csi_agent_api::size::human(v.capacity_bytes),
                 pairs(&v.volume_context),
             ]);
         }
@@ -448,6 +474,16 @@ mod tests {
 
     use super::*;
 
+    #[test]
+    fn capacity_is_printed_in_bytes_and_iec_units() {
+        assert_eq!(
+            capacity(&CapacityResponse {
+                available_capacity: 10 << 30
+            }),
+            "available:  10737418240 (10Gi)\n"
+        );
+    }
+
     fn volume_info(plugin: &str, id: &str, state: &str, claims: &[&str]) -> VolumeInfo {
         VolumeInfo {
             plugin: plugin.to_owned(),
@@ -466,6 +502,7 @@ mod tests {
             origin: "created".to_owned(),
             has_secrets: true,
             last_error: None,
+            operation: None,
         }
     }
 
@@ -552,7 +589,7 @@ mod tests {
                     plugin_type: "org.example.nfs".to_owned(),
                     name: "default".to_owned(),
                     managed: false,
-                    state: "not_started".to_owned(),
+                    state: "idle".to_owned(),
                     csi_version: None,
                     config_file: "/etc/csi/nfs.json".to_owned(),
                     error: None,
@@ -567,9 +604,9 @@ mod tests {
         };
         assert_eq!(
             plugins(&list),
-            "TYPE             NAME     MANAGED  STATE        CSI  COMPONENTS  VOLUMES\n\
-             org.example.lvm  default  yes      ready        1.9  1/1 ready   3\n\
-             org.example.nfs  default  no       not_started  -    -           0\n\
+            "TYPE             NAME     MANAGED  STATE                       CSI  COMPONENTS  VOLUMES\n\
+             org.example.lvm  default  yes      ready                       1.9  1/1 ready   3\n\
+             org.example.nfs  default  no       idle (starts on first use)  -    -           0\n\
              \n\
              configuration files that failed to load:\n\
              FILE               ERROR\n\
@@ -646,21 +683,6 @@ mod tests {
              v1      1.5Gi     -\n\
              \n\
              more: csictl backend-volumes --plugin org.example.lvm --starting-token 'tok en'\\'''\n"
-        );
-    }
-
-    #[test]
-    fn sizes_for_people() {
-        assert_eq!(human_bytes(0), "0");
-        assert_eq!(human_bytes(1023), "1023");
-        assert_eq!(human_bytes(1024), "1Ki");
-        assert_eq!(human_bytes(10 << 30), "10Gi");
-        assert_eq!(human_bytes(1536 << 20), "1.5Gi");
-        assert_eq!(
-            capacity(&CapacityResponse {
-                available_capacity: 10 << 30
-            }),
-            "available:  10737418240 (10Gi)\n"
         );
     }
 

@@ -42,6 +42,7 @@ fn volume(id: &str, state: &str, claims: &[&str]) -> VolumeInfo {
         origin: "created".to_owned(),
         has_secrets: true,
         last_error: None,
+        operation: None,
     }
 }
 

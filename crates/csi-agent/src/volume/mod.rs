@@ -13,6 +13,7 @@
 pub mod bind;
 pub mod controller;
 pub mod machine;
+pub mod progress;
 pub mod record;
 pub mod recovery;
 
@@ -28,7 +29,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{Mutex, OnceCell};
 
 use crate::backoff::{Backoff, RetryPolicy};
-use crate::client::{CsiClient, CsiVersion, RpcError, RpcErrorKind};
+use crate::client::{CsiClient, CsiVersion, RpcError, RpcErrorKind, code_name};
 use crate::config::Service;
 use crate::failpoint;
 use crate::layout::{Layout, encode_id};
@@ -279,6 +280,8 @@ struct Inner {
     /// Asked once, forgotten when the plugin's configuration changes.
     caps: StdMutex<Option<LifecycleCaps>>,
     node_id: OnceCell<String>,
+    /// What each operation in progress is doing, for status reads (never waits).
+    progress: progress::Tracker,
 }
 
 /// The longest volume id accepted, in bytes (the CSI spec's size limit for ids).
@@ -330,6 +333,7 @@ impl VolumeManager {
                 snapshot: std::sync::RwLock::new(BTreeMap::new()),
                 caps: StdMutex::new(None),
                 node_id: OnceCell::new(),
+                progress: progress::Tracker::default(),
             }),
         }
     }
@@ -482,6 +486,7 @@ impl VolumeManager {
         }
         let slot = self.slot(&request.volume_id);
         let mut guard = slot.lock().await;
+        let _running = self.inner.progress.begin(&request.volume_id, "publish");
         let mut record = match guard.record.clone() {
             Some(record) => record,
             None => VolumeRecord::new(&request.volume_id, Origin::PreProvisioned),
@@ -628,6 +633,7 @@ impl VolumeManager {
         let Some(mut record) = guard.record.clone() else {
             return Ok(());
         };
+        let _running = self.inner.progress.begin(volume_id, "unpublish");
         if let Some(bind) = record.bind_mounts.get(workload).cloned() {
             // The workload's own bind mount goes first; its record entry only once it is gone.
             self.unbind(volume_id, &bind)?;
@@ -701,29 +707,52 @@ impl VolumeManager {
         let Some(record) = guard.record.clone() else {
             return Ok(());
         };
+        let _running = self.inner.progress.begin(volume_id, "reconcile");
         let up = record.wants_published();
         self.drive(&mut guard, record, up).await?;
         Ok(())
     }
 
+    /// What the operation in progress on `volume_id` is doing, if one runs or a background
+    /// reconciler waits to retry. Never waits.
+    pub fn progress(&self, volume_id: &str) -> Option<progress::Progress> {
+        self.inner.progress.get(volume_id)
+    }
+
     /// Reconciles a volume in the background, retrying with backoff until it converges.
-    /// A missing plugin never makes it give up (k8s#72500, k8s#120268).
+    /// A missing plugin never makes it give up (k8s#72500, k8s#120268). At most one
+    /// reconciler runs per volume: asked again while one runs, that one drives once more.
     pub fn spawn_reconcile(&self, volume_id: &str) {
+        if !self.inner.progress.want_reconciler(volume_id) {
+            return;
+        }
         let manager = self.clone();
         let volume_id = volume_id.to_owned();
         tokio::spawn(async move {
             let mut backoff = Backoff::new(manager.inner.config.retry);
             loop {
                 match manager.reconcile(&volume_id).await {
-                    Ok(()) => return,
+                    Ok(()) => {
+                        if !manager.inner.progress.reconciler_done(&volume_id) {
+                            return;
+                        }
+                    }
                     Err(err) => {
+                        let delay = backoff.next_delay();
+                        let message = err.to_string();
+                        let attempt = manager
+                            .inner
+                            .progress
+                            .reconciler_failed(&volume_id, &message, delay);
                         tracing::warn!(
                             plugin = %manager.inner.config.plugin_type,
                             volume_id = ?volume_id,
-                            error = %err,
+                            attempt,
+                            error = %message,
+                            retry_in_ms = delay.as_millis() as u64,
                             "volume did not converge yet; retrying"
                         );
-                        tokio::time::sleep(backoff.next_delay()).await;
+                        tokio::time::sleep(delay).await;
                     }
                 }
             }
@@ -897,7 +926,10 @@ impl VolumeManager {
         };
         let capability = record.capability.as_ref().map(Capability::to_v1);
         let mut backoff = Backoff::new(self.inner.config.retry);
+        let mut tries: u32 = 0;
         loop {
+            tries = tries.saturating_add(1);
+            self.inner.progress.trying(&volume_id, rpc.name(), tries);
             let client = self.inner.endpoints.client(service).await;
             let attempt = match client {
                 Err(err) => Err(VolumeError::Plugin(err)),
@@ -941,7 +973,25 @@ impl VolumeManager {
                     if Instant::now() + delay >= deadline {
                         return Err(VolumeError::Plugin(err));
                     }
-                    tracing::debug!(step = rpc.name(), error = %err, ?delay, "transient error; retrying");
+                    // Info, once per attempt: an operator must see a publish that keeps
+                    // retrying without turning on debug logs (issue #11).
+                    tracing::info!(
+                        plugin = %self.inner.config.plugin_type,
+                        volume_id = ?volume_id,
+                        step = rpc.name(),
+                        attempt = tries,
+                        code = code_name(err.code()),
+                        error = %err,
+                        retry_in_ms = delay.as_millis() as u64,
+                        "transient error; retrying"
+                    );
+                    self.inner.progress.retrying(
+                        &volume_id,
+                        Some(rpc.name()),
+                        tries,
+                        &err.to_string(),
+                        delay,
+                    );
                     tokio::time::sleep(delay).await;
                 }
                 Err(err) => return Err(err),

@@ -143,6 +143,16 @@ impl Daemon {
 
 impl Drop for Daemon {
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            // The temp dir goes with the test: show what the daemon said while it can be read.
+            let log = self.work.parent().unwrap().join("daemon.log");
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            let tail: Vec<&str> = text.lines().rev().take(40).collect();
+            eprintln!("--- the daemon's log ({}), last lines:", log.display());
+            for line in tail.iter().rev() {
+                eprintln!("{line}");
+            }
+        }
         self.kill9();
         // The daemon leaves its plugins running on purpose; the test does not.
         let _ = Command::new("pkill")
