@@ -22,5 +22,6 @@ pub mod runtime;
 pub mod server;
 pub mod service_manager;
 pub mod store;
+pub mod sys;
 pub mod volume;
 pub mod workdir;

@@ -635,3 +635,50 @@ async fn a_second_daemon_on_the_same_work_dir_is_refused_and_the_first_keeps_ser
     assert!(scene.daemon.socket.exists());
     scene.daemon.api().health().await.unwrap();
 }
+
+#[tokio::test]
+async fn unbinds_blocked_in_the_kernel_stall_no_read() {
+    // Two async workers, two unpublishes each stuck 3 s inside their unbind (a failpoint
+    // sleeping where the umount is): the blocking calls must hand their workers over, or the
+    // daemon could not answer anything until they return.
+    let mut scene = Scene::with_extra(&[]);
+    let api = scene.daemon.api();
+    for i in 1..=2 {
+        let bind = scene.root.join(format!("w{i}/data"));
+        api.publish(&scene.bind_request(&format!("vol{i}"), &format!("w{i}"), &bind))
+            .await
+            .unwrap();
+    }
+    scene.daemon.stop_and_set_env("TOKIO_WORKER_THREADS", "2");
+    scene.daemon.env.push((
+        "CSI_AGENT_FAILPOINTS".into(),
+        "volume.unbind.after_unmount=sleep(3000)".into(),
+    ));
+    scene.daemon.start();
+    let api = scene.daemon.api();
+    api.health().await.unwrap();
+    let unpublishes: Vec<_> = (1..=2)
+        .map(|i| {
+            let api = api.clone();
+            tokio::spawn(async move {
+                api.unpublish(&unpublish(&format!("vol{i}"), &format!("w{i}")))
+                    .await
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let started = Instant::now();
+    let health = api.health().await;
+    let listed = api.volumes().await;
+    let took = started.elapsed();
+    println!("health and list while two unbinds block: {took:?}");
+    assert!(health.is_ok() && listed.is_ok(), "{health:?} {listed:?}");
+    assert!(
+        took < Duration::from_millis(500),
+        "reads waited {took:?} behind blocking unbinds"
+    );
+    for unpublished in unpublishes {
+        unpublished.await.unwrap().unwrap();
+    }
+    assert!(scene.binds().is_empty());
+}

@@ -36,6 +36,7 @@ use crate::layout::{Layout, encode_id};
 use crate::metrics::{Metrics, OperationLabels, VolumeStateLabels};
 use crate::mounts::MountTable;
 use crate::store::{Record, Store, StoreError};
+use crate::sys;
 use bind::{BindError, BindMount, BindOwner, Binder};
 use machine::{LifecycleCaps, LifecycleRpc, Step, next_step};
 pub use record::{AccessMode, AccessType, Capability, Origin, VolumeRecord, VolumeState};
@@ -659,14 +660,16 @@ impl VolumeManager {
     /// Unmounts a workload's bind mount of `volume_id` (and the dirs csi-agent created for
     /// it): only the mount csi-agent made, found by its mount id ([`Binder::remove`]).
     fn unbind(&self, volume_id: &str, bind: &BindMount) -> Result<(), VolumeError> {
-        self.inner.binder.remove(
-            &self.mounts_root(),
-            &self.target_path(volume_id),
-            bind,
-            &self.inner.boot_id,
-        )?;
-        failpoint::hit("volume.unbind.after_unmount")?;
-        Ok(())
+        sys::blocking("unbind", || {
+            self.inner.binder.remove(
+                &self.mounts_root(),
+                &self.target_path(volume_id),
+                bind,
+                &self.inner.boot_id,
+            )?;
+            failpoint::hit("volume.unbind.after_unmount")?;
+            Ok(())
+        })
     }
 
     /// Makes sure every recorded bind mount of a published volume is this volume's bind,
@@ -676,6 +679,10 @@ impl VolumeManager {
         if record.bind_mounts.is_empty() {
             return Ok(false);
         }
+        sys::blocking("bind", || self.ensure_binds_now(record))
+    }
+
+    fn ensure_binds_now(&self, record: &mut VolumeRecord) -> Result<bool, VolumeError> {
         let target = self.target_path(&record.volume_id);
         let mounts_root = self.mounts_root();
         let mut changed = false;
@@ -1232,6 +1239,10 @@ impl VolumeManager {
     /// Removes `mounts/<enc id>/{staging,target}` and the dir itself, when empty and not
     /// mounted. Never recursive, never across a mount point.
     fn cleanup_mount_dir(&self, volume_id: &str) {
+        sys::blocking("rmdir", || self.cleanup_mount_dir_now(volume_id));
+    }
+
+    fn cleanup_mount_dir_now(&self, volume_id: &str) {
         for path in [
             self.staging_path(volume_id),
             self.target_path(volume_id),
@@ -1433,22 +1444,25 @@ fn lock<T>(mutex: &StdMutex<T>) -> std::sync::MutexGuard<'_, T> {
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+// The helpers below are the volume code's blocking system calls, each through the one
+// boundary (`crate::sys`).
+
 fn is_mount_point(path: &Path) -> Result<bool, VolumeError> {
-    crate::mounts::is_mount_point(path).map_err(|err| VolumeError::Io {
+    sys::blocking("statx", || crate::mounts::is_mount_point(path)).map_err(|err| VolumeError::Io {
         path: path.to_path_buf(),
         source: std::io::Error::other(err.to_string()),
     })
 }
 
 fn mount_table() -> Result<MountTable, VolumeError> {
-    MountTable::read().map_err(|err| VolumeError::Io {
+    sys::blocking("read mountinfo", MountTable::read).map_err(|err| VolumeError::Io {
         path: PathBuf::from("/proc/self/mountinfo"),
         source: std::io::Error::other(err.to_string()),
     })
 }
 
 fn create_dir_all(path: &Path) -> Result<(), VolumeError> {
-    std::fs::create_dir_all(path).map_err(|source| VolumeError::Io {
+    sys::blocking("mkdir", || std::fs::create_dir_all(path)).map_err(|source| VolumeError::Io {
         path: path.to_path_buf(),
         source,
     })
@@ -1458,7 +1472,7 @@ fn create_dir_all(path: &Path) -> Result<(), VolumeError> {
 /// fine. `rmdir` itself refuses non-empty directories and returns EBUSY on a mount point, so
 /// this can never delete data.
 fn remove_empty_dir(path: &Path) -> Result<(), VolumeError> {
-    match std::fs::remove_dir(path) {
+    match sys::blocking("rmdir", || std::fs::remove_dir(path)) {
         Ok(()) => Ok(()),
         Err(err) if err.kind() == std::io::ErrorKind::NotFound => Ok(()),
         Err(source) => Err(VolumeError::Io {
