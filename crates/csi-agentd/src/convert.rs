@@ -58,9 +58,10 @@ impl From<VolumeError> for ApiFailure {
                 Self::new(api::ErrorCode::Conflict, message)
             }
             VolumeError::Bind(_) => Self::new(api::ErrorCode::Internal, message),
-            VolumeError::Store(_) | VolumeError::Io { .. } | VolumeError::Failpoint(_) => {
-                Self::new(api::ErrorCode::Internal, message)
-            }
+            VolumeError::Store(_)
+            | VolumeError::Io { .. }
+            | VolumeError::Mounts(_)
+            | VolumeError::Failpoint(_) => Self::new(api::ErrorCode::Internal, message),
         }
     }
 }

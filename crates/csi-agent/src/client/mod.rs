@@ -713,11 +713,12 @@ fn is_transport_failure(status: &tonic::Status) -> bool {
         && status
             .source()
             .is_some_and(|source| source.downcast_ref::<tonic::transport::Error>().is_some())
-        || status.code() == tonic::Code::Unknown && status.message().contains("transport error")
-        // The plugin died mid-call: hyper reports the dropped connection as a cancellation
-        // (tonic maps it to CANCELLED and keeps the hyper error as the source). A CANCELLED
-        // the plugin itself sent arrives in trailers and has no source.
-        || status.code() == tonic::Code::Cancelled && status.source().is_some()
+        // Told apart by type, not by text: a status the plugin itself sent arrives in
+        // trailers and has no source; one made from a local hyper/h2 error keeps it. That
+        // covers UNKNOWN (a broken HTTP/2 stream) and CANCELLED (the plugin died mid-call:
+        // hyper reports the dropped connection as a cancellation).
+        || matches!(status.code(), tonic::Code::Unknown | tonic::Code::Cancelled)
+            && status.source().is_some()
 }
 
 /// The causes of a transport failure, each said once: tonic's status message repeats its

@@ -177,6 +177,9 @@ pub enum VolumeError {
     /// A `bind_to` was refused, or binding or unbinding it failed.
     #[error(transparent)]
     Bind(#[from] BindError),
+    /// Reading the mount table or asking the kernel about a mount point failed.
+    #[error(transparent)]
+    Mounts(#[from] crate::mounts::MountError),
     #[error("interrupted by failpoint {0}")]
     Failpoint(String),
 }
@@ -1448,17 +1451,13 @@ fn lock<T>(mutex: &StdMutex<T>) -> std::sync::MutexGuard<'_, T> {
 // boundary (`crate::sys`).
 
 fn is_mount_point(path: &Path) -> Result<bool, VolumeError> {
-    sys::blocking("statx", || crate::mounts::is_mount_point(path)).map_err(|err| VolumeError::Io {
-        path: path.to_path_buf(),
-        source: std::io::Error::other(err.to_string()),
-    })
+    Ok(sys::blocking("statx", || {
+        crate::mounts::is_mount_point(path)
+    })?)
 }
 
 fn mount_table() -> Result<MountTable, VolumeError> {
-    sys::blocking("read mountinfo", MountTable::read).map_err(|err| VolumeError::Io {
-        path: PathBuf::from("/proc/self/mountinfo"),
-        source: std::io::Error::other(err.to_string()),
-    })
+    Ok(sys::blocking("read mountinfo", MountTable::read)?)
 }
 
 fn create_dir_all(path: &Path) -> Result<(), VolumeError> {
