@@ -22,4 +22,5 @@
 pub mod blobs;
 pub mod pull;
 pub mod reference;
+pub mod store;
 pub mod unpack;

@@ -161,6 +161,12 @@ pub enum Entry<'a> {
     Whiteout {
         path: &'a str,
     },
+    /// A regular file whose name is written into the header as it is, unchecked (hostile
+    /// names such as `../x`, which `tar::Builder` refuses to write).
+    RawName {
+        name: &'a str,
+        data: &'a [u8],
+    },
 }
 
 /// A gzipped layer tar of `entries`.
@@ -189,6 +195,16 @@ pub fn layer_tar_gz(entries: &[Entry<'_>]) -> Vec<u8> {
                 header.set_mode(0o777);
                 header.set_size(0);
                 builder.append_link(&mut header, path, target).unwrap();
+            }
+            Entry::RawName { name, data } => {
+                header.set_entry_type(tar::EntryType::Regular);
+                header.set_mode(0o644);
+                header.set_size(data.len() as u64);
+                let bytes = header.as_old_mut();
+                bytes.name = [0; 100];
+                bytes.name[..name.len()].copy_from_slice(name.as_bytes());
+                header.set_cksum();
+                builder.append(&header, *data).unwrap();
             }
             Entry::Whiteout { path } => {
                 let (dir, name) = path.rsplit_once('/').unwrap_or(("", path));
