@@ -44,7 +44,13 @@ pub struct ServerOptions {
     pub bind_roots: Vec<PathBuf>,
     /// The OCI runtime binary of the `oci` runtime (`runc`, or a path).
     pub oci_runtime: PathBuf,
+    /// Registries of plugin images (`--docker-registry`, `--docker-config`,
+    /// `--insecure-registry`).
+    pub registry: crate::image::reference::RegistrySettings,
 }
+
+/// The image store's dir in the work dir (docs/operations.md, "Image store").
+pub const IMAGES_DIR: &str = "images";
 
 /// Errors of engine operations.
 #[derive(Debug, thiserror::Error)]
@@ -190,6 +196,9 @@ struct Inner {
     /// volumes recovered) or failed to.
     recovered: std::sync::atomic::AtomicBool,
     table: Mutex<Table>,
+    /// `<work_dir>/images`, shared by every plugin; `None` when it could not be opened (a
+    /// plugin naming an image then fails to launch, saying so; the others are unaffected).
+    images: Option<Arc<crate::image::store::ImageStore>>,
 }
 
 impl CsiServer {
@@ -199,6 +208,18 @@ impl CsiServer {
         let store = Store::open(layout.clone(), Some(metrics.clone()))?;
         let (started, _) = watch::channel(false);
         let binder = Arc::new(Binder::new(options.bind_roots.clone(), layout.work_dir()));
+        let images_dir = layout.work_dir().join(IMAGES_DIR);
+        let puller = crate::image::pull::Puller::new(
+            options.registry.clone(),
+            crate::image::pull::PullLimits::default(),
+        );
+        let images = match crate::image::store::ImageStore::open(&images_dir, puller) {
+            Ok(images) => Some(Arc::new(images)),
+            Err(err) => {
+                tracing::error!(dir = %images_dir.display(), "the image store cannot be opened; plugins naming an image will not start: {err}");
+                None
+            }
+        };
         let server = Self {
             inner: Arc::new(Inner {
                 options,
@@ -209,6 +230,7 @@ impl CsiServer {
                 started,
                 recovered: std::sync::atomic::AtomicBool::new(false),
                 table: Mutex::new(Table::default()),
+                images,
             }),
         };
         Ok(server)
@@ -436,6 +458,7 @@ impl CsiServer {
             socket_root: self.inner.options.socket_root.clone(),
             metrics: self.inner.metrics.clone(),
             oci_runtime: self.inner.options.oci_runtime.clone(),
+            images: self.inner.images.clone(),
         }
     }
 

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, bail};
+use csi_agent::image::reference::{Credentials, DOCKER_HUB, RegistrySettings, normalize_registry};
 use csi_agent::metrics::Metrics;
 use csi_agent::server::{CsiServer, ServerOptions};
 use serde::Deserialize;
@@ -94,6 +95,18 @@ pub struct ServeArgs {
     /// crun), a path or a name looked up in PATH (default `runc`).
     #[arg(long)]
     oci_runtime: Option<PathBuf>,
+    /// The registry of plugin images named without a registry host (`busybox` is
+    /// `<this>/library/busybox:latest`); `host[:port]` or an `https://` URL (default Docker
+    /// Hub, `registry-1.docker.io`).
+    #[arg(long)]
+    docker_registry: Option<String>,
+    /// A docker `config.json` with registry credentials (`auths`).
+    #[arg(long)]
+    docker_config: Option<PathBuf>,
+    /// A registry (`HOST:PORT`) reached over plain HTTP instead of HTTPS (repeatable). Every
+    /// other registry is HTTPS only.
+    #[arg(long = "insecure-registry", value_name = "HOST:PORT")]
+    insecure_registries: Vec<String>,
 }
 
 /// The TOML file: the same settings as the flags.
@@ -117,6 +130,10 @@ struct FileSettings {
     #[serde(default)]
     bind_roots: Vec<PathBuf>,
     oci_runtime: Option<PathBuf>,
+    docker_registry: Option<String>,
+    docker_config: Option<PathBuf>,
+    #[serde(default)]
+    insecure_registries: Vec<String>,
 }
 
 /// The effective settings.
@@ -135,6 +152,7 @@ pub struct Settings {
     pub boot_id_file: PathBuf,
     pub bind_roots: Vec<PathBuf>,
     pub oci_runtime: PathBuf,
+    pub registry: RegistrySettings,
 }
 
 pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
@@ -187,7 +205,26 @@ pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
         .iter()
         .map(|root| bind_root(root, &work_dir))
         .collect::<anyhow::Result<Vec<_>>>()?;
+    let insecure = if args.insecure_registries.is_empty() {
+        file.insecure_registries
+    } else {
+        args.insecure_registries
+    };
+    let registry = RegistrySettings {
+        default_registry: normalize_registry(
+            args.docker_registry
+                .or(file.docker_registry)
+                .as_deref()
+                .unwrap_or(DOCKER_HUB),
+        ),
+        insecure: insecure.iter().map(|r| normalize_registry(r)).collect(),
+        credentials: match args.docker_config.or(file.docker_config) {
+            Some(path) => Credentials::from_docker_config(&path)?,
+            None => Credentials::default(),
+        },
+    };
     Ok(Settings {
+        registry,
         bind_roots,
         oci_runtime: args
             .oci_runtime
@@ -344,6 +381,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
             boot_id,
             bind_roots: settings.bind_roots.clone(),
             oci_runtime: settings.oci_runtime.clone(),
+            registry: settings.registry.clone(),
         },
         metrics,
     )

@@ -6,6 +6,8 @@
 //!   (default registry, insecure registries, credentials from a docker `config.json`).
 //! - [`pull`]: the registry conversation (oci-client), every blob verified into [`blobs`],
 //!   every size and wait bounded, typed errors that say which ones are transient.
+//! - [`store`]: the image store of the daemon (`<work_dir>/images`): the blob store, a
+//!   durable index, a prepared rootfs per image, garbage collection, Mesos `cached`.
 //! - [`blobs`]: `blobs/sha256/<hex>` under a directory the caller chooses. A blob enters only
 //!   whole and verified (digest and size checked while streaming, fsynced, renamed into place,
 //!   the directory fsynced); a partial or mismatching blob is never visible under its name.

@@ -395,6 +395,114 @@ fn registry_of_key(key: &str) -> String {
     }
 }
 
+/// The image a Mesos `ContainerInfo` names, as written (resolved against the daemon's
+/// default registry only when pulled), with its pull policy.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ContainerImage {
+    pub name: String,
+    pub policy: super::store::PullPolicy,
+}
+
+impl ContainerImage {
+    /// The image of a `ContainerInfo`: `mesos.image` (`type: DOCKER`, `docker.name`,
+    /// `cached`, default true) or, for configs written for the Docker containerizer,
+    /// `docker.image` (`force_pull_image` re-checks the tag). `None` when it names none. An
+    /// error is `(field relative to the container, message)`.
+    pub fn from_container(container: &serde_json::Value) -> Result<Option<Self>, (String, String)> {
+        use super::store::PullPolicy;
+        use serde_json::Value;
+        let err = |field: &str, message: String| Err((field.to_owned(), message));
+        let check = |field: &str, name: &str| -> Result<(), (String, String)> {
+            ImageRef::parse(name, DOCKER_HUB)
+                .map(|_| ())
+                .map_err(|e| (field.to_owned(), e.reason))
+        };
+        let mesos = container.get("mesos").and_then(|m| m.get("image"));
+        let docker = container.get("docker").filter(|d| !d.is_null());
+        match (mesos, docker) {
+            (Some(_), Some(_)) => err(
+                "docker",
+                "an image is named in both mesos.image and docker.image; keep one".to_owned(),
+            ),
+            (Some(image), None) => {
+                let Some(image) = image.as_object() else {
+                    return err("mesos.image", "must be an object".to_owned());
+                };
+                match image.get("type").and_then(Value::as_str) {
+                    None | Some("DOCKER") => {}
+                    Some("APPC") => {
+                        return err(
+                            "mesos.image.type",
+                            "APPC images are not supported; use a Docker/OCI image (type DOCKER)"
+                                .to_owned(),
+                        );
+                    }
+                    Some(other) => {
+                        return err(
+                            "mesos.image.type",
+                            format!("\"{other}\" is not an image type; use DOCKER"),
+                        );
+                    }
+                }
+                let Some(name) = image
+                    .get("docker")
+                    .and_then(|d| d.get("name"))
+                    .and_then(Value::as_str)
+                else {
+                    return err(
+                        "mesos.image.docker.name",
+                        "is required: the image to run, e.g. \"org/plugin:1.0\"".to_owned(),
+                    );
+                };
+                check("mesos.image.docker.name", name)?;
+                let cached = match image.get("cached") {
+                    None | Some(Value::Null) => true,
+                    Some(Value::Bool(cached)) => *cached,
+                    Some(_) => {
+                        return err("mesos.image.cached", "must be true or false".to_owned());
+                    }
+                };
+                Ok(Some(Self {
+                    name: name.to_owned(),
+                    policy: if cached {
+                        PullPolicy::IfMissing
+                    } else {
+                        PullPolicy::Always
+                    },
+                }))
+            }
+            (None, Some(docker)) => {
+                let Some(name) = docker.get("image").and_then(Value::as_str) else {
+                    return err(
+                        "docker.image",
+                        "is required: the image to run, e.g. \"org/plugin:1.0\"".to_owned(),
+                    );
+                };
+                check("docker.image", name)?;
+                let force = match docker.get("force_pull_image") {
+                    None | Some(Value::Null) => false,
+                    Some(Value::Bool(force)) => *force,
+                    Some(_) => {
+                        return err(
+                            "docker.force_pull_image",
+                            "must be true or false".to_owned(),
+                        );
+                    }
+                };
+                Ok(Some(Self {
+                    name: name.to_owned(),
+                    policy: if force {
+                        PullPolicy::Always
+                    } else {
+                        PullPolicy::IfMissing
+                    },
+                }))
+            }
+            (None, None) => Ok(None),
+        }
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
@@ -484,5 +592,61 @@ mod tests {
             Credentials::from_docker_config_json(br#"{"auths": {"h": {"auth": "!!"}}}"#).is_err()
         );
         assert!(Credentials::from_docker_config_json(b"[").is_err());
+    }
+
+    #[test]
+    fn container_infos_name_images() {
+        use super::super::store::PullPolicy;
+        use serde_json::json;
+        let of = |v| ContainerImage::from_container(&v);
+        assert_eq!(of(json!({"type": "MESOS"})).unwrap(), None);
+        let image = of(
+            json!({"type": "MESOS", "mesos": {"image": {"type": "DOCKER",
+            "docker": {"name": "busybox"}}}}),
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            (image.name.as_str(), image.policy),
+            ("busybox", PullPolicy::IfMissing)
+        );
+        let image = of(
+            json!({"mesos": {"image": {"type": "DOCKER", "cached": false,
+            "docker": {"name": "h:5000/p:1"}}}}),
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(image.policy, PullPolicy::Always);
+        let image =
+            of(json!({"type": "DOCKER", "docker": {"image": "org/p", "force_pull_image": true}}))
+                .unwrap()
+                .unwrap();
+        assert_eq!(
+            (image.name.as_str(), image.policy),
+            ("org/p", PullPolicy::Always)
+        );
+        for (bad, field) in [
+            (
+                json!({"mesos": {"image": {"type": "APPC"}}}),
+                "mesos.image.type",
+            ),
+            (
+                json!({"mesos": {"image": {"type": "DOCKER"}}}),
+                "mesos.image.docker.name",
+            ),
+            (
+                json!({"mesos": {"image": {"docker": {"name": "Bad Name"}}}}),
+                "mesos.image.docker.name",
+            ),
+            (
+                json!({"mesos": {"image": {"docker": {"name": "a"}, "cached": "no"}}}),
+                "mesos.image.cached",
+            ),
+            (json!({"docker": {"network": "HOST"}}), "docker.image"),
+            (json!({"docker": {"image": "a:"}}), "docker.image"),
+        ] {
+            let (got, message) = of(bad.clone()).unwrap_err();
+            assert_eq!(got, field, "{bad}: {message}");
+        }
     }
 }

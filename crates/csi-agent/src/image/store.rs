@@ -216,6 +216,11 @@ impl ImageStore {
         &self.dir
     }
 
+    /// Resolves an image name against the daemon's default registry.
+    pub fn resolve(&self, name: &str) -> Result<ImageRef, super::reference::ReferenceError> {
+        ImageRef::parse(name, &self.puller.settings().default_registry)
+    }
+
     pub fn blobs(&self) -> &Arc<BlobStore> {
         &self.blobs
     }
