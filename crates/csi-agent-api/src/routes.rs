@@ -21,6 +21,10 @@ pub const VOLUMES: &str = "/v1/volumes";
 pub const VOLUME: &str = "/v1/volumes/{plugin}/{volume_id}";
 pub const VALIDATE: &str = "/v1/volumes/validate";
 pub const CAPACITY: &str = "/v1/capacity";
+/// `GET`: the image store's images.
+pub const IMAGES: &str = "/v1/images";
+/// `POST`: pull and prepare an image (re-checking its tag).
+pub const IMAGES_PULL: &str = "/v1/images/pull";
 
 /// Every `(method, path)` the API serves. `openapi.yaml` describes exactly these (checked by
 /// `tests/openapi.rs`), and the daemon's router must serve exactly these.
@@ -40,6 +44,8 @@ pub const ALL_ROUTES: &[(&str, &str)] = &[
     ("DELETE", VOLUME),
     ("POST", VALIDATE),
     ("POST", CAPACITY),
+    ("GET", IMAGES),
+    ("POST", IMAGES_PULL),
 ];
 
 /// `/v1/plugins/{type}` for one plugin type.

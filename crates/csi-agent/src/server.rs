@@ -577,6 +577,40 @@ impl CsiServer {
         (reports, table.config_error_files.clone())
     }
 
+    /// The image store (`None` when it could not be opened; the daemon's log says why).
+    pub fn images(&self) -> Option<&Arc<crate::image::store::ImageStore>> {
+        self.inner.images.as_ref()
+    }
+
+    /// Resolved image reference → the types of the configured plugins whose components name
+    /// it (what `GET /v1/images` shows as `used_by`).
+    pub async fn image_users(&self) -> BTreeMap<String, Vec<String>> {
+        let mut users: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        let Some(store) = &self.inner.images else {
+            return users;
+        };
+        let table = self.inner.table.lock().await;
+        for (plugin_type, loaded) in &table.configs.plugins {
+            let config::Deployment::Managed(components) = &loaded.config.deployment else {
+                continue;
+            };
+            for component in components {
+                let image = component.container.as_ref().and_then(|c| {
+                    crate::image::reference::ContainerImage::from_container(c)
+                        .ok()
+                        .flatten()
+                });
+                if let Some(reference) = image.and_then(|i| store.resolve(&i.name).ok()) {
+                    let types = users.entry(reference.to_string()).or_default();
+                    if !types.contains(plugin_type) {
+                        types.push(plugin_type.clone());
+                    }
+                }
+            }
+        }
+        users
+    }
+
     /// The plugin if it is initialized, without initializing it or waiting for the gate.
     pub async fn plugin_if_loaded(&self, plugin_type: &str) -> Option<Arc<Plugin>> {
         self.inner

@@ -306,6 +306,25 @@ async fn a_mesos_config_naming_an_image_runs_the_plugin_from_the_registry() {
     let info = api.plugin(PLUGIN).await.unwrap();
     assert_eq!(ready_pid(&info), Some(pid), "{info:?}");
 
+    // The API: the store's images and who uses them; a pull of a cached image downloads
+    // nothing; an unknown tag is 404.
+    let images = api.images().await.unwrap();
+    assert_eq!(images.images.len(), 1, "{images:?}");
+    let listed = &images.images[0];
+    assert_eq!(listed.reference, format!("{host}/csi/testplugin:v1"));
+    assert_eq!(listed.manifest, format!("sha256:{}", prepared[0]));
+    // Sorted by plugin type.
+    assert_eq!(listed.used_by, vec![SECOND.to_owned(), PLUGIN.to_owned()]);
+    let gets = registry.blob_gets(None);
+    let pulled = api.pull_image("csi/testplugin:v1").await.unwrap();
+    assert!(pulled.downloaded.is_empty(), "{pulled:?}");
+    assert_eq!(registry.blob_gets(None), gets);
+    let err = api.pull_image("csi/testplugin:nope").await.unwrap_err();
+    assert!(
+        matches!(&err, csi_agent_api::ApiError::Api { status: 404, .. }),
+        "{err:?}"
+    );
+
     // The configs removed: every container stopped and deleted.
     for file in ["test.json", "second.json", "broken.json"] {
         std::fs::remove_file(daemon.configs.join(file)).unwrap();
