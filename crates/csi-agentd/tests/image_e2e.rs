@@ -347,3 +347,149 @@ async fn a_mesos_config_naming_an_image_runs_the_plugin_from_the_registry() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// Names in `dir` starting with `.tmp-` (what a pull or a preparation in progress has).
+fn temp_names(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with(".tmp-"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemon_killed_mid_pull_finishes_on_restart_and_keeps_no_partial_blob() {
+    csi_agent::mounts::require_private_mount_namespace();
+    let dir = tempfile::Builder::new()
+        .prefix("csi-image-")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let registry = Registry::start(&dir.path().join("registry")).unwrap();
+    let plugin_dir = dir.path().join("plugin");
+    std::fs::create_dir_all(&plugin_dir).unwrap();
+    let layout = dir.path().join("layout");
+    oci_layout(
+        &layout,
+        &[plugin_layer()],
+        json!({
+            "Entrypoint": ["/bin/csi-testplugin"],
+            "Cmd": ["--volumes", "vol1:1M", "--node-id", "node-1"],
+            "Env": [format!("CSI_TESTPLUGIN_WORK_DIR={}", plugin_dir.display())],
+        }),
+    )
+    .unwrap();
+    push(&layout, &registry, "csi/testplugin:v1").unwrap();
+    let host = registry.host();
+    let containers = Containers(dir.path().join("sockets/runc"));
+    let mut daemon = Daemon::new(
+        dir.path(),
+        &["--docker-registry", &host, "--insecure-registry", &host],
+    );
+    daemon.add_config(
+        "test.json",
+        &json!({
+            "type": PLUGIN,
+            "containers": [component(
+                &["CONTROLLER_SERVICE", "NODE_SERVICE"],
+                json!({"mesos": {"image": {"type": "DOCKER", "docker": {"name": "csi/testplugin:v1"}}},
+                       "volumes": [volume(&plugin_dir)]}),
+            )],
+            "startup_timeout_ms": 20000,
+            "restart_backoff": {"initial_ms": 100, "max_ms": 500},
+        }),
+    );
+    daemon.start();
+    let blobs = daemon.work.join("images/blobs/sha256");
+    let rootfs = daemon.work.join("images/rootfs");
+    // A publish makes the plugin start, which pulls; the daemon is SIGKILLed as soon as a
+    // blob is being written or the root file system being built.
+    let api = daemon.api();
+    let attempt = tokio::spawn(async move { api.publish(&publish("vol1", "w1")).await });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let caught = loop {
+        let (b, r) = (temp_names(&blobs), temp_names(&rootfs));
+        if !b.is_empty() || !r.is_empty() {
+            break (b, r);
+        }
+        assert!(Instant::now() < deadline, "never saw a pull in progress");
+        std::thread::sleep(Duration::from_micros(200));
+    };
+    daemon.kill9();
+    attempt.abort();
+    eprintln!("killed mid-pull with temp files {caught:?}");
+    assert!(
+        !temp_names(&blobs).is_empty() || !temp_names(&rootfs).is_empty(),
+        "the kill left nothing half-done: it did not interrupt the pull"
+    );
+
+    // Restarted, and killed again while the root file system is being built (the blobs are
+    // all there by then, or being finished).
+    daemon.start();
+    let api = daemon.api();
+    let attempt = tokio::spawn(async move { api.publish(&publish("vol1", "w1")).await });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while temp_names(&rootfs).is_empty() {
+        // Only a complete rootfs (a name not starting with `.tmp-`) means it was missed.
+        let complete = std::fs::read_dir(&rootfs).is_ok_and(|entries| {
+            entries
+                .flatten()
+                .any(|e| !e.file_name().to_string_lossy().starts_with(".tmp-"))
+        });
+        assert!(
+            Instant::now() < deadline && !complete,
+            "never saw the root file system being built"
+        );
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    daemon.kill9();
+    attempt.abort();
+    assert!(
+        !temp_names(&rootfs).is_empty(),
+        "the kill did not interrupt the unpacking"
+    );
+
+    // Restarted: the leftovers are removed before anything uses the store, the pull
+    // finishes, the plugin runs from the image.
+    daemon.start();
+    let published = daemon.api().publish(&publish("vol1", "w1")).await.unwrap();
+    assert!(is_mounted(Path::new(&published.target_path)));
+    assert_eq!(temp_names(&blobs), Vec::<String>::new());
+    assert_eq!(temp_names(&rootfs), Vec::<String>::new());
+    assert_eq!(
+        temp_names(&daemon.work.join("images")),
+        Vec::<String>::new()
+    );
+    // Every blob kept is whole: it hashes to its name.
+    let names: Vec<String> = std::fs::read_dir(&blobs)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names.len(), 2, "{names:?}");
+    for name in &names {
+        assert_eq!(&sha256_hex(&std::fs::read(blobs.join(name)).unwrap()), name);
+    }
+    let info = wait_plugin(&daemon, PLUGIN, "the plugin ready", |i| {
+        ready_pid(i).is_some()
+    })
+    .await;
+    let pid = ready_pid(&info).unwrap();
+    assert!(Path::new(&format!("/proc/{pid}/root/bin/csi-testplugin")).is_file());
+
+    let api = daemon.api();
+    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    std::fs::remove_file(daemon.configs.join("test.json")).unwrap();
+    api.reload().await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !containers.list().is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "containers left: {:?}",
+            containers.list()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
