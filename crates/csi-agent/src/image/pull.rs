@@ -263,7 +263,9 @@ impl PullError {
     }
 }
 
-/// The registry client of one daemon: settings, limits and oci-client's token cache.
+/// The registry client of one daemon: settings, limits and oci-client's token cache (shared
+/// by clones).
+#[derive(Clone)]
 pub struct Puller {
     client: Client,
     settings: RegistrySettings,
@@ -311,14 +313,25 @@ impl Puller {
         blobs: &Arc<BlobStore>,
     ) -> Result<Pulled, PullError> {
         let name = reference.to_string();
-        match tokio::time::timeout(self.limits.total_timeout, self.pull_inner(reference, blobs))
-            .await
-        {
-            Ok(result) => result,
-            Err(_) => Err(PullError::Timeout {
+        // On a task of its own: a panic in the HTTP stack on a hostile answer (oci-client
+        // unwraps a header value built from the registry's token) becomes this pull's error
+        // instead of taking down the caller's task (a plugin's supervisor).
+        let this = self.clone();
+        let (owned, blobs) = (reference.clone(), Arc::clone(blobs));
+        let mut task = AbortOnDrop(tokio::spawn(async move {
+            tokio::time::timeout(this.limits.total_timeout, this.pull_inner(&owned, &blobs)).await
+        }));
+        // A caller that gives up (its future dropped) stops the pull too.
+        match (&mut task.0).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(_)) => Err(PullError::Timeout {
                 reference: name,
                 what: "the pull",
                 after: self.limits.total_timeout,
+            }),
+            Err(err) => Err(PullError::Task {
+                reference: name,
+                reason: err.to_string(),
             }),
         }
     }
@@ -566,6 +579,7 @@ impl Puller {
     }
 
     fn classify_blob(&self, reference: &ImageRef, err: BlobError) -> PullError {
+        let reference_registry = reference.registry();
         let reference = reference.to_string();
         match err {
             BlobError::DigestMismatch { expected, actual } => PullError::DigestMismatch {
@@ -580,8 +594,8 @@ impl Puller {
             },
             // The stream failed mid-blob: the connection, i.e. the registry went away.
             BlobError::Read { .. } => PullError::Registry {
+                registry: reference_registry.to_owned(),
                 reference,
-                registry: String::new(),
                 transient: true,
                 source: OciDistributionError::IoError(io::Error::other(err.to_string())),
             },
@@ -670,6 +684,15 @@ impl Puller {
                 source: err,
             },
         }
+    }
+}
+
+/// Aborts the task when dropped.
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
