@@ -493,3 +493,92 @@ async fn a_daemon_killed_mid_pull_finishes_on_restart_and_keeps_no_partial_blob(
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registry_down_is_reported_on_the_plugin_and_the_pull_retried_once_it_is_back() {
+    csi_agent::mounts::require_private_mount_namespace();
+    let dir = tempfile::Builder::new()
+        .prefix("csi-image-")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let mut registry = Registry::start(&dir.path().join("registry")).unwrap();
+    let plugin_dir = dir.path().join("plugin");
+    std::fs::create_dir_all(&plugin_dir).unwrap();
+    let layout = dir.path().join("layout");
+    oci_layout(
+        &layout,
+        &[plugin_layer()],
+        json!({
+            "Entrypoint": ["/bin/csi-testplugin"],
+            "Cmd": ["--volumes", "vol1:1M", "--node-id", "node-1"],
+            "Env": [format!("CSI_TESTPLUGIN_WORK_DIR={}", plugin_dir.display())],
+        }),
+    )
+    .unwrap();
+    push(&layout, &registry, "csi/testplugin:v1").unwrap();
+    registry.stop();
+
+    let host = registry.host();
+    let containers = Containers(dir.path().join("sockets/runc"));
+    let mut daemon = Daemon::new(
+        dir.path(),
+        &["--docker-registry", &host, "--insecure-registry", &host],
+    );
+    daemon.add_config(
+        "test.json",
+        &json!({
+            "type": PLUGIN,
+            "containers": [component(
+                &["CONTROLLER_SERVICE", "NODE_SERVICE"],
+                json!({"mesos": {"image": {"type": "DOCKER", "docker": {"name": "csi/testplugin:v1"}}},
+                       "volumes": [volume(&plugin_dir)]}),
+            )],
+            "startup_timeout_ms": 20000,
+            "restart_backoff": {"initial_ms": 100, "max_ms": 1000},
+        }),
+    );
+    daemon.start();
+    let api = daemon.api();
+    let attempt = tokio::spawn(async move { api.publish(&publish("vol1", "w1")).await });
+    let info = wait_plugin(&daemon, PLUGIN, "the registry reported unreachable", |i| {
+        i.components
+            .first()
+            .and_then(|c| c.error.as_deref())
+            .is_some_and(|e| e.contains("unreachable"))
+    })
+    .await;
+    assert!(ready_pid(&info).is_none());
+    // Retried with the backoff, still failing while the registry is down.
+    let failing = wait_plugin(&daemon, PLUGIN, "a retry", |i| {
+        i.components.first().is_some_and(|c| c.restarts >= 2)
+    })
+    .await;
+    assert!(ready_pid(&failing).is_none());
+
+    registry.restart().unwrap();
+    let info = wait_plugin(
+        &daemon,
+        PLUGIN,
+        "the plugin ready once the registry is back",
+        |i| ready_pid(i).is_some(),
+    )
+    .await;
+    assert!(info.components[0].restarts >= 2, "{info:?}");
+    attempt.abort();
+    let published = daemon.api().publish(&publish("vol1", "w1")).await.unwrap();
+    assert!(is_mounted(Path::new(&published.target_path)));
+
+    let api = daemon.api();
+    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    std::fs::remove_file(daemon.configs.join("test.json")).unwrap();
+    api.reload().await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !containers.list().is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "containers left: {:?}",
+            containers.list()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
