@@ -239,6 +239,14 @@ async fn a_mesos_config_naming_an_image_runs_the_plugin_from_the_registry() {
     let _ = image;
     let first_gets = registry.blob_gets(None) - pushed_gets;
     assert_eq!(first_gets, 2, "the layer and the config, once each");
+    // The daemon's log says what was downloaded and when the image was ready.
+    let log = std::fs::read_to_string(dir.path().join("daemon.log")).unwrap();
+    assert_eq!(
+        log.matches("blob downloaded and verified").count(),
+        2,
+        "{log}"
+    );
+    assert!(log.contains("image ready"), "{log}");
 
     // A second plugin of the same image (named the Docker-containerizer way, with its
     // registry host): its arguments replace Cmd, its environment wins over the image's.

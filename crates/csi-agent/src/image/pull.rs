@@ -60,6 +60,9 @@ pub const OCI_LAYER: &str = "application/vnd.oci.image.layer.v1.tar";
 pub const OCI_LAYER_GZIP: &str = "application/vnd.oci.image.layer.v1.tar+gzip";
 pub const DOCKER_LAYER_GZIP: &str = "application/vnd.docker.image.rootfs.diff.tar.gzip";
 
+/// How often a blob's download progress (bytes done / total) is logged.
+const PROGRESS_EVERY: Duration = Duration::from_secs(5);
+
 /// The media types asked for in `Accept` (schema 1 is not among them: it is unsigned-unsafe
 /// and deprecated; a registry that has only that answers with something refused below).
 const ACCEPTED: &[&str] = &[
@@ -523,10 +526,17 @@ impl Puller {
             });
             let mut stream = sized.stream;
             let mut sent: u64 = 0;
+            let started = std::time::Instant::now();
+            let mut next_report = started + PROGRESS_EVERY;
             while let Some(item) = stream.next().await {
                 match item {
                     Ok(chunk) => {
                         sent = sent.saturating_add(chunk.len() as u64);
+                        if std::time::Instant::now() >= next_report {
+                            next_report += PROGRESS_EVERY;
+                            tracing::info!(image = %name, blob = %blob.digest, bytes = sent,
+                                total = blob.size, "downloading");
+                        }
                         // The writer stops receiving once it has refused the blob (too large).
                         if tx.send(Ok(chunk)).await.is_err() {
                             break;
@@ -543,7 +553,11 @@ impl Puller {
             }
             drop(tx);
             match writer.await {
-                Ok(Ok(Put::Stored)) => Ok(Some(blob.digest.clone())),
+                Ok(Ok(Put::Stored)) => {
+                    tracing::info!(image = %name, blob = %blob.digest, bytes = blob.size,
+                        elapsed_ms = started.elapsed().as_millis() as u64, "blob downloaded and verified");
+                    Ok(Some(blob.digest.clone()))
+                }
                 Ok(Ok(Put::AlreadyPresent)) => Ok(None),
                 Ok(Err(err)) => Err(self.classify_blob(reference, err)),
                 Err(err) => Err(PullError::Task {
