@@ -41,4 +41,4 @@ install_missing() {
 }
 
 # What the test suite runs besides cargo.
-TEST_DEPS=(unshare:util-linux mount:mount umount:mount curl:curl pgrep:procps pkill:procps runc:runc)
+TEST_DEPS=(unshare:util-linux mount:mount umount:mount curl:curl pgrep:procps pkill:procps runc:runc docker-registry:docker-registry skopeo:skopeo)

@@ -206,6 +206,19 @@ impl ApiClient {
         self.call_json(Method::POST, routes::DRAIN, None).await
     }
 
+    /// `GET /v1/images`
+    pub async fn images(&self) -> Result<ImageList, ApiError> {
+        self.get_json(routes::IMAGES).await
+    }
+
+    /// `POST /v1/images/pull`: pulls and prepares an image (the tag re-checked).
+    pub async fn pull_image(&self, reference: &str) -> Result<ImagePullResponse, ApiError> {
+        let request = ImagePullRequest {
+            reference: reference.to_owned(),
+        };
+        self.post_json(routes::IMAGES_PULL, &request).await
+    }
+
     /// `POST /v1/volumes/publish`
     pub async fn publish(&self, request: &PublishRequest) -> Result<PublishResponse, ApiError> {
         self.post_json(routes::PUBLISH, request).await

@@ -23,6 +23,10 @@ pub const VALIDATE: &str = "/v1/volumes/validate";
 pub const CAPACITY: &str = "/v1/capacity";
 /// `POST`: unpublish every claim and stop every plugin (`csictl drain`).
 pub const DRAIN: &str = "/v1/drain";
+/// `GET`: the image store's images.
+pub const IMAGES: &str = "/v1/images";
+/// `POST`: pull and prepare an image (re-checking its tag).
+pub const IMAGES_PULL: &str = "/v1/images/pull";
 
 /// Every `(method, path)` the API serves. `openapi.yaml` describes exactly these (checked by
 /// `tests/openapi.rs`), and the daemon's router must serve exactly these.
@@ -43,6 +47,8 @@ pub const ALL_ROUTES: &[(&str, &str)] = &[
     ("POST", VALIDATE),
     ("POST", CAPACITY),
     ("POST", DRAIN),
+    ("GET", IMAGES),
+    ("POST", IMAGES_PULL),
 ];
 
 /// `/v1/plugins/{type}` for one plugin type.

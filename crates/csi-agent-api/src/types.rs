@@ -422,6 +422,47 @@ pub struct DrainFailure {
     pub error: String,
 }
 
+/// One image of the daemon's image store (`GET /v1/images`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImageInfo {
+    /// The resolved reference (`registry/repository:tag` or `@sha256:…`).
+    pub reference: String,
+    /// The platform manifest's digest: the image's identity.
+    pub manifest: String,
+    pub config: String,
+    /// Layer digests, in order.
+    pub layers: Vec<String>,
+    /// Config and layers as the manifest declares them (compressed bytes).
+    pub size: u64,
+    pub pulled_at_unix: u64,
+    /// The types of the configured plugins that name this image.
+    pub used_by: Vec<String>,
+}
+
+/// `GET /v1/images`
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImageList {
+    pub images: Vec<ImageInfo>,
+}
+
+/// `POST /v1/images/pull`
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ImagePullRequest {
+    /// An image name as a plugin config gives it (`busybox`, `host:5000/org/app:1`).
+    pub reference: String,
+}
+
+/// `POST /v1/images/pull`
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImagePullResponse {
+    pub reference: String,
+    pub manifest: String,
+    pub size: u64,
+    /// The blobs this pull downloaded (empty when the store had them all).
+    pub downloaded: Vec<String>,
+}
+
 /// `POST /v1/volumes` (CreateVolume)
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

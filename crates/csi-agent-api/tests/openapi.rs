@@ -244,6 +244,21 @@ fn cases() -> Result<Vec<Case>> {
     let capacity = CapacityResponse {
         available_capacity: 1,
     };
+    let image = ImageInfo {
+        reference: "r/a:1".to_owned(),
+        manifest: "sha256:m".to_owned(),
+        config: "sha256:c".to_owned(),
+        layers: vec!["sha256:l".to_owned()],
+        size: 1,
+        pulled_at_unix: 1,
+        used_by: vec!["p".to_owned()],
+    };
+    let pulled = ImagePullResponse {
+        reference: "r/a:1".to_owned(),
+        manifest: "sha256:m".to_owned(),
+        size: 1,
+        downloaded: vec![],
+    };
     Ok(vec![
         response("ErrorBody", error(Some("NOT_FOUND")), error(None))?,
         response("Health", health.clone(), health)?,
@@ -331,6 +346,21 @@ fn cases() -> Result<Vec<Case>> {
             },
         )?,
         response("CapacityResponse", capacity.clone(), capacity)?,
+        response("ImageInfo", image.clone(), image.clone())?,
+        response(
+            "ImageList",
+            ImageList {
+                images: vec![image.clone()],
+            },
+            ImageList { images: vec![] },
+        )?,
+        request(
+            "ImagePullRequest",
+            ImagePullRequest {
+                reference: "busybox".to_owned(),
+            },
+        )?,
+        response("ImagePullResponse", pulled.clone(), pulled)?,
     ])
 }
 
@@ -489,6 +519,13 @@ const BODIES: &[(&str, &str, Option<&str>, Option<&str>)] = &[
         routes::CAPACITY,
         Some("CapacityRequest"),
         Some("CapacityResponse"),
+    ),
+    ("GET", routes::IMAGES, None, Some("ImageList")),
+    (
+        "POST",
+        routes::IMAGES_PULL,
+        Some("ImagePullRequest"),
+        Some("ImagePullResponse"),
     ),
 ];
 

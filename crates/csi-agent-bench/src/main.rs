@@ -4,8 +4,9 @@
 //! Subcommands: `cycle` (one publish+unpublish, sequential: raw vs engine vs daemon, durable
 //! writes and their fsync cost), `throughput` (1,000 volumes by 64 concurrent clients),
 //! `restart` (10,000 volume records: time to serve and to list them all, resident memory),
-//! `supervision` (socket → ready, kill -9 → ready again) and `all` (everything, plus a
-//! markdown report for `docs/benchmarks.md`).
+//! `supervision` (socket → ready, kill -9 → ready again), `images` (pulling and preparing a
+//! plugin image against skopeo + umoci; not part of `all`: it needs a registry and those
+//! tools) and `all` (everything else, plus a markdown report for `docs/benchmarks.md`).
 //!
 //! Every subcommand is bounded, works only in a fresh temp dir (removed at the end), talks
 //! only over unix sockets, and kills every process it started, also on error or Ctrl-C.
@@ -15,6 +16,7 @@
 mod cycle;
 mod daemon;
 mod env;
+mod images;
 mod keepalive;
 mod procs;
 mod raw;
@@ -75,6 +77,9 @@ enum Command {
     /// Plugin supervision: socket appears → ready, kill -9 → ready again, against the
     /// plugin's own start time.
     Supervision(supervision::SupervisionArgs),
+    /// Plugin images: csi-agent's pull + unpack against skopeo + umoci from a loopback
+    /// registry, and the warm start of a cached image (needs docker-registry, skopeo, umoci).
+    Images(images::ImagesArgs),
     /// Everything, with the default sizes; prints markdown for docs/benchmarks.md.
     All(report::AllArgs),
 }
@@ -131,6 +136,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let report = supervision::run(&env, &args).await?;
             print!("{}", report::supervision_table(&report));
             env.write_json("supervision", &report)?;
+        }
+        Command::Images(args) => {
+            let report = images::run(&env, &args).await?;
+            print!("{}", images::table(&report));
+            env.write_json("images", &report)?;
         }
         Command::All(args) => report::run_all(&env, &args).await?,
     }

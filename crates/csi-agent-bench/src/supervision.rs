@@ -157,6 +157,7 @@ pub async fn run(env: &Env, args: &SupervisionArgs) -> anyhow::Result<Supervisio
                 socket_root: scratch.join("sm-s"),
                 metrics: metrics.clone(),
                 oci_runtime: "runc".into(),
+                images: None,
             },
         )
         .await
@@ -194,6 +195,7 @@ pub async fn run(env: &Env, args: &SupervisionArgs) -> anyhow::Result<Supervisio
                     socket_root: scratch.join("sm-oci-s"),
                     metrics: Arc::new(Metrics::new()),
                     oci_runtime: "runc".into(),
+                    images: None,
                 },
             )
             .await

@@ -123,7 +123,7 @@ pub struct EnvVar {
 }
 
 /// Mesos `CommandInfo`, reduced to what a runtime needs.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct CommandConfig {
     pub value: String,
     pub arguments: Vec<String>,
@@ -206,6 +206,20 @@ pub struct ComponentConfig {
     pub resources: Vec<Value>,
     /// Mesos `ContainerInfo`, kept verbatim.
     pub container: Option<Value>,
+}
+
+/// Whether any `containers[i].container` names an image (a malformed one counts: the
+/// component's own parse reports it with its field).
+fn names_an_image(containers: &[Value]) -> bool {
+    containers.iter().any(|c| {
+        c.get("container").is_some_and(|container| {
+            container.is_object()
+                && !matches!(
+                    crate::image::reference::ContainerImage::from_container(container),
+                    Ok(None)
+                )
+        })
+    })
 }
 
 /// One unmanaged endpoint (`endpoints[i]`).
@@ -701,12 +715,17 @@ impl Parser<'_> {
         let name = self.string(obj, "", "name")?.unwrap_or(DEFAULT_NAME);
         validate_name(name).map_err(|msg| self.invalid("name", msg))?;
 
+        let containers = self.array(obj, "", "containers")?.filter(|c| !c.is_empty());
         let runtime = match obj.get("runtime") {
+            // A plugin config naming an image runs it (issue #13): the oci runtime is the
+            // one that can. An explicit "process" with an image is refused below.
+            None | Some(Value::Null) if names_an_image(containers.unwrap_or_default()) => {
+                RuntimeConfig::Oci(OciConfig::default())
+            }
             None | Some(Value::Null) => RuntimeConfig::Process,
             Some(value) => self.runtime(value)?,
         };
 
-        let containers = self.array(obj, "", "containers")?.filter(|c| !c.is_empty());
         let endpoints = self.array(obj, "", "endpoints")?.filter(|e| !e.is_empty());
         let deployment = match (containers, endpoints) {
             (None, None) => {
@@ -787,6 +806,10 @@ impl Parser<'_> {
 
     fn runtime(&self, value: &Value) -> Result<RuntimeConfig, ConfigError> {
         let obj = self.object(value, "runtime")?;
+        // A root file system is only something a container has.
+        if obj.get("kind").is_none() && obj.contains_key("rootfs") {
+            return self.oci(obj).map(RuntimeConfig::Oci);
+        }
         let kind = self.string(obj, "runtime", "kind")?.ok_or_else(|| {
             self.invalid(
                 "runtime.kind",
@@ -914,14 +937,26 @@ impl Parser<'_> {
                 &["services", "command", "resources", "container"],
             )?;
             let services = self.services(obj, &prefix)?;
+            let image = match obj.get("container") {
+                Some(container) if container.is_object() => {
+                    crate::image::reference::ContainerImage::from_container(container).map_err(
+                        |(field, message)| {
+                            self.invalid(join(&join(&prefix, "container"), &field), message)
+                        },
+                    )?
+                }
+                _ => None,
+            };
             let command = match obj.get("command") {
+                // The image's Entrypoint and Cmd (see `crate::runtime::oci::image_argv`).
+                None | Some(Value::Null) if image.is_some() => CommandConfig::default(),
                 None | Some(Value::Null) => {
                     return Err(self.invalid(
                         join(&prefix, "command"),
                         "is required: give the command that starts the plugin ({\"value\": \"/path/to/plugin\", ...})",
                     ));
                 }
-                Some(value) => self.command(value, &join(&prefix, "command"))?,
+                Some(value) => self.command(value, &join(&prefix, "command"), image.is_some())?,
             };
             let resources = self
                 .array(obj, &prefix, "resources")?
@@ -934,12 +969,18 @@ impl Parser<'_> {
             let container = match obj.get("container") {
                 None | Some(Value::Null) => None,
                 Some(value) => {
-                    let container_obj = self.object(value, &join(&prefix, "container"))?;
-                    let has_image = container_obj.contains_key("docker")
-                        || container_obj
-                            .get("mesos")
-                            .and_then(|m| m.get("image"))
-                            .is_some();
+                    self.object(value, &join(&prefix, "container"))?;
+                    let has_image = image.is_some();
+                    if has_image
+                        && let RuntimeConfig::Oci(OciConfig {
+                            rootfs: Some(_), ..
+                        }) = runtime
+                    {
+                        return Err(self.invalid(
+                            join(&prefix, "container"),
+                            "names an image, and runtime.rootfs gives another root file system; remove one",
+                        ));
+                    }
                     if has_image && *runtime == RuntimeConfig::Process {
                         return Err(self.invalid(
                             join(&prefix, "container"),
@@ -1013,7 +1054,14 @@ impl Parser<'_> {
         }
     }
 
-    fn command(&self, value: &Value, prefix: &str) -> Result<CommandConfig, ConfigError> {
+    /// `from_image`: the component runs an image, whose Entrypoint/Cmd apply when `value`
+    /// is not given.
+    fn command(
+        &self,
+        value: &Value,
+        prefix: &str,
+        from_image: bool,
+    ) -> Result<CommandConfig, ConfigError> {
         let obj = self.object(value, prefix)?;
         self.check_keys(
             obj,
@@ -1021,7 +1069,7 @@ impl Parser<'_> {
             &["value", "arguments", "shell", "environment", "uris", "user"],
         )?;
         let command = self.string(obj, prefix, "value")?.unwrap_or_default();
-        if command.trim().is_empty() {
+        if command.trim().is_empty() && !(from_image && command.is_empty()) {
             return Err(self.invalid(
                 join(prefix, "value"),
                 "is empty; give the plugin's executable (or a shell command with \"shell\": true)",
@@ -1176,6 +1224,84 @@ mod tests {
 
     fn parse(text: &str) -> Result<PluginConfig, ConfigError> {
         parse_config(Path::new("x.json"), text)
+    }
+
+    #[test]
+    #[allow(clippy::unwrap_used)]
+    fn a_config_naming_an_image_runs_it_with_the_oci_runtime() {
+        let image = r#"{"type": "MESOS", "mesos": {"image": {"type": "DOCKER",
+            "docker": {"name": "org/plugin:1"}}}}"#;
+        // No runtime and no command: the oci runtime and the image's Entrypoint/Cmd.
+        let config = parse(&format!(
+            r#"{{"type": "t", "containers": [{{"services": ["NODE_SERVICE"], "container": {image}}}]}}"#
+        ))
+        .unwrap();
+        assert_eq!(config.runtime, RuntimeConfig::Oci(OciConfig::default()));
+        let Deployment::Managed(components) = &config.deployment else {
+            panic!("not managed");
+        };
+        assert_eq!(components[0].command, CommandConfig::default());
+        // Docker-containerizer style too, with only an environment in the command.
+        let config = parse(
+            r#"{"type": "t", "containers": [{"services": ["NODE_SERVICE"],
+                "command": {"environment": {"variables": [{"name": "A", "value": "1"}]}},
+                "container": {"type": "DOCKER", "docker": {"image": "busybox"}}}]}"#,
+        )
+        .unwrap();
+        assert_eq!(config.runtime.kind(), "oci");
+        // A rootfs without a kind is a container too.
+        let config = parse(
+            r#"{"type": "t", "runtime": {"rootfs": "/img"},
+                "containers": [{"services": ["NODE_SERVICE"], "command": {"value": "/p"}}]}"#,
+        )
+        .unwrap();
+        assert_eq!(config.runtime.kind(), "oci");
+
+        let field = |text: String| match parse(&text) {
+            Err(ConfigError::Invalid { field, .. }) => field,
+            other => panic!("expected an invalid field, got {other:?}"),
+        };
+        let component = |container: &str| {
+            format!(r#""containers": [{{"services": ["NODE_SERVICE"], "container": {container}}}]"#)
+        };
+        // An explicit "process" runtime cannot run an image.
+        assert_eq!(
+            field(format!(
+                r#"{{"type": "t", "runtime": {{"kind": "process"}}, {}}}"#,
+                component(image)
+            )),
+            "containers[0].container"
+        );
+        // Two roots.
+        assert_eq!(
+            field(format!(
+                r#"{{"type": "t", "runtime": {{"kind": "oci", "rootfs": "/img"}}, {}}}"#,
+                component(image)
+            )),
+            "containers[0].container"
+        );
+        // Bad references, named by field.
+        assert_eq!(
+            field(format!(
+                r#"{{"type": "t", {}}}"#,
+                component(
+                    r#"{"mesos": {"image": {"type": "DOCKER", "docker": {"name": "Bad:"}}}}"#
+                )
+            )),
+            "containers[0].container.mesos.image.docker.name"
+        );
+        assert_eq!(
+            field(format!(
+                r#"{{"type": "t", {}}}"#,
+                component(r#"{"type": "DOCKER", "docker": {"image": "a@sha256:12"}}"#)
+            )),
+            "containers[0].container.docker.image"
+        );
+        // Without an image, a command is still required.
+        assert_eq!(
+            field(r#"{"type": "t", "containers": [{"services": ["NODE_SERVICE"]}]}"#.to_owned()),
+            "containers[0].command"
+        );
     }
 
     #[test]

@@ -46,7 +46,13 @@ pub struct ServerOptions {
     pub oci_runtime: PathBuf,
     /// Launch every managed plugin's components when the gate opens, instead of on first use.
     pub start_plugins: bool,
+    /// Registries of plugin images (`--docker-registry`, `--docker-config`,
+    /// `--insecure-registry`).
+    pub registry: crate::image::reference::RegistrySettings,
 }
+
+/// The image store's dir in the work dir (docs/operations.md, "Image store").
+pub const IMAGES_DIR: &str = "images";
 
 /// Errors of engine operations.
 #[derive(Debug, thiserror::Error)]
@@ -215,6 +221,9 @@ struct Inner {
     /// Held by [`CsiServer::reload`] for its whole run: reloads happen one at a time, while
     /// `table` is held only for short sections.
     reload_lock: Mutex<()>,
+    /// `<work_dir>/images`, shared by every plugin; `None` when it could not be opened (a
+    /// plugin naming an image then fails to launch, saying so; the others are unaffected).
+    images: Option<Arc<crate::image::store::ImageStore>>,
 }
 
 impl CsiServer {
@@ -224,6 +233,18 @@ impl CsiServer {
         let store = Store::open(layout.clone(), Some(metrics.clone()))?;
         let (started, _) = watch::channel(false);
         let binder = Arc::new(Binder::new(options.bind_roots.clone(), layout.work_dir()));
+        let images_dir = layout.work_dir().join(IMAGES_DIR);
+        let puller = crate::image::pull::Puller::new(
+            options.registry.clone(),
+            crate::image::pull::PullLimits::default(),
+        );
+        let images = match crate::image::store::ImageStore::open(&images_dir, puller) {
+            Ok(images) => Some(Arc::new(images)),
+            Err(err) => {
+                tracing::error!(dir = %images_dir.display(), "the image store cannot be opened; plugins naming an image will not start: {err}");
+                None
+            }
+        };
         let server = Self {
             inner: Arc::new(Inner {
                 options,
@@ -236,6 +257,7 @@ impl CsiServer {
                 drained: std::sync::atomic::AtomicBool::new(false),
                 table: Mutex::new(Table::default()),
                 reload_lock: Mutex::new(()),
+                images,
             }),
         };
         Ok(server)
@@ -593,6 +615,7 @@ impl CsiServer {
             socket_root: self.inner.options.socket_root.clone(),
             metrics: self.inner.metrics.clone(),
             oci_runtime: self.inner.options.oci_runtime.clone(),
+            images: self.inner.images.clone(),
         }
     }
 
@@ -735,6 +758,40 @@ impl CsiServer {
             })
             .collect();
         (reports, table.config_error_files.clone())
+    }
+
+    /// The image store (`None` when it could not be opened; the daemon's log says why).
+    pub fn images(&self) -> Option<&Arc<crate::image::store::ImageStore>> {
+        self.inner.images.as_ref()
+    }
+
+    /// Resolved image reference → the types of the configured plugins whose components name
+    /// it (what `GET /v1/images` shows as `used_by`).
+    pub async fn image_users(&self) -> BTreeMap<String, Vec<String>> {
+        let mut users: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        let Some(store) = &self.inner.images else {
+            return users;
+        };
+        let table = self.inner.table.lock().await;
+        for (plugin_type, loaded) in &table.configs.plugins {
+            let config::Deployment::Managed(components) = &loaded.config.deployment else {
+                continue;
+            };
+            for component in components {
+                let image = component.container.as_ref().and_then(|c| {
+                    crate::image::reference::ContainerImage::from_container(c)
+                        .ok()
+                        .flatten()
+                });
+                if let Some(reference) = image.and_then(|i| store.resolve(&i.name).ok()) {
+                    let types = users.entry(reference.to_string()).or_default();
+                    if !types.contains(plugin_type) {
+                        types.push(plugin_type.clone());
+                    }
+                }
+            }
+        }
+        users
     }
 
     /// The plugin if it is initialized, without initializing it or waiting for the gate.

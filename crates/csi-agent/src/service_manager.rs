@@ -107,13 +107,18 @@ pub struct ManagerOptions {
     pub metrics: Arc<Metrics>,
     /// The OCI runtime binary of the `oci` runtime (`--oci-runtime`; default `runc`).
     pub oci_runtime: PathBuf,
+    /// The image store components naming an image are run from (`None`: such a component
+    /// fails to launch, saying why).
+    pub images: Option<Arc<crate::image::store::ImageStore>>,
 }
 
 impl ManagerOptions {
     /// The runtimes' daemon-wide settings: the OCI runtime, its state under
     /// `<socket_root>/runc`.
     pub fn runtime_options(&self) -> RuntimeOptions {
-        RuntimeOptions::new(&self.oci_runtime, &self.socket_root)
+        let mut options = RuntimeOptions::new(&self.oci_runtime, &self.socket_root);
+        options.oci.images = self.images.clone();
+        options
     }
 }
 

@@ -51,6 +51,7 @@ impl Fixture {
             socket_root: self.root.join("s"),
             metrics: Arc::clone(&self.metrics),
             oci_runtime: "runc".into(),
+            images: None,
         }
     }
 

@@ -12,6 +12,8 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use csi_agent::image::pull::PullError;
+use csi_agent::image::store::{ImageStore, PullPolicy, StoreError};
 use csi_agent::metrics::ComponentLabels;
 use csi_agent::server::CsiServer;
 use csi_agent::service_manager::ComponentState;
@@ -105,6 +107,8 @@ pub fn router(state: AppState) -> Router {
         .route(routes::VALIDATE, post(validate))
         .route(routes::CAPACITY, post(capacity))
         .route(routes::DRAIN, post(drain))
+        .route(routes::IMAGES, get(images))
+        .route(routes::IMAGES_PULL, post(pull_image))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
@@ -360,6 +364,75 @@ async fn drain(State(state): State<AppState>) -> Json<api::DrainReport> {
             .collect(),
         stopped_plugins: report.stopped,
     })
+}
+
+fn image_store(state: &AppState) -> Result<&Arc<ImageStore>, ApiFailure> {
+    state.server.images().ok_or_else(|| {
+        ApiFailure::new(
+            api::ErrorCode::Internal,
+            "the image store could not be opened; the daemon's log says why",
+        )
+    })
+}
+
+async fn images(State(state): State<AppState>) -> ApiResult<api::ImageList> {
+    let store = image_store(&state)?;
+    let users = state.server.image_users().await;
+    let images = store
+        .list()
+        .into_iter()
+        .map(|(reference, entry)| api::ImageInfo {
+            used_by: users.get(&reference).cloned().unwrap_or_default(),
+            reference,
+            manifest: entry.manifest,
+            config: entry.config,
+            layers: entry.layers.into_iter().map(|l| l.digest).collect(),
+            size: entry.size,
+            pulled_at_unix: entry.pulled_at,
+        })
+        .collect();
+    Ok(Json(api::ImageList { images }))
+}
+
+async fn pull_image(
+    State(state): State<AppState>,
+    body: Bytes,
+) -> ApiResult<api::ImagePullResponse> {
+    let request: api::ImagePullRequest = parse_body("POST /v1/images/pull", &body)?;
+    let store = image_store(&state)?;
+    let reference = store
+        .resolve(&request.reference)
+        .map_err(|err| ApiFailure::invalid(err.to_string()))?;
+    let prepared = store
+        .ensure(&reference, PullPolicy::Always)
+        .await
+        .map_err(image_failure)?;
+    let size = store
+        .list()
+        .get(&prepared.reference)
+        .map_or(0, |entry| entry.size);
+    Ok(Json(api::ImagePullResponse {
+        reference: prepared.reference,
+        manifest: prepared.manifest.to_string(),
+        size,
+        downloaded: prepared
+            .downloaded
+            .iter()
+            .map(ToString::to_string)
+            .collect(),
+    }))
+}
+
+/// A failed pull: not found → 404, transient (unreachable, timeouts, disk) → 503, an image
+/// that cannot be used (refused credentials, digest mismatch, unsupported, hostile) → 400.
+fn image_failure(err: StoreError) -> ApiFailure {
+    let code = match &err {
+        StoreError::Pull(PullError::NotFound { .. }) => api::ErrorCode::NotFound,
+        err if err.is_transient() => api::ErrorCode::Unavailable,
+        _ => api::ErrorCode::InvalidRequest,
+    };
+    // Every variant's message already includes its cause.
+    ApiFailure::new(code, err.to_string())
 }
 
 async fn publish(State(state): State<AppState>, body: Bytes) -> ApiResult<api::PublishResponse> {

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, bail};
+use csi_agent::image::reference::{Credentials, DOCKER_HUB, RegistrySettings, normalize_registry};
 use csi_agent::metrics::Metrics;
 use csi_agent::server::{CsiServer, ServerOptions};
 use serde::Deserialize;
@@ -97,6 +98,18 @@ pub struct ServeArgs {
     /// Launch every managed plugin when the daemon starts, instead of on first use.
     #[arg(long)]
     start_plugins: bool,
+    /// The registry of plugin images named without a registry host (`busybox` is
+    /// `<this>/library/busybox:latest`); `host[:port]` or an `https://` URL (default Docker
+    /// Hub, `registry-1.docker.io`).
+    #[arg(long)]
+    docker_registry: Option<String>,
+    /// A docker `config.json` with registry credentials (`auths`).
+    #[arg(long)]
+    docker_config: Option<PathBuf>,
+    /// A registry (`HOST:PORT`) reached over plain HTTP instead of HTTPS (repeatable). Every
+    /// other registry is HTTPS only.
+    #[arg(long = "insecure-registry", value_name = "HOST:PORT")]
+    insecure_registries: Vec<String>,
 }
 
 /// The TOML file: the same settings as the flags.
@@ -121,6 +134,10 @@ struct FileSettings {
     bind_roots: Vec<PathBuf>,
     oci_runtime: Option<PathBuf>,
     start_plugins: Option<bool>,
+    docker_registry: Option<String>,
+    docker_config: Option<PathBuf>,
+    #[serde(default)]
+    insecure_registries: Vec<String>,
 }
 
 /// The effective settings.
@@ -140,6 +157,7 @@ pub struct Settings {
     pub bind_roots: Vec<PathBuf>,
     pub oci_runtime: PathBuf,
     pub start_plugins: bool,
+    pub registry: RegistrySettings,
 }
 
 pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
@@ -192,8 +210,27 @@ pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
         .iter()
         .map(|root| bind_root(root, &work_dir))
         .collect::<anyhow::Result<Vec<_>>>()?;
+    let insecure = if args.insecure_registries.is_empty() {
+        file.insecure_registries
+    } else {
+        args.insecure_registries
+    };
+    let registry = RegistrySettings {
+        default_registry: normalize_registry(
+            args.docker_registry
+                .or(file.docker_registry)
+                .as_deref()
+                .unwrap_or(DOCKER_HUB),
+        ),
+        insecure: insecure.iter().map(|r| normalize_registry(r)).collect(),
+        credentials: match args.docker_config.or(file.docker_config) {
+            Some(path) => Credentials::from_docker_config(&path)?,
+            None => Credentials::default(),
+        },
+    };
     Ok(Settings {
         start_plugins: args.start_plugins || file.start_plugins == Some(true),
+        registry,
         bind_roots,
         oci_runtime: args
             .oci_runtime
@@ -351,6 +388,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
             bind_roots: settings.bind_roots.clone(),
             oci_runtime: settings.oci_runtime.clone(),
             start_plugins: settings.start_plugins,
+            registry: settings.registry.clone(),
         },
         metrics,
     )

@@ -93,6 +93,11 @@ pub enum Command {
     /// Stop the node: unpublish every claim, then stop every plugin, leaving nothing mounted.
     /// The daemon then publishes nothing until it is restarted (docs/operations.md).
     Drain,
+    /// List the daemon's plugin images and the plugins that use them.
+    Images,
+    /// Pull a plugin image into the daemon's store (`image pull REF`).
+    #[command(subcommand)]
+    Image(crate::image::ImageCommand),
     /// Publish a volume for a workload and print the host path to bind-mount.
     Publish(PublishArgs),
     /// Remove a workload's claim on a volume; the last claim's removal unpublishes it.

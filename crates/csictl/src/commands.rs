@@ -41,6 +41,8 @@ pub async fn run(cli: Cli) -> Result<String, Failure> {
                 Err(Failure::Incomplete(output::drain(&report)))
             }
         }
+        Command::Images => crate::image::images(&client, format).await,
+        Command::Image(command) => crate::image::run(&client, format, command).await,
         Command::Publish(args) => {
             let request = publish_request(&args)?;
             render(format, &client.publish(&request).await?, output::publish)
@@ -233,7 +235,7 @@ fn redact_serde_message(err: &serde_json::Error) -> String {
     .to_lowercase()
 }
 
-fn render<T: Serialize>(
+pub(crate) fn render<T: Serialize>(
     format: OutputFormat,
     value: &T,
     table: impl FnOnce(&T) -> String,

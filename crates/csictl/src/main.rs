@@ -7,6 +7,7 @@
 mod args;
 mod commands;
 mod failure;
+mod image;
 mod output;
 
 use std::io::Write;

@@ -12,7 +12,7 @@
 //! but a plain file in `sha256/` (no `/`, `..`, NUL or temp name).
 //!
 //! It must not fetch anything, nor decide when a blob is no longer needed (garbage collection
-//! belongs to the image index, which is not written yet).
+//! belongs to the image index, `super::store`, which calls [`BlobStore::remove`]).
 
 use std::fmt;
 use std::fs::File;
@@ -312,6 +312,39 @@ impl BlobStore {
         }
         fsync(&self.dir_fd, &self.dir)?;
         Ok(Put::Stored)
+    }
+
+    /// Every blob in the store (names that are not a valid digest are skipped: they are
+    /// temp files or not ours).
+    pub fn list(&self) -> Result<Vec<Digest>, BlobError> {
+        let listing = rustix::fs::openat(
+            &self.dir_fd,
+            ".",
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|errno| self.io("open", ".", errno))?;
+        let dir = rustix::fs::Dir::new(listing).map_err(|errno| self.io("list", ".", errno))?;
+        let mut digests = Vec::new();
+        for entry in dir {
+            let entry = entry.map_err(|errno| self.io("list", ".", errno))?;
+            if let Ok(name) = std::str::from_utf8(entry.file_name().to_bytes())
+                && let Ok(digest) = Digest::parse(&format!("{ALGORITHM}:{name}"))
+            {
+                digests.push(digest);
+            }
+        }
+        digests.sort();
+        Ok(digests)
+    }
+
+    /// Removes a blob (garbage collection; the caller knows nothing uses it). Removing one
+    /// that is not there is not an error.
+    pub fn remove(&self, digest: &Digest) -> Result<(), BlobError> {
+        match rustix::fs::unlinkat(&self.dir_fd, digest.hex(), AtFlags::empty()) {
+            Ok(()) | Err(Errno::NOENT) => fsync(&self.dir_fd, &self.dir),
+            Err(errno) => Err(self.io("remove", digest.hex(), errno)),
+        }
     }
 
     fn remove_temp_files(&self) -> Result<(), BlobError> {

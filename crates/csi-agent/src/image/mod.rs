@@ -1,7 +1,13 @@
-//! The image store's local half: a content-addressed blob store and the safe application of
-//! layer tars to a root file system (issue #13, plugin images). Not wired into the daemon yet.
+//! Plugin images (issue #13): references, pulling from a registry, a content-addressed blob
+//! store and the safe application of layer tars to a root file system.
 //!
-//! It owns two things:
+//! It owns these:
+//! - [`reference`]: image names resolved as Docker and Mesos do, and the registry settings
+//!   (default registry, insecure registries, credentials from a docker `config.json`).
+//! - [`pull`]: the registry conversation (oci-client), every blob verified into [`blobs`],
+//!   every size and wait bounded, typed errors that say which ones are transient.
+//! - [`store`]: the image store of the daemon (`<work_dir>/images`): the blob store, a
+//!   durable index, a prepared rootfs per image, garbage collection, Mesos `cached`.
 //! - [`blobs`]: `blobs/sha256/<hex>` under a directory the caller chooses. A blob enters only
 //!   whole and verified (digest and size checked while streaming, fsynced, renamed into place,
 //!   the directory fsynced); a partial or mismatching blob is never visible under its name.
@@ -10,10 +16,13 @@
 //!   relative to a parent fd reached beneath the root without following symlinks
 //!   ([`crate::beneath`]), within configurable limits.
 //!
-//! It must not talk to a registry or the network, decide where in the work dir the store lives,
-//! nor decide which roots are safe to unpack into: the caller hands it a directory it owns
+//! Only [`pull`] talks to the network. None of it decides where in the work dir the store lives,
+//! nor which roots are safe to unpack into: the caller hands it a directory it owns
 //! (an empty temp dir it will rename into place once every layer is applied). Layer tars are
 //! treated as hostile input; the root directory given is trusted as the operator's.
 
 pub mod blobs;
+pub mod pull;
+pub mod reference;
+pub mod store;
 pub mod unpack;

@@ -82,6 +82,7 @@ impl RuntimeOptions {
             oci: oci::OciOptions {
                 binary: oci_runtime.into(),
                 state_root: socket_root.join(oci::STATE_ROOT_DIR),
+                images: None,
             },
         }
     }
@@ -213,6 +214,7 @@ pub fn for_handle(handle: &RuntimeHandle, options: &RuntimeOptions) -> Arc<dyn R
             let oci = oci::OciOptions {
                 binary: options.oci.binary.clone(),
                 state_root: state_root.clone(),
+                images: options.oci.images.clone(),
             };
             Arc::new(OciRuntime::new(&oci))
         }

@@ -62,6 +62,10 @@ pub struct BundleInput<'a> {
     pub available_capabilities: Option<&'a [&'static str]>,
     /// `cpus` and `mem` from the component's `resources`.
     pub limits: Limits,
+    /// The process's working directory (an image's `WorkingDir`; else `/`).
+    pub cwd: String,
+    /// The process's uid and gid (an image's numeric `User`; else root).
+    pub user: (u32, u32),
 }
 
 fn mount(
@@ -225,10 +229,15 @@ pub fn spec(input: &BundleInput<'_>) -> Result<Spec, BundleError> {
     let caps = capabilities(&capability_names)?;
     let process = ProcessBuilder::default()
         .terminal(false)
-        .user(UserBuilder::default().uid(0u32).gid(0u32).build()?)
+        .user(
+            UserBuilder::default()
+                .uid(input.user.0)
+                .gid(input.user.1)
+                .build()?,
+        )
         .args(input.args.clone())
         .env(input.env.clone())
-        .cwd("/")
+        .cwd(input.cwd.as_str())
         .capabilities(
             LinuxCapabilitiesBuilder::default()
                 .bounding(caps.clone())
@@ -359,6 +368,8 @@ mod tests {
                 cpus: Some(0.5),
                 mem_mb: Some(64.0),
             },
+            cwd: "/".to_owned(),
+            user: (0, 0),
         }
     }
 

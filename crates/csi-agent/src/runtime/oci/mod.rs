@@ -18,6 +18,14 @@
 //!   onto itself, `make-rshared`) and bound at the same path in the container with
 //!   `rshared`, so a mount the plugin makes inside appears on the host, and its unmount
 //!   disappears there. [`release_mount_root`] undoes the self-bind once the plugin stops.
+//! - **Images**: a component whose `container` names an image (`mesos.image` or
+//!   `docker.image`) is pulled and prepared through the daemon's
+//!   [`crate::image::store::ImageStore`] before `runc create` (a failure is a failed launch:
+//!   reported on the plugin and retried with the restart backoff). Its prepared rootfs is
+//!   the container's root, always read-only (every container of the image shares it); the
+//!   image's Entrypoint/Cmd apply unless the config's `command` overrides them
+//!   ([`image_argv`]), its Env replaces the daemon's environment, its WorkingDir and numeric
+//!   User apply.
 //! - **Identity**: container id, plus the init's pid and start time and the boot id (so a
 //!   reused pid is never taken for the container).
 //! - **Watching**: a pidfd on the container's init, readable once it exits; it is not our
@@ -30,7 +38,7 @@
 
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::FutureExt;
@@ -45,7 +53,9 @@ use super::{
     CSI_ENDPOINT_VAR, CSI_NODE_ID_VAR, Component, ExitInfo, LaunchContext, LaunchSpec, Runtime,
     RuntimeError, RuntimeHandle,
 };
-use crate::config::{RuntimeConfig, Service};
+use crate::config::{CommandConfig, OciConfig, RuntimeConfig, Service};
+use crate::image::reference::ContainerImage;
+use crate::image::store::{ImageConfig, ImageStore, Prepared, StoreError};
 use crate::mounts::MountTable;
 
 pub mod bundle;
@@ -399,6 +409,17 @@ pub enum OciError {
         #[source]
         source: std::io::Error,
     },
+    /// The image could not be pulled or prepared (transient ones are retried by the
+    /// service manager's backoff like any failed launch).
+    #[error("container image {name}: {source}")]
+    Image {
+        name: String,
+        #[source]
+        source: Box<StoreError>,
+    },
+    /// The image cannot be run as the config asks.
+    #[error("container image {name}: {message}")]
+    ImageUse { name: String, message: String },
     #[error("runc started container {id} but its init process {pid} cannot be watched: {source}")]
     Watch {
         id: String,
@@ -429,18 +450,23 @@ pub struct OciOptions {
     pub binary: PathBuf,
     /// runc's state root (`--root`).
     pub state_root: PathBuf,
+    /// Where images named by `container.mesos.image` / `container.docker.image` are pulled
+    /// and prepared (`<work_dir>/images`).
+    pub images: Option<Arc<ImageStore>>,
 }
 
 /// Runs components as containers. See the module documentation.
 #[derive(Debug)]
 pub struct OciRuntime {
     runc: Runc,
+    images: Option<Arc<ImageStore>>,
 }
 
 impl OciRuntime {
     pub fn new(options: &OciOptions) -> Self {
         Self {
             runc: Runc::new(&options.binary, &options.state_root),
+            images: options.images.clone(),
         }
     }
 
@@ -542,6 +568,30 @@ impl OciRuntime {
                 "the oci runtime was given a component of another runtime kind".to_owned(),
             ));
         };
+        // An image named by the config is pulled and prepared first (the store is shared by
+        // every plugin; one already there is used without a download): its rootfs becomes the
+        // container's root, read-only because every container of the image shares it.
+        let image = match &spec.container {
+            Some(container) => ContainerImage::from_container(container)
+                .map_err(|(field, message)| OciError::Volumes(format!("{field}: {message}")))?,
+            None => None,
+        };
+        let prepared = match &image {
+            Some(image) => Some(self.prepare_image(image).await?),
+            None => None,
+        };
+        let with_image;
+        let settings = match &prepared {
+            Some(prepared) => {
+                with_image = OciConfig {
+                    rootfs: Some(prepared.rootfs.clone()),
+                    readonly_rootfs: Some(true),
+                    ..settings.clone()
+                };
+                &with_image
+            }
+            None => settings,
+        };
         let id = container_id(&spec.container_id);
         let bundle_dir = context.container_dir.join(BUNDLE_DIR);
         // A container left by a crash or an earlier run of this component (stopped, or
@@ -595,14 +645,48 @@ impl OciRuntime {
             (CSI_ENDPOINT_VAR, endpoint.as_str()),
             (CSI_NODE_ID_VAR, spec.node_id.as_str()),
         ];
-        let (program, argv) = spec.command.argv(&vars);
-        // OCI has no separate argv[0]: args[0] is what runc executes.
-        let args: Vec<String> = std::iter::once(program)
-            .chain(argv.into_iter().skip(1))
-            .collect();
-        // The same environment as the process runtime: the daemon's, then the config's,
-        // then ours.
-        let mut env: Vec<(String, String)> = std::env::vars().collect();
+        let (args, mut env, cwd, user) = match (&prepared, &image) {
+            (Some(prepared), Some(image)) => {
+                let args =
+                    image_argv(&spec.command, &prepared.config, &vars).map_err(|message| {
+                        OciError::ImageUse {
+                            name: image.name.clone(),
+                            message,
+                        }
+                    })?;
+                let user = numeric_user(prepared.config.user.as_deref()).map_err(|message| {
+                    OciError::ImageUse {
+                        name: image.name.clone(),
+                        message,
+                    }
+                })?;
+                // The image's environment, not the daemon's: the host's PATH and the
+                // like mean nothing inside another root file system.
+                let env: Vec<(String, String)> = prepared
+                    .config
+                    .env
+                    .iter()
+                    .filter_map(|var| var.split_once('='))
+                    .map(|(name, value)| (name.to_owned(), value.to_owned()))
+                    .collect();
+                let cwd = prepared
+                    .config
+                    .working_dir
+                    .clone()
+                    .unwrap_or_else(|| "/".to_owned());
+                (args, env, cwd, user)
+            }
+            _ => {
+                let (program, argv) = spec.command.argv(&vars);
+                // OCI has no separate argv[0]: args[0] is what runc executes.
+                let args: Vec<String> = std::iter::once(program)
+                    .chain(argv.into_iter().skip(1))
+                    .collect();
+                // The same environment as the process runtime: the daemon's.
+                (args, std::env::vars().collect(), "/".to_owned(), (0, 0))
+            }
+        };
+        // Then the config's, then ours.
         for var in &spec.command.environment {
             env.push((var.name.clone(), var.value.clone()));
         }
@@ -649,6 +733,8 @@ impl OciRuntime {
             cgroups_path: cgroups_path(self.runc.root(), &id),
             available_capabilities: own.as_deref(),
             limits,
+            cwd,
+            user,
         };
         let oci_spec = bundle::spec(&input)?;
         std::fs::create_dir_all(bundle_dir.join(bundle::ROOTFS_DIR))
@@ -694,6 +780,35 @@ impl OciRuntime {
         }
         tracing::debug!(container = %id, pid = component.pid.as_raw_pid(), "started container");
         Ok(component)
+    }
+
+    /// Pulls (per the image's policy) and prepares the image, resolved against the daemon's
+    /// default registry.
+    async fn prepare_image(&self, image: &ContainerImage) -> Result<Prepared, OciError> {
+        let Some(store) = &self.images else {
+            return Err(OciError::ImageUse {
+                name: image.name.clone(),
+                message: "the daemon has no usable image store (see its log)".to_owned(),
+            });
+        };
+        let reference = store
+            .resolve(&image.name)
+            .map_err(|err| OciError::ImageUse {
+                name: image.name.clone(),
+                message: err.to_string(),
+            })?;
+        let started = std::time::Instant::now();
+        let prepared = store
+            .ensure(&reference, image.policy)
+            .await
+            .map_err(|source| OciError::Image {
+                name: image.name.clone(),
+                source: Box::new(source),
+            })?;
+        tracing::info!(image = %reference, manifest = %prepared.manifest,
+            downloaded = prepared.downloaded.len(), elapsed_ms = started.elapsed().as_millis() as u64,
+            "image ready");
+        Ok(prepared)
     }
 
     fn watch_init(&self, id: &str, pid_file: &Path) -> Result<OciComponent, OciError> {
@@ -814,6 +929,56 @@ pub async fn forget_stray(options: &OciOptions, component_id: &str, container_di
     let runtime = OciRuntime::new(options);
     tracing::info!(container = %id, "deleting a container that no component record accounts for");
     runtime.discard(&id, &bundle_dir).await;
+}
+
+/// The container's argv for a component run from an image, as the Mesos docker runtime
+/// isolator builds it: a config `command.value` overrides the image (`shell: true` →
+/// `/bin/sh -c value`; `shell: false` → `value` with `arguments`); without one, the image's
+/// `Entrypoint` followed by the config's `arguments` when given, else the image's `Cmd`.
+pub fn image_argv(
+    command: &CommandConfig,
+    image: &ImageConfig,
+    vars: &[(&str, &str)],
+) -> Result<Vec<String>, String> {
+    if !command.value.is_empty() {
+        let (program, argv) = command.argv(vars);
+        return Ok(std::iter::once(program)
+            .chain(argv.into_iter().skip(1))
+            .collect());
+    }
+    let arguments: Vec<String> = command
+        .arguments
+        .iter()
+        .map(|arg| crate::config::substitute_vars(arg, vars))
+        .collect();
+    let tail = if arguments.is_empty() {
+        image.cmd.clone()
+    } else {
+        arguments
+    };
+    let args: Vec<String> = image.entrypoint.iter().cloned().chain(tail).collect();
+    if args.first().is_none_or(String::is_empty) {
+        return Err(
+            "the image has no Entrypoint or Cmd: give command.value in the plugin config"
+                .to_owned(),
+        );
+    }
+    Ok(args)
+}
+
+/// An image's `User` as uid and gid: empty → root; `uid` or `uid:gid` numbers. Names would
+/// need the image's `/etc/passwd`, which is not read (refused, saying so).
+fn numeric_user(user: Option<&str>) -> Result<(u32, u32), String> {
+    let Some(user) = user else {
+        return Ok((0, 0));
+    };
+    let (uid, gid) = user.split_once(':').unwrap_or((user, "0"));
+    match (uid.parse(), gid.parse()) {
+        (Ok(uid), Ok(gid)) => Ok((uid, gid)),
+        _ => Err(format!(
+            "its config's User {user:?} is not numeric (uid or uid:gid); user names are not resolved"
+        )),
+    }
 }
 
 /// A cgroup path of its own per state root: two csi-agents (or test daemons) with the same
@@ -998,6 +1163,58 @@ impl Component for OciComponent {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    #[allow(clippy::unwrap_used)]
+    fn image_argv_follows_the_mesos_rules() {
+        let image = ImageConfig {
+            entrypoint: vec!["/bin/plugin".into(), "--csi".into()],
+            cmd: vec!["serve".into()],
+            ..ImageConfig::default()
+        };
+        let vars = [("CSI_ENDPOINT", "unix:///s")];
+        let command = |value: &str, shell: bool, arguments: &[&str]| CommandConfig {
+            value: value.into(),
+            shell,
+            arguments: arguments.iter().map(|a| (*a).to_owned()).collect(),
+            environment: Vec::new(),
+        };
+        // Nothing given: Entrypoint + Cmd.
+        assert_eq!(
+            image_argv(&command("", false, &[]), &image, &vars).unwrap(),
+            ["/bin/plugin", "--csi", "serve"]
+        );
+        // Only arguments: they replace Cmd (variables substituted).
+        assert_eq!(
+            image_argv(
+                &command("", false, &["--endpoint", "$CSI_ENDPOINT"]),
+                &image,
+                &vars
+            )
+            .unwrap(),
+            ["/bin/plugin", "--csi", "--endpoint", "unix:///s"]
+        );
+        // shell: true → /bin/sh -c value, the image's Entrypoint and Cmd ignored.
+        assert_eq!(
+            image_argv(&command("exec /x", true, &[]), &image, &vars).unwrap(),
+            ["/bin/sh", "-c", "exec /x"]
+        );
+        // shell: false → value + arguments (argv[0] included, as Mesos has it).
+        assert_eq!(
+            image_argv(&command("/y", false, &["y", "-v"]), &image, &vars).unwrap(),
+            ["/y", "-v"]
+        );
+        // An image with neither, and no command: refused, saying what to give.
+        assert!(
+            image_argv(&command("", false, &[]), &ImageConfig::default(), &vars)
+                .unwrap_err()
+                .contains("command.value")
+        );
+        assert_eq!(numeric_user(None).unwrap(), (0, 0));
+        assert_eq!(numeric_user(Some("1000")).unwrap(), (1000, 0));
+        assert_eq!(numeric_user(Some("1000:50")).unwrap(), (1000, 50));
+        assert!(numeric_user(Some("nobody")).is_err());
+    }
 
     #[test]
     fn capability_names_are_canonicalized_or_refused() {

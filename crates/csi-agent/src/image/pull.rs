@@ -1,0 +1,1019 @@
+//! Pulling an image from a registry into the [`BlobStore`]: the manifest (an image index
+//! resolved to this host's platform first), the config and every layer, each verified.
+//!
+//! It owns the registry conversation and its bounds. It must not unpack anything, decide
+//! which images are kept (the image store does), nor trust anything the registry says:
+//! manifests, indexes, configs, blobs, headers and tokens are hostile input. So:
+//! - every blob goes through [`BlobStore::put`], which hashes and counts while streaming and
+//!   keeps nothing that does not match the digest and size the manifest gave; the manifest
+//!   itself is hashed here and must match a pinned digest (and the digest the platform entry
+//!   of an index gave);
+//! - a blob already in the store is never requested again;
+//! - sizes are bounded before anything is fetched where the manifest declares them (config,
+//!   layer count, the sum of the layer sizes) and the declared size is enforced while
+//!   streaming; a manifest is refused when larger than [`PullLimits::max_manifest_bytes`];
+//! - every wait is bounded: connect and per-read timeouts on the HTTP client, a deadline per
+//!   manifest request, per blob and for the whole pull;
+//! - only `sha256` digests (validated by [`Digest::parse`]) ever become names or requests, and
+//!   layers' foreign `urls` are never fetched.
+//!
+//! ## Why `oci-client` 0.18
+//! `oci-client` (the ORAS project's, formerly `oci-distribution`, used by Krustlet, wasmCloud
+//! and Spin) speaks the distribution API with bearer-token and basic auth, a token cache, and
+//! HTTP allowed per registry (`ClientProtocol::HttpsExcept`, which is exactly the
+//! `--insecure-registry` semantics). 0.18.0 is the newest release; it is built on hyper 1 and
+//! reqwest 0.13, the same hyper and tokio this workspace already uses, and on `oci-spec` 0.10,
+//! the version `runtime::oci` already builds bundles with (so one copy of it). Its rustls
+//! feature is used (no OpenSSL on the node). Alternatives: `docker-registry`'s crate
+//! `dkregistry` is unmaintained (last release 2021, hyper 0.14); shelling out to `skopeo`
+//! would add a runtime dependency and lose the typed errors.
+//!
+//! Limits of the crate worked around here: its manifest read has no size bound (so the
+//! request runs under a deadline and the size is checked afterwards: a hostile registry can
+//! make one manifest request cost at most what it can send before the deadline), and index
+//! resolution is done here rather than by its platform resolver, so the platform manifest's
+//! digest is checked against the index entry.
+
+use std::collections::BTreeSet;
+use std::io::{self, Read};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::{StreamExt, TryStreamExt};
+use oci_client::client::{ClientConfig, ClientProtocol};
+use oci_client::errors::{OciDistributionError, OciErrorCode};
+use oci_client::secrets::RegistryAuth;
+use oci_client::{Client, RegistryOperation};
+use serde::Deserialize;
+
+use super::blobs::{BlobError, BlobStore, Digest, Put};
+use super::reference::{ImageRef, RegistrySettings};
+use super::unpack::Compression;
+
+pub const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
+pub const OCI_INDEX: &str = "application/vnd.oci.image.index.v1+json";
+pub const DOCKER_MANIFEST: &str = "application/vnd.docker.distribution.manifest.v2+json";
+pub const DOCKER_MANIFEST_LIST: &str = "application/vnd.docker.distribution.manifest.list.v2+json";
+pub const OCI_CONFIG: &str = "application/vnd.oci.image.config.v1+json";
+pub const DOCKER_CONFIG: &str = "application/vnd.docker.container.image.v1+json";
+pub const OCI_LAYER: &str = "application/vnd.oci.image.layer.v1.tar";
+pub const OCI_LAYER_GZIP: &str = "application/vnd.oci.image.layer.v1.tar+gzip";
+pub const DOCKER_LAYER_GZIP: &str = "application/vnd.docker.image.rootfs.diff.tar.gzip";
+
+/// How often a blob's download progress (bytes done / total) is logged.
+const PROGRESS_EVERY: Duration = Duration::from_secs(5);
+
+/// The media types asked for in `Accept` (schema 1 is not among them: it is unsigned-unsafe
+/// and deprecated; a registry that has only that answers with something refused below).
+const ACCEPTED: &[&str] = &[
+    OCI_MANIFEST,
+    DOCKER_MANIFEST,
+    OCI_INDEX,
+    DOCKER_MANIFEST_LIST,
+];
+
+/// Bounds on one pull. The defaults fit real CSI plugin images (tens to hundreds of MiB,
+/// under 50 layers) with a wide margin.
+#[derive(Clone, Debug)]
+pub struct PullLimits {
+    pub max_manifest_bytes: u64,
+    pub max_config_bytes: u64,
+    pub max_layers: usize,
+    /// The sum of the layer sizes the manifest declares (each enforced while streaming).
+    pub max_total_bytes: u64,
+    /// Layers downloaded at once.
+    pub parallel: usize,
+    pub connect_timeout: Duration,
+    /// Longest wait for any single read from the registry.
+    pub read_timeout: Duration,
+    /// Deadline of one manifest request (auth included).
+    pub manifest_timeout: Duration,
+    /// Deadline of one blob's download.
+    pub blob_timeout: Duration,
+    /// Deadline of the whole pull.
+    pub total_timeout: Duration,
+}
+
+impl Default for PullLimits {
+    fn default() -> Self {
+        Self {
+            max_manifest_bytes: 4 << 20,
+            max_config_bytes: 4 << 20,
+            max_layers: 128,
+            max_total_bytes: 8 << 30,
+            parallel: 4,
+            connect_timeout: Duration::from_secs(10),
+            read_timeout: Duration::from_secs(30),
+            manifest_timeout: Duration::from_secs(60),
+            blob_timeout: Duration::from_secs(30 * 60),
+            total_timeout: Duration::from_secs(60 * 60),
+        }
+    }
+}
+
+/// A blob the manifest names, validated.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlobRef {
+    pub digest: Digest,
+    pub size: u64,
+    pub media_type: String,
+}
+
+/// A layer: its blob and how it is compressed (from its media type).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LayerRef {
+    pub blob: BlobRef,
+    pub compression: Compression,
+}
+
+/// What a pull produced: everything is in the blob store.
+#[derive(Clone, Debug)]
+pub struct Pulled {
+    /// The platform manifest's digest (the image's identity).
+    pub manifest: Digest,
+    /// The index's digest, when the reference named an index.
+    pub index: Option<Digest>,
+    pub config: BlobRef,
+    pub layers: Vec<LayerRef>,
+    /// Blobs fetched by this pull (those already stored are not).
+    pub downloaded: Vec<Digest>,
+}
+
+impl Pulled {
+    /// The manifest's declared size of the image: config plus layers (compressed).
+    pub fn size(&self) -> u64 {
+        self.layers
+            .iter()
+            .fold(self.config.size, |sum, l| sum.saturating_add(l.blob.size))
+    }
+}
+
+/// Why a pull failed. [`PullError::is_transient`] says whether retrying may help.
+#[derive(Debug, thiserror::Error)]
+pub enum PullError {
+    /// The registry says the repository, tag or blob does not exist.
+    #[error("{reference}: not found in the registry: {source}")]
+    NotFound {
+        reference: String,
+        #[source]
+        source: OciDistributionError,
+    },
+    /// Connecting or talking to the registry failed (refused, reset, DNS, TLS, a read timed
+    /// out). Transient.
+    #[error("{reference}: registry {registry} unreachable: {source}")]
+    Unreachable {
+        reference: String,
+        registry: String,
+        #[source]
+        source: OciDistributionError,
+    },
+    /// The registry or its token service refused the credentials (or their absence).
+    #[error("{reference}: registry {registry} refused access: {source}")]
+    AuthRefused {
+        reference: String,
+        registry: String,
+        #[source]
+        source: OciDistributionError,
+    },
+    /// Content does not hash to the digest it was asked for; nothing was kept.
+    #[error("{reference}: {what} {expected}: the registry sent content hashing to {actual}")]
+    DigestMismatch {
+        reference: String,
+        what: &'static str,
+        expected: String,
+        actual: String,
+    },
+    /// A blob's size or digest did not match while it was streamed into the store.
+    #[error("{reference}: blob refused: {source}")]
+    BlobRefused {
+        reference: String,
+        #[source]
+        source: BlobError,
+    },
+    #[error("{reference}: unsupported media type {media_type:?} for the {what}")]
+    UnsupportedMediaType {
+        reference: String,
+        what: &'static str,
+        media_type: String,
+    },
+    #[error(
+        "{reference}: the image index has no manifest for {os}/{architecture} (it has: {available})"
+    )]
+    UnsupportedPlatform {
+        reference: String,
+        os: &'static str,
+        architecture: &'static str,
+        available: String,
+    },
+    #[error("{reference}: {what} is {actual}, over the limit of {max}")]
+    Limit {
+        reference: String,
+        what: &'static str,
+        actual: u64,
+        max: u64,
+    },
+    #[error("{reference}: malformed {what}: {reason}")]
+    Malformed {
+        reference: String,
+        what: &'static str,
+        reason: String,
+    },
+    /// A deadline of [`PullLimits`] passed. Transient.
+    #[error("{reference}: {what} took longer than {after:?}")]
+    Timeout {
+        reference: String,
+        what: &'static str,
+        after: Duration,
+    },
+    /// Any other registry answer (5xx, 429 are transient; see [`PullError::is_transient`]).
+    #[error("{reference}: registry {registry}: {source}")]
+    Registry {
+        reference: String,
+        registry: String,
+        transient: bool,
+        #[source]
+        source: OciDistributionError,
+    },
+    /// The store failed (disk full, I/O): transient, as the operator may free space.
+    #[error("{reference}: storing: {source}")]
+    Store {
+        reference: String,
+        #[source]
+        source: BlobError,
+    },
+    /// A download task failed or panicked.
+    #[error("{reference}: download task failed: {reason}")]
+    Task { reference: String, reason: String },
+}
+
+impl PullError {
+    /// True when the same pull may succeed later without anything changing in the image or
+    /// the config: the registry unreachable or overloaded, a timeout, the disk full.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Self::Unreachable { .. } | Self::Timeout { .. } | Self::Task { .. } => true,
+            Self::Registry { transient, .. } => *transient,
+            Self::Store { .. } => true,
+            Self::NotFound { .. }
+            | Self::AuthRefused { .. }
+            | Self::DigestMismatch { .. }
+            | Self::BlobRefused { .. }
+            | Self::UnsupportedMediaType { .. }
+            | Self::UnsupportedPlatform { .. }
+            | Self::Limit { .. }
+            | Self::Malformed { .. } => false,
+        }
+    }
+}
+
+/// The registry client of one daemon: settings, limits and oci-client's token cache (shared
+/// by clones).
+#[derive(Clone)]
+pub struct Puller {
+    client: Client,
+    settings: RegistrySettings,
+    limits: PullLimits,
+}
+
+impl std::fmt::Debug for Puller {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Puller")
+            .field("settings", &self.settings)
+            .field("limits", &self.limits)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Puller {
+    pub fn new(settings: RegistrySettings, limits: PullLimits) -> Self {
+        let config = ClientConfig {
+            protocol: ClientProtocol::HttpsExcept(settings.insecure.clone()),
+            connect_timeout: Some(limits.connect_timeout),
+            read_timeout: Some(limits.read_timeout),
+            max_concurrent_download: limits.parallel.max(1),
+            // No proxy from the environment: a daemon's pulls must not depend on it.
+            ..ClientConfig::default()
+        };
+        Self {
+            client: Client::new(config),
+            settings,
+            limits,
+        }
+    }
+
+    pub fn settings(&self) -> &RegistrySettings {
+        &self.settings
+    }
+
+    pub fn limits(&self) -> &PullLimits {
+        &self.limits
+    }
+
+    /// Pulls `reference` into `blobs`: the whole pull under [`PullLimits::total_timeout`].
+    pub async fn pull(
+        &self,
+        reference: &ImageRef,
+        blobs: &Arc<BlobStore>,
+    ) -> Result<Pulled, PullError> {
+        let name = reference.to_string();
+        // On a task of its own: a panic in the HTTP stack on a hostile answer (oci-client
+        // unwraps a header value built from the registry's token) becomes this pull's error
+        // instead of taking down the caller's task (a plugin's supervisor).
+        let this = self.clone();
+        let (owned, blobs) = (reference.clone(), Arc::clone(blobs));
+        let mut task = AbortOnDrop(tokio::spawn(async move {
+            tokio::time::timeout(this.limits.total_timeout, this.pull_inner(&owned, &blobs)).await
+        }));
+        // A caller that gives up (its future dropped) stops the pull too.
+        match (&mut task.0).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(_)) => Err(PullError::Timeout {
+                reference: name,
+                what: "the pull",
+                after: self.limits.total_timeout,
+            }),
+            Err(err) => Err(PullError::Task {
+                reference: name,
+                reason: err.to_string(),
+            }),
+        }
+    }
+
+    async fn pull_inner(
+        &self,
+        reference: &ImageRef,
+        blobs: &Arc<BlobStore>,
+    ) -> Result<Pulled, PullError> {
+        let name = reference.to_string();
+        let auth = match self.settings.credentials.for_registry(reference.registry()) {
+            Some((user, password)) => RegistryAuth::Basic(user.to_owned(), password.to_owned()),
+            None => RegistryAuth::Anonymous,
+        };
+        let oci_ref = reference.to_oci();
+        // Explicitly first, so a refused token is reported as such (oci-client otherwise
+        // drops the failure and the request goes out without credentials).
+        self.bounded(&name, "authenticating", async {
+            self.client
+                .auth(&oci_ref, &auth, RegistryOperation::Pull)
+                .await
+                .map(|_| ())
+                .map_err(|err| self.classify(reference, err))
+        })
+        .await?;
+
+        let (body, manifest_digest) = self.fetch_manifest(reference, &auth, reference).await?;
+        let top = parse_manifest(&name, &body)?;
+        let (manifest, manifest_digest, index) = match top {
+            Manifest::Image(image) => (image, manifest_digest, None),
+            Manifest::Index(entries) => {
+                let chosen = choose_platform(&name, &entries)?;
+                let platform_ref = reference.with_digest(chosen.clone());
+                let (body, digest) = self.fetch_manifest(reference, &auth, &platform_ref).await?;
+                match parse_manifest(&name, &body)? {
+                    Manifest::Image(image) => (image, digest, Some(manifest_digest)),
+                    Manifest::Index(_) => {
+                        return Err(PullError::Malformed {
+                            reference: name,
+                            what: "image index",
+                            reason: "its platform entry is another index".to_owned(),
+                        });
+                    }
+                }
+            }
+        };
+
+        if manifest.config.size > self.limits.max_config_bytes {
+            return Err(PullError::Limit {
+                reference: name,
+                what: "the image config",
+                actual: manifest.config.size,
+                max: self.limits.max_config_bytes,
+            });
+        }
+        if manifest.layers.len() > self.limits.max_layers {
+            return Err(PullError::Limit {
+                reference: name,
+                what: "the number of layers",
+                actual: manifest.layers.len() as u64,
+                max: self.limits.max_layers as u64,
+            });
+        }
+        let total = manifest
+            .layers
+            .iter()
+            .fold(0u64, |sum, l| sum.saturating_add(l.blob.size));
+        if total > self.limits.max_total_bytes {
+            return Err(PullError::Limit {
+                reference: name,
+                what: "the sum of the layer sizes",
+                actual: total,
+                max: self.limits.max_total_bytes,
+            });
+        }
+
+        // Config and layers, each distinct blob once, in parallel.
+        let mut wanted: Vec<BlobRef> = vec![manifest.config.clone()];
+        let mut seen = BTreeSet::from([manifest.config.digest.clone()]);
+        for layer in &manifest.layers {
+            if seen.insert(layer.blob.digest.clone()) {
+                wanted.push(layer.blob.clone());
+            }
+        }
+        let downloaded: Vec<Option<Digest>> = futures::stream::iter(wanted)
+            .map(|blob| self.fetch_blob(reference, &oci_ref, blob, blobs))
+            .buffer_unordered(self.limits.parallel.max(1))
+            .try_collect()
+            .await?;
+        Ok(Pulled {
+            manifest: manifest_digest,
+            index,
+            config: manifest.config,
+            layers: manifest.layers,
+            downloaded: downloaded.into_iter().flatten().collect(),
+        })
+    }
+
+    /// Fetches the manifest `target` names; checks its size and, when `target` pins a digest,
+    /// that the body hashes to it. Returns the body and its digest.
+    async fn fetch_manifest(
+        &self,
+        reference: &ImageRef,
+        auth: &RegistryAuth,
+        target: &ImageRef,
+    ) -> Result<(Vec<u8>, Digest), PullError> {
+        let name = reference.to_string();
+        let oci_ref = target.to_oci();
+        let (body, _) = self
+            .bounded(&name, "fetching the manifest", async {
+                self.client
+                    .pull_manifest_raw(&oci_ref, auth, ACCEPTED)
+                    .await
+                    .map_err(|err| self.classify(reference, err))
+            })
+            .await?;
+        if body.len() as u64 > self.limits.max_manifest_bytes {
+            return Err(PullError::Limit {
+                reference: name,
+                what: "the manifest",
+                actual: body.len() as u64,
+                max: self.limits.max_manifest_bytes,
+            });
+        }
+        let digest = Digest::of(&body);
+        if let Some(expected) = target.digest()
+            && *expected != digest
+        {
+            return Err(PullError::DigestMismatch {
+                reference: name,
+                what: "manifest",
+                expected: expected.to_string(),
+                actual: digest.to_string(),
+            });
+        }
+        Ok((body.to_vec(), digest))
+    }
+
+    /// Streams one blob into the store unless it is there already. Returns its digest when
+    /// it was downloaded.
+    async fn fetch_blob(
+        &self,
+        reference: &ImageRef,
+        oci_ref: &oci_client::Reference,
+        blob: BlobRef,
+        blobs: &Arc<BlobStore>,
+    ) -> Result<Option<Digest>, PullError> {
+        let name = reference.to_string();
+        let store_err = |source| PullError::Store {
+            reference: name.clone(),
+            source,
+        };
+        if blobs.contains(&blob.digest).map_err(store_err)? {
+            return Ok(None);
+        }
+        let digest_text = blob.digest.to_string();
+        let work = async {
+            let sized = self
+                .client
+                .pull_blob_stream(oci_ref, digest_text.as_str())
+                .await
+                .map_err(|err| self.classify(reference, err))?;
+            if let Some(length) = sized.content_length
+                && length != blob.size
+            {
+                return Err(PullError::BlobRefused {
+                    reference: name.clone(),
+                    source: if length > blob.size {
+                        BlobError::TooLarge {
+                            digest: blob.digest.clone(),
+                            expected: blob.size,
+                        }
+                    } else {
+                        BlobError::SizeMismatch {
+                            digest: blob.digest.clone(),
+                            expected: blob.size,
+                            actual: length,
+                        }
+                    },
+                });
+            }
+            // The store is synchronous (it fsyncs): it runs on a blocking thread reading the
+            // chunks this task receives, at most 16 chunks ahead.
+            let (tx, rx) = tokio::sync::mpsc::channel::<io::Result<bytes::Bytes>>(16);
+            let store = Arc::clone(blobs);
+            let (digest, size) = (blob.digest.clone(), blob.size);
+            let writer = tokio::task::spawn_blocking(move || {
+                store.put(ChannelReader::new(rx), &digest, size)
+            });
+            let mut stream = sized.stream;
+            let mut sent: u64 = 0;
+            let started = std::time::Instant::now();
+            let mut next_report = started + PROGRESS_EVERY;
+            while let Some(item) = stream.next().await {
+                match item {
+                    Ok(chunk) => {
+                        sent = sent.saturating_add(chunk.len() as u64);
+                        if std::time::Instant::now() >= next_report {
+                            next_report += PROGRESS_EVERY;
+                            tracing::info!(image = %name, blob = %blob.digest, bytes = sent,
+                                total = blob.size, "downloading");
+                        }
+                        // The writer stops receiving once it has refused the blob (too large).
+                        if tx.send(Ok(chunk)).await.is_err() {
+                            break;
+                        }
+                    }
+                    // oci-client's own check fails at the end of a whole body that does not
+                    // hash right: the store's check (authoritative, and typed) says so.
+                    Err(_) if sent == blob.size => break,
+                    Err(err) => {
+                        let _ = tx.send(Err(err)).await;
+                        break;
+                    }
+                }
+            }
+            drop(tx);
+            match writer.await {
+                Ok(Ok(Put::Stored)) => {
+                    tracing::info!(image = %name, blob = %blob.digest, bytes = blob.size,
+                        elapsed_ms = started.elapsed().as_millis() as u64, "blob downloaded and verified");
+                    Ok(Some(blob.digest.clone()))
+                }
+                Ok(Ok(Put::AlreadyPresent)) => Ok(None),
+                Ok(Err(err)) => Err(self.classify_blob(reference, err)),
+                Err(err) => Err(PullError::Task {
+                    reference: name.clone(),
+                    reason: err.to_string(),
+                }),
+            }
+        };
+        match tokio::time::timeout(self.limits.blob_timeout, work).await {
+            Ok(result) => result,
+            Err(_) => Err(PullError::Timeout {
+                reference: name.clone(),
+                what: "downloading a blob",
+                after: self.limits.blob_timeout,
+            }),
+        }
+    }
+
+    async fn bounded<T>(
+        &self,
+        name: &str,
+        what: &'static str,
+        work: impl Future<Output = Result<T, PullError>>,
+    ) -> Result<T, PullError> {
+        match tokio::time::timeout(self.limits.manifest_timeout, work).await {
+            Ok(result) => result,
+            Err(_) => Err(PullError::Timeout {
+                reference: name.to_owned(),
+                what,
+                after: self.limits.manifest_timeout,
+            }),
+        }
+    }
+
+    fn classify_blob(&self, reference: &ImageRef, err: BlobError) -> PullError {
+        let reference_registry = reference.registry();
+        let reference = reference.to_string();
+        match err {
+            BlobError::DigestMismatch { expected, actual } => PullError::DigestMismatch {
+                reference,
+                what: "blob",
+                expected: expected.to_string(),
+                actual: actual.to_string(),
+            },
+            BlobError::SizeMismatch { .. } | BlobError::TooLarge { .. } => PullError::BlobRefused {
+                reference,
+                source: err,
+            },
+            // The stream failed mid-blob: the connection, i.e. the registry went away.
+            BlobError::Read { .. } => PullError::Registry {
+                registry: reference_registry.to_owned(),
+                reference,
+                transient: true,
+                source: OciDistributionError::IoError(io::Error::other(err.to_string())),
+            },
+            other => PullError::Store {
+                reference,
+                source: other,
+            },
+        }
+    }
+
+    fn classify(&self, reference: &ImageRef, err: OciDistributionError) -> PullError {
+        let name = reference.to_string();
+        let registry = reference.registry().to_owned();
+        let not_found = |source| PullError::NotFound {
+            reference: name.clone(),
+            source,
+        };
+        let refused = |source| PullError::AuthRefused {
+            reference: name.clone(),
+            registry: registry.clone(),
+            source,
+        };
+        match &err {
+            OciDistributionError::RequestError(_) | OciDistributionError::IoError(_) => {
+                PullError::Unreachable {
+                    reference: name.clone(),
+                    registry: registry.clone(),
+                    source: err,
+                }
+            }
+            OciDistributionError::ImageManifestNotFoundError(_) => not_found(err),
+            OciDistributionError::AuthenticationFailure(_)
+            | OciDistributionError::UnauthorizedError { .. } => refused(err),
+            OciDistributionError::RegistryError { envelope, .. } => {
+                let codes: Vec<&OciErrorCode> = envelope.errors.iter().map(|e| &e.code).collect();
+                if codes.iter().any(|c| {
+                    matches!(
+                        c,
+                        OciErrorCode::ManifestUnknown
+                            | OciErrorCode::NameUnknown
+                            | OciErrorCode::BlobUnknown
+                            | OciErrorCode::NotFound
+                    )
+                }) {
+                    not_found(err)
+                } else if codes
+                    .iter()
+                    .any(|c| matches!(c, OciErrorCode::Unauthorized | OciErrorCode::Denied))
+                {
+                    refused(err)
+                } else {
+                    let transient = codes
+                        .iter()
+                        .any(|c| matches!(c, OciErrorCode::Toomanyrequests));
+                    PullError::Registry {
+                        reference: name.clone(),
+                        registry: registry.clone(),
+                        transient,
+                        source: err,
+                    }
+                }
+            }
+            OciDistributionError::ServerError { code, .. } => match code {
+                404 => not_found(err),
+                401 | 403 => refused(err),
+                code => PullError::Registry {
+                    reference: name.clone(),
+                    registry: registry.clone(),
+                    transient: *code == 429 || (500..600).contains(code),
+                    source: err,
+                },
+            },
+            OciDistributionError::DigestError(_) => PullError::DigestMismatch {
+                reference: name.clone(),
+                what: "manifest",
+                expected: reference.digest().map_or_else(
+                    || "(the Docker-Content-Digest header)".to_owned(),
+                    |d| d.to_string(),
+                ),
+                actual: err.to_string(),
+            },
+            _ => PullError::Registry {
+                reference: name.clone(),
+                registry: registry.clone(),
+                transient: false,
+                source: err,
+            },
+        }
+    }
+}
+
+/// Aborts the task when dropped.
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// A blocking [`Read`] over the chunks the download task sends.
+struct ChannelReader {
+    rx: tokio::sync::mpsc::Receiver<io::Result<bytes::Bytes>>,
+    current: Option<bytes::Bytes>,
+    offset: usize,
+}
+
+impl ChannelReader {
+    fn new(rx: tokio::sync::mpsc::Receiver<io::Result<bytes::Bytes>>) -> Self {
+        Self {
+            rx,
+            current: None,
+            offset: 0,
+        }
+    }
+}
+
+impl Read for ChannelReader {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        loop {
+            if let Some(chunk) = &self.current {
+                let bytes: &[u8] = chunk;
+                let left = bytes.get(self.offset..).unwrap_or_default();
+                if !left.is_empty() {
+                    let n = left.len().min(buf.len());
+                    buf.get_mut(..n)
+                        .unwrap_or_default()
+                        .copy_from_slice(left.get(..n).unwrap_or_default());
+                    self.offset += n;
+                    return Ok(n);
+                }
+            }
+            match self.rx.blocking_recv() {
+                Some(Ok(chunk)) => {
+                    self.current = Some(chunk);
+                    self.offset = 0;
+                }
+                Some(Err(err)) => return Err(err),
+                None => return Ok(0),
+            }
+        }
+    }
+}
+
+/// A manifest, validated: either an image manifest or an index's entries.
+#[derive(Debug)]
+pub enum Manifest {
+    Image(ImageManifest),
+    Index(Vec<IndexEntry>),
+}
+
+#[derive(Debug)]
+pub struct ImageManifest {
+    pub config: BlobRef,
+    pub layers: Vec<LayerRef>,
+}
+
+#[derive(Debug)]
+pub struct IndexEntry {
+    pub digest: Digest,
+    pub media_type: String,
+    pub os: Option<String>,
+    pub architecture: Option<String>,
+    pub variant: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct RawManifest {
+    schema_version: Option<i64>,
+    media_type: Option<String>,
+    config: Option<RawDescriptor>,
+    layers: Option<Vec<RawDescriptor>>,
+    manifests: Option<Vec<RawDescriptor>>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct RawDescriptor {
+    media_type: Option<String>,
+    digest: String,
+    size: i64,
+    platform: Option<RawPlatform>,
+}
+
+#[derive(Deserialize)]
+struct RawPlatform {
+    os: Option<String>,
+    architecture: Option<String>,
+    variant: Option<String>,
+}
+
+/// Parses and validates a manifest or index (hostile JSON: every digest validated, every
+/// size non-negative, every media type known).
+pub fn parse_manifest(reference: &str, body: &[u8]) -> Result<Manifest, PullError> {
+    let malformed = |what, reason: String| PullError::Malformed {
+        reference: reference.to_owned(),
+        what,
+        reason,
+    };
+    let raw: RawManifest =
+        serde_json::from_slice(body).map_err(|err| malformed("manifest", err.to_string()))?;
+    if raw.schema_version != Some(2) {
+        return Err(PullError::UnsupportedMediaType {
+            reference: reference.to_owned(),
+            what: "manifest",
+            media_type: format!(
+                "schema version {:?} (only 2 is supported)",
+                raw.schema_version
+            ),
+        });
+    }
+    let media_type = match raw.media_type.as_deref() {
+        Some(t) => t.to_owned(),
+        // OCI allows leaving it out: the shape says which one it is.
+        None if raw.manifests.is_some() => OCI_INDEX.to_owned(),
+        None => OCI_MANIFEST.to_owned(),
+    };
+    let descriptor = |what, d: &RawDescriptor| -> Result<BlobRef, PullError> {
+        let digest = Digest::parse(&d.digest).map_err(|err| malformed(what, err.to_string()))?;
+        let size = u64::try_from(d.size)
+            .map_err(|_| malformed(what, format!("negative size {}", d.size)))?;
+        Ok(BlobRef {
+            digest,
+            size,
+            media_type: d.media_type.clone().unwrap_or_default(),
+        })
+    };
+    match media_type.as_str() {
+        OCI_MANIFEST | DOCKER_MANIFEST => {
+            let config = raw
+                .config
+                .as_ref()
+                .ok_or_else(|| malformed("manifest", "no config".to_owned()))?;
+            let config = descriptor("config descriptor", config)?;
+            if config.media_type != OCI_CONFIG && config.media_type != DOCKER_CONFIG {
+                return Err(PullError::UnsupportedMediaType {
+                    reference: reference.to_owned(),
+                    what: "config",
+                    media_type: config.media_type,
+                });
+            }
+            let mut layers = Vec::new();
+            for raw_layer in raw.layers.as_deref().unwrap_or_default() {
+                let blob = descriptor("layer descriptor", raw_layer)?;
+                let compression = match blob.media_type.as_str() {
+                    OCI_LAYER => Compression::None,
+                    OCI_LAYER_GZIP | DOCKER_LAYER_GZIP => Compression::Gzip,
+                    _ => {
+                        return Err(PullError::UnsupportedMediaType {
+                            reference: reference.to_owned(),
+                            what: "layer",
+                            media_type: blob.media_type,
+                        });
+                    }
+                };
+                layers.push(LayerRef { blob, compression });
+            }
+            Ok(Manifest::Image(ImageManifest { config, layers }))
+        }
+        OCI_INDEX | DOCKER_MANIFEST_LIST => {
+            let mut entries = Vec::new();
+            for raw_entry in raw.manifests.as_deref().unwrap_or_default() {
+                let blob = descriptor("index entry", raw_entry)?;
+                let platform = raw_entry.platform.as_ref();
+                entries.push(IndexEntry {
+                    digest: blob.digest,
+                    media_type: blob.media_type,
+                    os: platform.and_then(|p| p.os.clone()),
+                    architecture: platform.and_then(|p| p.architecture.clone()),
+                    variant: platform.and_then(|p| p.variant.clone()),
+                });
+            }
+            Ok(Manifest::Index(entries))
+        }
+        other => Err(PullError::UnsupportedMediaType {
+            reference: reference.to_owned(),
+            what: "manifest",
+            media_type: other.to_owned(),
+        }),
+    }
+}
+
+/// This host's platform in OCI terms.
+pub fn host_platform() -> (&'static str, &'static str) {
+    let architecture = match std::env::consts::ARCH {
+        "x86_64" => "amd64",
+        "aarch64" => "arm64",
+        "x86" => "386",
+        "powerpc64" => "ppc64le",
+        other => other,
+    };
+    ("linux", architecture)
+}
+
+/// The index entry for this host's platform: an image manifest for linux and this
+/// architecture (the first such, as Docker and containerd pick).
+fn choose_platform(reference: &str, entries: &[IndexEntry]) -> Result<Digest, PullError> {
+    let (os, architecture) = host_platform();
+    entries
+        .iter()
+        .find(|e| {
+            e.os.as_deref() == Some(os)
+                && e.architecture.as_deref() == Some(architecture)
+                && (e.media_type == OCI_MANIFEST || e.media_type == DOCKER_MANIFEST)
+        })
+        .map(|e| e.digest.clone())
+        .ok_or_else(|| PullError::UnsupportedPlatform {
+            reference: reference.to_owned(),
+            os,
+            architecture,
+            available: entries
+                .iter()
+                .map(|e| {
+                    format!(
+                        "{}/{}{}",
+                        e.os.as_deref().unwrap_or("?"),
+                        e.architecture.as_deref().unwrap_or("?"),
+                        e.variant
+                            .as_deref()
+                            .map(|v| format!("/{v}"))
+                            .unwrap_or_default()
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join(", "),
+        })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    fn hex(c: char) -> String {
+        std::iter::repeat_n(c, 64).collect()
+    }
+
+    #[test]
+    fn manifests_are_validated() {
+        let good = format!(
+            r#"{{"schemaVersion": 2, "mediaType": "{DOCKER_MANIFEST}",
+              "config": {{"mediaType": "{DOCKER_CONFIG}", "digest": "sha256:{}", "size": 10}},
+              "layers": [{{"mediaType": "{DOCKER_LAYER_GZIP}", "digest": "sha256:{}", "size": 20}},
+                         {{"mediaType": "{OCI_LAYER}", "digest": "sha256:{}", "size": 0}}]}}"#,
+            hex('a'),
+            hex('b'),
+            hex('c')
+        );
+        let Manifest::Image(image) = parse_manifest("r", good.as_bytes()).unwrap() else {
+            panic!("not an image manifest");
+        };
+        assert_eq!(image.config.size, 10);
+        assert_eq!(image.layers.len(), 2);
+        assert_eq!(image.layers[0].compression, Compression::Gzip);
+        assert_eq!(image.layers[1].compression, Compression::None);
+
+        let bad_digest = good.replace(&format!("sha256:{}", hex('b')), "sha256:../../etc");
+        assert!(matches!(
+            parse_manifest("r", bad_digest.as_bytes()),
+            Err(PullError::Malformed { .. })
+        ));
+        let negative = good.replace("\"size\": 20", "\"size\": -1");
+        assert!(matches!(
+            parse_manifest("r", negative.as_bytes()),
+            Err(PullError::Malformed { .. })
+        ));
+        let zstd = good.replace(
+            DOCKER_LAYER_GZIP,
+            "application/vnd.oci.image.layer.v1.tar+zstd",
+        );
+        assert!(matches!(
+            parse_manifest("r", zstd.as_bytes()),
+            Err(PullError::UnsupportedMediaType { what: "layer", .. })
+        ));
+        let schema1 = r#"{"schemaVersion": 1, "name": "x", "fsLayers": []}"#;
+        assert!(matches!(
+            parse_manifest("r", schema1.as_bytes()),
+            Err(PullError::UnsupportedMediaType { .. })
+        ));
+        assert!(matches!(
+            parse_manifest("r", b"\xff\xfe"),
+            Err(PullError::Malformed { .. })
+        ));
+    }
+
+    #[test]
+    fn an_index_resolves_to_this_platform_or_says_what_it_has() {
+        let (_, arch) = host_platform();
+        let index = format!(
+            r#"{{"schemaVersion": 2, "manifests": [
+              {{"mediaType": "{OCI_MANIFEST}", "digest": "sha256:{}", "size": 1,
+                "platform": {{"os": "linux", "architecture": "s390x"}}}},
+              {{"mediaType": "{OCI_MANIFEST}", "digest": "sha256:{}", "size": 1,
+                "platform": {{"os": "linux", "architecture": "{arch}"}}}}]}}"#,
+            hex('1'),
+            hex('2')
+        );
+        let Manifest::Index(entries) = parse_manifest("r", index.as_bytes()).unwrap() else {
+            panic!("not an index");
+        };
+        assert_eq!(choose_platform("r", &entries).unwrap().hex(), hex('2'));
+        let err = choose_platform("r", &entries[..1]).unwrap_err();
+        assert!(err.to_string().contains("linux/s390x"), "{err}");
+        assert!(!err.is_transient());
+    }
+}

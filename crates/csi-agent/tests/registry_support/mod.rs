@@ -1,0 +1,334 @@
+//! Test support: a real `docker-registry` (Debian's distribution 2.8) on a free loopback port
+//! with its storage in a temp dir, and real OCI images built by the test and pushed there with
+//! `skopeo`. Shared by csi-agent's and csi-agentd's image tests (included with `#[path]`).
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::Write;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use flate2::Compression as GzLevel;
+use flate2::write::GzEncoder;
+use sha2::{Digest as _, Sha256};
+
+/// A running registry; killed on drop.
+pub struct Registry {
+    pub port: u16,
+    pub dir: PathBuf,
+    child: Option<Child>,
+}
+
+impl Registry {
+    /// Starts a registry with storage and logs under `dir` (created).
+    pub fn start(dir: &Path) -> anyhow::Result<Self> {
+        std::fs::create_dir_all(dir)?;
+        let port = {
+            let listener = TcpListener::bind("127.0.0.1:0")?;
+            listener.local_addr()?.port()
+        };
+        let mut registry = Self {
+            port,
+            dir: dir.to_path_buf(),
+            child: None,
+        };
+        registry.spawn()?;
+        Ok(registry)
+    }
+
+    fn spawn(&mut self) -> anyhow::Result<()> {
+        let config = self.dir.join("config.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "version: 0.1\nlog:\n  level: info\n  accesslog:\n    disabled: false\n\
+                 storage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\n\
+                 http:\n  addr: 127.0.0.1:{}\n",
+                self.dir.join("storage").display(),
+                self.port
+            ),
+        )?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_path())?;
+        let child = Command::new("docker-registry")
+            .arg("serve")
+            .arg(&config)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .context("docker-registry is installed (scripts/test installs it)")?;
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if http_get_status(self.port, "/v2/").ok() == Some(200) {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "registry did not answer on port {}: {}",
+                    self.port,
+                    std::fs::read_to_string(self.log_path()).unwrap_or_default()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// `127.0.0.1:PORT`.
+    pub fn host(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    pub fn log_path(&self) -> PathBuf {
+        self.dir.join("registry.log")
+    }
+
+    /// Blob GETs answered so far (the access log's lines), optionally only for one digest.
+    pub fn blob_gets(&self, digest: Option<&str>) -> usize {
+        let log = std::fs::read_to_string(self.log_path()).unwrap_or_default();
+        log.lines()
+            .filter(|l| l.contains("\"GET /v2/") && l.contains("/blobs/sha256:"))
+            .filter(|l| digest.is_none_or(|d| l.contains(d)))
+            .count()
+    }
+
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts it again on the same port and storage.
+    pub fn restart(&mut self) -> anyhow::Result<()> {
+        self.stop();
+        self.spawn()
+    }
+
+    /// The file holding a blob's bytes in the registry's storage.
+    pub fn blob_data_path(&self, hex: &str) -> PathBuf {
+        self.dir
+            .join("storage/docker/registry/v2/blobs/sha256")
+            .join(&hex[..2])
+            .join(hex)
+            .join("data")
+    }
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// A minimal HTTP/1.0 GET on loopback, returning the status.
+pub fn http_get_status(port: u16, path: &str) -> anyhow::Result<u16> {
+    use std::io::Read;
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port))?;
+    stream.set_read_timeout(Some(Duration::from_secs(2)))?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")?;
+    let mut buf = Vec::new();
+    stream.read_to_end(&mut buf)?;
+    let text = String::from_utf8_lossy(&buf);
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .context("no status")?
+        .parse()?;
+    Ok(status)
+}
+
+/// One file of a layer.
+pub enum Entry<'a> {
+    File {
+        path: &'a str,
+        data: &'a [u8],
+        mode: u32,
+    },
+    Dir {
+        path: &'a str,
+    },
+    Symlink {
+        path: &'a str,
+        target: &'a str,
+    },
+    /// A `.wh.` whiteout of `path`.
+    Whiteout {
+        path: &'a str,
+    },
+    /// A regular file whose name is written into the header as it is, unchecked (hostile
+    /// names such as `../x`, which `tar::Builder` refuses to write).
+    RawName {
+        name: &'a str,
+        data: &'a [u8],
+    },
+}
+
+/// A gzipped layer tar of `entries`.
+pub fn layer_tar_gz(entries: &[Entry<'_>]) -> Vec<u8> {
+    let mut builder = tar::Builder::new(GzEncoder::new(Vec::new(), GzLevel::fast()));
+    for entry in entries {
+        let mut header = tar::Header::new_gnu();
+        header.set_uid(0);
+        header.set_gid(0);
+        header.set_mtime(1_700_000_000);
+        match entry {
+            Entry::File { path, data, mode } => {
+                header.set_entry_type(tar::EntryType::Regular);
+                header.set_mode(*mode);
+                header.set_size(data.len() as u64);
+                builder.append_data(&mut header, path, *data).unwrap();
+            }
+            Entry::Dir { path } => {
+                header.set_entry_type(tar::EntryType::Directory);
+                header.set_mode(0o755);
+                header.set_size(0);
+                builder.append_data(&mut header, path, &[][..]).unwrap();
+            }
+            Entry::Symlink { path, target } => {
+                header.set_entry_type(tar::EntryType::Symlink);
+                header.set_mode(0o777);
+                header.set_size(0);
+                builder.append_link(&mut header, path, target).unwrap();
+            }
+            Entry::RawName { name, data } => {
+                header.set_entry_type(tar::EntryType::Regular);
+                header.set_mode(0o644);
+                header.set_size(data.len() as u64);
+                let bytes = header.as_old_mut();
+                bytes.name = [0; 100];
+                bytes.name[..name.len()].copy_from_slice(name.as_bytes());
+                header.set_cksum();
+                builder.append(&header, *data).unwrap();
+            }
+            Entry::Whiteout { path } => {
+                let (dir, name) = path.rsplit_once('/').unwrap_or(("", path));
+                let wh = if dir.is_empty() {
+                    format!(".wh.{name}")
+                } else {
+                    format!("{dir}/.wh.{name}")
+                };
+                header.set_entry_type(tar::EntryType::Regular);
+                header.set_mode(0o644);
+                header.set_size(0);
+                builder.append_data(&mut header, wh, &[][..]).unwrap();
+            }
+        }
+    }
+    builder.into_inner().unwrap().finish().unwrap()
+}
+
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    let out = Sha256::digest(bytes);
+    out.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// What [`oci_layout`] wrote.
+#[derive(Clone, Debug)]
+pub struct Image {
+    pub manifest_hex: String,
+    pub config_hex: String,
+    pub layer_hexes: Vec<String>,
+}
+
+/// Writes an OCI image layout at `dir` with `layers` (gzipped tars) and an image config
+/// with the given `config` section (Entrypoint, Cmd, Env, WorkingDir...).
+pub fn oci_layout(
+    dir: &Path,
+    layers: &[Vec<u8>],
+    config: serde_json::Value,
+) -> anyhow::Result<Image> {
+    let blobs = dir.join("blobs/sha256");
+    std::fs::create_dir_all(&blobs)?;
+    let put = |bytes: &[u8]| -> anyhow::Result<String> {
+        let hex = sha256_hex(bytes);
+        std::fs::write(blobs.join(&hex), bytes)?;
+        Ok(hex)
+    };
+    let mut diff_ids = Vec::new();
+    let mut layer_descs = Vec::new();
+    let mut layer_hexes = Vec::new();
+    for layer in layers {
+        // Gzipped, or a plain tar (big layers: no time spent compressing in a test).
+        let gzip = layer.starts_with(&[0x1f, 0x8b]);
+        let diff_id = if gzip {
+            let mut plain = Vec::new();
+            std::io::Read::read_to_end(
+                &mut flate2::read::GzDecoder::new(layer.as_slice()),
+                &mut plain,
+            )?;
+            sha256_hex(&plain)
+        } else {
+            sha256_hex(layer)
+        };
+        diff_ids.push(format!("sha256:{diff_id}"));
+        let hex = put(layer)?;
+        layer_descs.push(serde_json::json!({
+            "mediaType": if gzip {
+                "application/vnd.oci.image.layer.v1.tar+gzip"
+            } else {
+                "application/vnd.oci.image.layer.v1.tar"
+            },
+            "digest": format!("sha256:{hex}"),
+            "size": layer.len(),
+        }));
+        layer_hexes.push(hex);
+    }
+    let config_json = serde_json::to_vec(&serde_json::json!({
+        "architecture": "amd64",
+        "os": "linux",
+        "config": config,
+        "rootfs": {"type": "layers", "diff_ids": diff_ids},
+    }))?;
+    let config_hex = put(&config_json)?;
+    let manifest = serde_json::to_vec(&serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {
+            "mediaType": "application/vnd.oci.image.config.v1+json",
+            "digest": format!("sha256:{config_hex}"),
+            "size": config_json.len(),
+        },
+        "layers": layer_descs,
+    }))?;
+    let manifest_hex = put(&manifest)?;
+    std::fs::write(
+        dir.join("oci-layout"),
+        br#"{"imageLayoutVersion": "1.0.0"}"#,
+    )?;
+    std::fs::write(
+        dir.join("index.json"),
+        serde_json::to_vec(&serde_json::json!({
+            "schemaVersion": 2,
+            "manifests": [{
+                "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                "digest": format!("sha256:{manifest_hex}"),
+                "size": manifest.len(),
+            }],
+        }))?,
+    )?;
+    Ok(Image {
+        manifest_hex,
+        config_hex,
+        layer_hexes,
+    })
+}
+
+/// `skopeo copy oci:DIR docker://HOST/NAME` (plain HTTP).
+pub fn push(layout: &Path, registry: &Registry, name: &str) -> anyhow::Result<()> {
+    let out = Command::new("skopeo")
+        .args(["--insecure-policy", "copy", "--dest-tls-verify=false", "-q"])
+        .arg(format!("oci:{}", layout.display()))
+        .arg(format!("docker://{}/{name}", registry.host()))
+        .output()
+        .context("skopeo is installed (scripts/test installs it)")?;
+    if !out.status.success() {
+        bail!("skopeo copy: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(())
+}

@@ -1,0 +1,592 @@
+//! Plugin images end to end (issue #13): a real registry on loopback (`docker-registry`), an
+//! image of `csi-testplugin` built here (the binary with the shared libraries and loader `ldd`
+//! lists) and pushed with `skopeo`, a Mesos plugin config naming it in
+//! `container.mesos.image`, the real `csi-agentd` pulling it and running it with runc, and a
+//! volume published through csi-agent mounted on the host. Real mounts: run under
+//! `unshare -m --propagation private`.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+#[path = "../../csi-agent/tests/registry_support/mod.rs"]
+mod registry_support;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use csi_agent::mounts::MountTable;
+use csi_agent_api::PluginInfo;
+use serde_json::{Value, json};
+
+use common::*;
+use registry_support::*;
+
+const SECOND: &str = "org.example.second";
+const BROKEN: &str = "org.example.broken";
+
+/// The files a dynamically linked binary needs, as `ldd` lists them: `(path, real file)`.
+fn shared_libraries(binary: &Path) -> Vec<PathBuf> {
+    let out = Command::new("ldd").arg(binary).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    if text.contains("statically linked") || text.contains("not a dynamic executable") {
+        return Vec::new();
+    }
+    text.lines()
+        .filter_map(|line| {
+            let path = match line.split_once("=>") {
+                Some((_, rest)) => rest.split_whitespace().next()?,
+                None => line.split_whitespace().next()?,
+            };
+            path.starts_with('/').then(|| PathBuf::from(path))
+        })
+        .collect()
+}
+
+/// A plain tar: `bin/csi-testplugin` plus its libraries and loader at their paths.
+fn plugin_layer() -> Vec<u8> {
+    let binary = binary("csi-testplugin");
+    let mut builder = tar::Builder::new(Vec::new());
+    let mut add = |path: &str, source: &Path, mode: u32| {
+        let file = std::fs::File::open(source).unwrap();
+        let mut header = tar::Header::new_gnu();
+        header.set_entry_type(tar::EntryType::Regular);
+        header.set_mode(mode);
+        header.set_uid(0);
+        header.set_gid(0);
+        header.set_size(file.metadata().unwrap().len());
+        builder.append_data(&mut header, path, file).unwrap();
+    };
+    add("bin/csi-testplugin", &binary, 0o755);
+    let libraries = shared_libraries(&binary);
+    for library in &libraries {
+        // The file itself (ldd's path may be a symlink on the host), at the path the
+        // loader and the binary ask for.
+        let name = library.to_string_lossy();
+        add(name.trim_start_matches('/'), library, 0o755);
+    }
+    builder.into_inner().unwrap()
+}
+
+fn component(services: &[&str], container: Value) -> Value {
+    json!({"services": services, "container": container})
+}
+
+fn volume(dir: &Path) -> Value {
+    json!({"container_path": dir, "host_path": dir, "mode": "RW"})
+}
+
+async fn wait_plugin(
+    daemon: &Daemon,
+    plugin: &str,
+    what: &str,
+    mut check: impl FnMut(&PluginInfo) -> bool,
+) -> PluginInfo {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let info = daemon.api().plugin(plugin).await;
+        if let Ok(info) = &info
+            && check(info)
+        {
+            return info.clone();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for {what}: {info:?}\n{}",
+            std::fs::read_to_string(daemon.work.parent().unwrap().join("daemon.log"))
+                .unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn ready_pid(info: &PluginInfo) -> Option<u32> {
+    info.components
+        .first()
+        .filter(|c| c.ready)
+        .and_then(|c| c.pid)
+}
+
+/// Force-deletes every container of the test's runc root when dropped (also on a failed
+/// assertion): the daemon leaves its plugins running on purpose, and a plugin run from an
+/// image has no test path in its command line for `Daemon`'s own cleanup to find.
+struct Containers(PathBuf);
+
+impl Containers {
+    fn list(&self) -> Vec<String> {
+        let out = Command::new("runc")
+            .arg("--root")
+            .arg(&self.0)
+            .args(["list", "-q"])
+            .output()
+            .expect("runc is installed");
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(str::to_owned)
+            .collect()
+    }
+}
+
+impl Drop for Containers {
+    fn drop(&mut self) {
+        for id in self.list() {
+            let _ = Command::new("runc")
+                .arg("--root")
+                .arg(&self.0)
+                .args(["delete", "--force", &id])
+                .status();
+        }
+    }
+}
+
+fn is_mounted(path: &Path) -> bool {
+    MountTable::read().unwrap().is_mount_point(path)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mesos_config_naming_an_image_runs_the_plugin_from_the_registry() {
+    csi_agent::mounts::require_private_mount_namespace();
+    let dir = tempfile::Builder::new()
+        .prefix("csi-image-")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let registry = Registry::start(&dir.path().join("registry")).unwrap();
+    let plugin_dir = dir.path().join("plugin");
+    let second_dir = dir.path().join("second");
+    std::fs::create_dir_all(&plugin_dir).unwrap();
+    std::fs::create_dir_all(&second_dir).unwrap();
+
+    // The image: Entrypoint, Cmd and Env say how to run the plugin; the config says nothing.
+    let layout = dir.path().join("layout");
+    let image = oci_layout(
+        &layout,
+        &[plugin_layer()],
+        json!({
+            "Entrypoint": ["/bin/csi-testplugin"],
+            "Cmd": ["--volumes", "vol1:1M,vol2:1M", "--node-id", "node-1"],
+            "Env": [format!("CSI_TESTPLUGIN_WORK_DIR={}", plugin_dir.display())],
+            "WorkingDir": "/bin",
+        }),
+    )
+    .unwrap();
+    push(&layout, &registry, "csi/testplugin:v1").unwrap();
+    let pushed_gets = registry.blob_gets(None);
+
+    let host = registry.host();
+    let containers = Containers(dir.path().join("sockets/runc"));
+    let mut daemon = Daemon::new(
+        dir.path(),
+        &["--docker-registry", &host, "--insecure-registry", &host],
+    );
+    // A Mesos CSIPluginInfo: no runtime, no command; the image is in container.mesos.image.
+    daemon.add_config(
+        "test.json",
+        &json!({
+            "type": PLUGIN,
+            "containers": [component(
+                &["CONTROLLER_SERVICE", "NODE_SERVICE"],
+                json!({"type": "MESOS",
+                       "mesos": {"image": {"type": "DOCKER", "docker": {"name": "csi/testplugin:v1"}}},
+                       "volumes": [volume(&plugin_dir)]}),
+            )],
+            "startup_timeout_ms": 20000,
+            "restart_backoff": {"initial_ms": 100, "max_ms": 500},
+        }),
+    );
+    daemon.start();
+    let api = daemon.api();
+
+    let published = api.publish(&publish("vol1", "w1")).await.unwrap();
+    let target = PathBuf::from(&published.target_path);
+    assert!(
+        is_mounted(&target),
+        "{} is not mounted on the host",
+        target.display()
+    );
+    std::fs::write(target.join("file"), b"from the host").unwrap();
+    assert_eq!(
+        std::fs::read(plugin_dir.join("volumes/vol1/file")).unwrap(),
+        b"from the host"
+    );
+
+    // It runs on the image's root, read-only, in the image's WorkingDir, not on the host's.
+    let info = wait_plugin(&daemon, PLUGIN, "the plugin ready", |i| {
+        ready_pid(i).is_some()
+    })
+    .await;
+    let pid = ready_pid(&info).unwrap();
+    let root = PathBuf::from(format!("/proc/{pid}/root"));
+    assert!(root.join("bin/csi-testplugin").is_file());
+    assert!(
+        !root.join("etc/passwd").exists(),
+        "the plugin sees the host's root"
+    );
+    assert_eq!(
+        std::fs::read_link(format!("/proc/{pid}/cwd")).unwrap(),
+        PathBuf::from("/bin")
+    );
+    let err = std::fs::write(root.join("probe"), b"x").unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(30), "{err}");
+    // The image is in the store, prepared under its manifest digest (skopeo compresses the
+    // plain layer when pushing, so that is the registry's manifest, not the layout's).
+    let prepared: Vec<String> = std::fs::read_dir(daemon.work.join("images/rootfs"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(prepared.len(), 1, "{prepared:?}");
+    assert_eq!(prepared[0].len(), 64, "{prepared:?}");
+    let rootfs = daemon.work.join("images/rootfs").join(&prepared[0]);
+    assert!(rootfs.join("bin/csi-testplugin").is_file());
+    let _ = image;
+    let first_gets = registry.blob_gets(None) - pushed_gets;
+    assert_eq!(first_gets, 2, "the layer and the config, once each");
+    // The daemon's log says what was downloaded and when the image was ready.
+    let log = std::fs::read_to_string(dir.path().join("daemon.log")).unwrap();
+    assert_eq!(
+        log.matches("blob downloaded and verified").count(),
+        2,
+        "{log}"
+    );
+    assert!(log.contains("image ready"), "{log}");
+
+    // A second plugin of the same image (named the Docker-containerizer way, with its
+    // registry host): its arguments replace Cmd, its environment wins over the image's.
+    // Nothing is downloaded again.
+    daemon.add_config(
+        "second.json",
+        &json!({
+            "type": SECOND,
+            "containers": [{
+                "services": ["CONTROLLER_SERVICE", "NODE_SERVICE"],
+                "command": {
+                    "shell": false,
+                    "arguments": ["--volumes", "v9:1M", "--node-id", "node-1",
+                                  "--plugin-name", SECOND],
+                    "environment": {"variables": [
+                        {"name": "CSI_TESTPLUGIN_WORK_DIR", "value": second_dir}]}
+                },
+                "container": {"type": "DOCKER",
+                              "docker": {"image": format!("{host}/csi/testplugin:v1")},
+                              "volumes": [volume(&second_dir)]}
+            }],
+            "startup_timeout_ms": 20000,
+        }),
+    );
+    // And one whose image does not exist: it reports that, the others are unaffected.
+    daemon.add_config(
+        "broken.json",
+        &json!({
+            "type": BROKEN,
+            "containers": [component(
+                &["CONTROLLER_SERVICE", "NODE_SERVICE"],
+                json!({"mesos": {"image": {"type": "DOCKER", "docker": {"name": "csi/testplugin:nope"}}}}),
+            )],
+            "restart_backoff": {"initial_ms": 100, "max_ms": 500},
+        }),
+    );
+    api.reload().await.unwrap();
+    let mut request = publish("v9", "w9");
+    request.plugin = SECOND.to_owned();
+    let second = api.publish(&request).await.unwrap();
+    assert!(is_mounted(Path::new(&second.target_path)));
+    assert!(second_dir.join("volumes/v9").is_dir());
+    assert_eq!(
+        registry.blob_gets(None) - pushed_gets,
+        first_gets,
+        "the second plugin downloaded a blob"
+    );
+
+    let mut request = publish("vol1", "w1");
+    request.plugin = BROKEN.to_owned();
+    let api_broken = daemon.api();
+    let attempt = tokio::spawn(async move { api_broken.publish(&request).await });
+    let info = wait_plugin(&daemon, BROKEN, "the pull failure reported", |i| {
+        i.components
+            .first()
+            .and_then(|c| c.error.as_deref())
+            .is_some_and(|e| e.contains("not found"))
+    })
+    .await;
+    assert!(ready_pid(&info).is_none());
+    attempt.abort();
+    // The first plugin still serves.
+    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    assert!(!is_mounted(&target));
+    let info = api.plugin(PLUGIN).await.unwrap();
+    assert_eq!(ready_pid(&info), Some(pid), "{info:?}");
+
+    // The API: the store's images and who uses them; a pull of a cached image downloads
+    // nothing; an unknown tag is 404.
+    let images = api.images().await.unwrap();
+    assert_eq!(images.images.len(), 1, "{images:?}");
+    let listed = &images.images[0];
+    assert_eq!(listed.reference, format!("{host}/csi/testplugin:v1"));
+    assert_eq!(listed.manifest, format!("sha256:{}", prepared[0]));
+    // Sorted by plugin type.
+    assert_eq!(listed.used_by, vec![SECOND.to_owned(), PLUGIN.to_owned()]);
+    let gets = registry.blob_gets(None);
+    let pulled = api.pull_image("csi/testplugin:v1").await.unwrap();
+    assert!(pulled.downloaded.is_empty(), "{pulled:?}");
+    assert_eq!(registry.blob_gets(None), gets);
+    let err = api.pull_image("csi/testplugin:nope").await.unwrap_err();
+    assert!(
+        matches!(&err, csi_agent_api::ApiError::Api { status: 404, .. }),
+        "{err:?}"
+    );
+
+    // The configs removed: every container stopped and deleted.
+    for file in ["test.json", "second.json", "broken.json"] {
+        std::fs::remove_file(daemon.configs.join(file)).unwrap();
+    }
+    api.unpublish(&{
+        let mut request = unpublish("v9", "w9");
+        request.plugin = SECOND.to_owned();
+        request
+    })
+    .await
+    .unwrap();
+    api.reload().await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !containers.list().is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "containers left: {:?}",
+            containers.list()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Names in `dir` starting with `.tmp-` (what a pull or a preparation in progress has).
+fn temp_names(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with(".tmp-"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemon_killed_mid_pull_finishes_on_restart_and_keeps_no_partial_blob() {
+    csi_agent::mounts::require_private_mount_namespace();
+    let dir = tempfile::Builder::new()
+        .prefix("csi-image-")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let registry = Registry::start(&dir.path().join("registry")).unwrap();
+    let plugin_dir = dir.path().join("plugin");
+    std::fs::create_dir_all(&plugin_dir).unwrap();
+    let layout = dir.path().join("layout");
+    oci_layout(
+        &layout,
+        &[plugin_layer()],
+        json!({
+            "Entrypoint": ["/bin/csi-testplugin"],
+            "Cmd": ["--volumes", "vol1:1M", "--node-id", "node-1"],
+            "Env": [format!("CSI_TESTPLUGIN_WORK_DIR={}", plugin_dir.display())],
+        }),
+    )
+    .unwrap();
+    push(&layout, &registry, "csi/testplugin:v1").unwrap();
+    let host = registry.host();
+    let containers = Containers(dir.path().join("sockets/runc"));
+    let mut daemon = Daemon::new(
+        dir.path(),
+        &["--docker-registry", &host, "--insecure-registry", &host],
+    );
+    daemon.add_config(
+        "test.json",
+        &json!({
+            "type": PLUGIN,
+            "containers": [component(
+                &["CONTROLLER_SERVICE", "NODE_SERVICE"],
+                json!({"mesos": {"image": {"type": "DOCKER", "docker": {"name": "csi/testplugin:v1"}}},
+                       "volumes": [volume(&plugin_dir)]}),
+            )],
+            "startup_timeout_ms": 20000,
+            "restart_backoff": {"initial_ms": 100, "max_ms": 500},
+        }),
+    );
+    daemon.start();
+    let blobs = daemon.work.join("images/blobs/sha256");
+    let rootfs = daemon.work.join("images/rootfs");
+    // A publish makes the plugin start, which pulls; the daemon is SIGKILLed as soon as a
+    // blob is being written or the root file system being built.
+    let api = daemon.api();
+    let attempt = tokio::spawn(async move { api.publish(&publish("vol1", "w1")).await });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let caught = loop {
+        let (b, r) = (temp_names(&blobs), temp_names(&rootfs));
+        if !b.is_empty() || !r.is_empty() {
+            break (b, r);
+        }
+        assert!(Instant::now() < deadline, "never saw a pull in progress");
+        std::thread::sleep(Duration::from_micros(200));
+    };
+    daemon.kill9();
+    attempt.abort();
+    eprintln!("killed mid-pull with temp files {caught:?}");
+    assert!(
+        !temp_names(&blobs).is_empty() || !temp_names(&rootfs).is_empty(),
+        "the kill left nothing half-done: it did not interrupt the pull"
+    );
+
+    // Restarted, and killed again while the root file system is being built (the blobs are
+    // all there by then, or being finished).
+    daemon.start();
+    let api = daemon.api();
+    let attempt = tokio::spawn(async move { api.publish(&publish("vol1", "w1")).await });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while temp_names(&rootfs).is_empty() {
+        // Only a complete rootfs (a name not starting with `.tmp-`) means it was missed.
+        let complete = std::fs::read_dir(&rootfs).is_ok_and(|entries| {
+            entries
+                .flatten()
+                .any(|e| !e.file_name().to_string_lossy().starts_with(".tmp-"))
+        });
+        assert!(
+            Instant::now() < deadline && !complete,
+            "never saw the root file system being built"
+        );
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    daemon.kill9();
+    attempt.abort();
+    assert!(
+        !temp_names(&rootfs).is_empty(),
+        "the kill did not interrupt the unpacking"
+    );
+
+    // Restarted: the leftovers are removed before anything uses the store, the pull
+    // finishes, the plugin runs from the image.
+    daemon.start();
+    let published = daemon.api().publish(&publish("vol1", "w1")).await.unwrap();
+    assert!(is_mounted(Path::new(&published.target_path)));
+    assert_eq!(temp_names(&blobs), Vec::<String>::new());
+    assert_eq!(temp_names(&rootfs), Vec::<String>::new());
+    assert_eq!(
+        temp_names(&daemon.work.join("images")),
+        Vec::<String>::new()
+    );
+    // Every blob kept is whole: it hashes to its name.
+    let names: Vec<String> = std::fs::read_dir(&blobs)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names.len(), 2, "{names:?}");
+    for name in &names {
+        assert_eq!(&sha256_hex(&std::fs::read(blobs.join(name)).unwrap()), name);
+    }
+    let info = wait_plugin(&daemon, PLUGIN, "the plugin ready", |i| {
+        ready_pid(i).is_some()
+    })
+    .await;
+    let pid = ready_pid(&info).unwrap();
+    assert!(Path::new(&format!("/proc/{pid}/root/bin/csi-testplugin")).is_file());
+
+    let api = daemon.api();
+    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    std::fs::remove_file(daemon.configs.join("test.json")).unwrap();
+    api.reload().await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !containers.list().is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "containers left: {:?}",
+            containers.list()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registry_down_is_reported_on_the_plugin_and_the_pull_retried_once_it_is_back() {
+    csi_agent::mounts::require_private_mount_namespace();
+    let dir = tempfile::Builder::new()
+        .prefix("csi-image-")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let mut registry = Registry::start(&dir.path().join("registry")).unwrap();
+    let plugin_dir = dir.path().join("plugin");
+    std::fs::create_dir_all(&plugin_dir).unwrap();
+    let layout = dir.path().join("layout");
+    oci_layout(
+        &layout,
+        &[plugin_layer()],
+        json!({
+            "Entrypoint": ["/bin/csi-testplugin"],
+            "Cmd": ["--volumes", "vol1:1M", "--node-id", "node-1"],
+            "Env": [format!("CSI_TESTPLUGIN_WORK_DIR={}", plugin_dir.display())],
+        }),
+    )
+    .unwrap();
+    push(&layout, &registry, "csi/testplugin:v1").unwrap();
+    registry.stop();
+
+    let host = registry.host();
+    let containers = Containers(dir.path().join("sockets/runc"));
+    let mut daemon = Daemon::new(
+        dir.path(),
+        &["--docker-registry", &host, "--insecure-registry", &host],
+    );
+    daemon.add_config(
+        "test.json",
+        &json!({
+            "type": PLUGIN,
+            "containers": [component(
+                &["CONTROLLER_SERVICE", "NODE_SERVICE"],
+                json!({"mesos": {"image": {"type": "DOCKER", "docker": {"name": "csi/testplugin:v1"}}},
+                       "volumes": [volume(&plugin_dir)]}),
+            )],
+            "startup_timeout_ms": 20000,
+            "restart_backoff": {"initial_ms": 100, "max_ms": 1000},
+        }),
+    );
+    daemon.start();
+    let api = daemon.api();
+    let attempt = tokio::spawn(async move { api.publish(&publish("vol1", "w1")).await });
+    let info = wait_plugin(&daemon, PLUGIN, "the registry reported unreachable", |i| {
+        i.components
+            .first()
+            .and_then(|c| c.error.as_deref())
+            .is_some_and(|e| e.contains("unreachable"))
+    })
+    .await;
+    assert!(ready_pid(&info).is_none());
+    // Retried with the backoff, still failing while the registry is down.
+    let failing = wait_plugin(&daemon, PLUGIN, "a retry", |i| {
+        i.components.first().is_some_and(|c| c.restarts >= 2)
+    })
+    .await;
+    assert!(ready_pid(&failing).is_none());
+
+    registry.restart().unwrap();
+    let info = wait_plugin(
+        &daemon,
+        PLUGIN,
+        "the plugin ready once the registry is back",
+        |i| ready_pid(i).is_some(),
+    )
+    .await;
+    assert!(info.components[0].restarts >= 2, "{info:?}");
+    attempt.abort();
+    let published = daemon.api().publish(&publish("vol1", "w1")).await.unwrap();
+    assert!(is_mounted(Path::new(&published.target_path)));
+
+    let api = daemon.api();
+    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    std::fs::remove_file(daemon.configs.join("test.json")).unwrap();
+    api.reload().await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !containers.list().is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "containers left: {:?}",
+            containers.list()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
