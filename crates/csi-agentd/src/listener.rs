@@ -254,20 +254,47 @@ pub async fn bind_unix(path: &Path) -> anyhow::Result<UnixListener> {
             );
         }
     }
+    // Bound and listening under a temporary name, then renamed into place: `bind(2)` creates
+    // the file before `listen(2)` makes it accept, and a client that waits for the file (as
+    // orchestrators and the tests do) and connects in between is refused. Seen under load.
+    let staged = staging_name(path);
+    let bind_at = staged.as_deref().unwrap_or(path);
+    if staged.is_some() {
+        let _ = std::fs::remove_file(bind_at);
+    }
     use rustix::fs::Mode;
     let previous = rustix::process::umask(Mode::from_raw_mode(0o177));
-    let bound = UnixListener::bind(path);
+    let bound = UnixListener::bind(bind_at);
     rustix::process::umask(previous);
     let listener = bound.with_context(|| format!("cannot listen on {shown}"))?;
-    let mode = std::fs::symlink_metadata(path)
+    let mode = std::fs::symlink_metadata(bind_at)
         .with_context(|| format!("cannot inspect the new API socket {shown}"))?
         .permissions()
         .mode()
         & 0o777;
     if mode != 0o600 {
+        let _ = std::fs::remove_file(bind_at);
         bail!("the API socket {shown} has mode {mode:04o}, not 0600");
     }
+    if let Some(staged) = &staged
+        && let Err(err) = std::fs::rename(staged, path)
+    {
+        let _ = std::fs::remove_file(staged);
+        return Err(err)
+            .with_context(|| format!("cannot move the API socket into place at {shown}"));
+    }
     Ok(listener)
+}
+
+/// `<dir>/.<name>.<pid>`, when it fits a unix socket address (107 bytes); `None`: bind in place.
+fn staging_name(path: &Path) -> Option<std::path::PathBuf> {
+    use std::os::unix::ffi::OsStrExt;
+    let name = path.file_name()?;
+    let mut staged = std::ffi::OsString::from(".");
+    staged.push(name);
+    staged.push(format!(".{}", std::process::id()));
+    let staged = path.with_file_name(staged);
+    (staged.as_os_str().as_bytes().len() <= 107).then_some(staged)
 }
 
 /// A source of connections; one implementation per kind of listener.
