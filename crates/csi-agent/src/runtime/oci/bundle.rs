@@ -187,6 +187,20 @@ pub fn spec(input: &BundleInput<'_>) -> Result<Spec, BundleError> {
     for root in input.mount_roots {
         binds.push((root.clone(), root.clone(), vec!["rbind", "rshared"]));
     }
+    // On the host's root the container still has its own /tmp (and /dev unless privileged):
+    // an executable that lives there (a build tree under /tmp) would be hidden and the launch
+    // fail with ENOENT, so the file itself is bound in, read-only, at its path.
+    if settings.rootfs.is_none()
+        && let Some(executable) = input.args.first().map(Path::new)
+        && executable.is_absolute()
+        && (executable.starts_with("/tmp") || !privileged && executable.starts_with("/dev"))
+    {
+        binds.push((
+            executable.to_path_buf(),
+            executable.to_path_buf(),
+            vec!["bind", "ro"],
+        ));
+    }
     for volume in input.volumes {
         let mut options = vec!["rbind"];
         options.push(if volume.bidirectional {
@@ -371,6 +385,46 @@ mod tests {
             cwd: "/".to_owned(),
             user: (0, 0),
         }
+    }
+
+    #[test]
+    fn an_executable_under_the_containers_own_tmp_is_bound_in() -> anyhow::Result<()> {
+        let settings = OciConfig::default();
+        let roots = [PathBuf::from("/w/csi/t/default/mounts")];
+        let mut input = input(&settings, &roots);
+        input.args = vec!["/tmp/build/target/debug/plugin".to_owned()];
+        let built = spec(&input)?;
+        let mounts = built.mounts().clone().unwrap_or_default();
+        let tmp = mounts
+            .iter()
+            .position(|m| m.destination() == Path::new("/tmp"))
+            .ok_or_else(|| anyhow::anyhow!("no /tmp"))?;
+        let exe = mounts
+            .iter()
+            .position(|m| m.destination() == Path::new("/tmp/build/target/debug/plugin"))
+            .ok_or_else(|| anyhow::anyhow!("the executable is not bound in"))?;
+        assert!(
+            exe > tmp,
+            "bound after the container's /tmp, not hidden by it"
+        );
+        assert!(
+            mounts[exe]
+                .options()
+                .as_ref()
+                .is_some_and(|o| o.contains(&"ro".to_owned()))
+        );
+        // Elsewhere on the host's root it is visible as it is: nothing to bind.
+        input.args = vec!["/usr/bin/plugin".to_owned()];
+        let built = spec(&input)?;
+        assert!(
+            !built
+                .mounts()
+                .clone()
+                .unwrap_or_default()
+                .iter()
+                .any(|m| m.destination() == Path::new("/usr/bin/plugin"))
+        );
+        Ok(())
     }
 
     #[test]
