@@ -18,17 +18,19 @@
 //!   layers' foreign `urls` are never fetched.
 //!
 //! ## Why `oci-client` 0.18
-//! `oci-client` (the ORAS project's, formerly `oci-distribution`, used by Krustlet, wasmCloud
-//! and Spin) speaks the distribution API with bearer-token and basic auth, a token cache, and
-//! HTTP allowed per registry (`ClientProtocol::HttpsExcept`, which is exactly the
-//! `--insecure-registry` semantics). 0.18.0 is the newest release; it is built on hyper 1 and
-//! reqwest 0.13, the same hyper and tokio this workspace already uses, and on `oci-spec` 0.10,
-//! the version `runtime::oci` already builds bundles with (so one copy of it). Its rustls
-//! feature is used (no OpenSSL on the node). Alternatives: `docker-registry`'s crate
-//! `dkregistry` is unmaintained (last release 2021, hyper 0.14); shelling out to `skopeo`
-//! would add a runtime dependency and lose the typed errors.
+//! `oci-client` (the ORAS project's Rust distribution client, github.com/oras-project) speaks
+//! the distribution API with bearer-token and basic auth, a token cache, and HTTP allowed per
+//! registry (`ClientProtocol::HttpsExcept`, exactly the `--insecure-registry` semantics).
+//! 0.18.0 is the newest release on crates.io (checked when this was written); it is built on
+//! reqwest 0.13 over hyper 1 and tokio 1, the hyper and tokio this workspace already uses, and
+//! on `oci-spec` 0.10, the version `runtime::oci` already builds bundles with (so one copy of
+//! it). Its `rustls-tls` feature is used: no OpenSSL on the node. Shelling out to `skopeo`
+//! instead would add a runtime dependency and lose the typed errors.
 //!
-//! Limits of the crate worked around here: its manifest read has no size bound (so the
+//! Limits of the crate worked around here: `Client::new` silently falls back to a default
+//! client when its config cannot be built (so `try_from` is used); it unwraps a header value
+//! built from a registry's token (so a pull runs on a task of its own); its manifest read has
+//! no size bound (so the
 //! request runs under a deadline and the size is checked afterwards: a hostile registry can
 //! make one manifest request cost at most what it can send before the deadline), and index
 //! resolution is done here rather than by its platform resolver, so the platform manifest's
@@ -241,6 +243,12 @@ pub enum PullError {
         #[source]
         source: BlobError,
     },
+    /// The HTTP client could not be built.
+    #[error("cannot set up the registry client: {source}")]
+    Client {
+        #[source]
+        source: OciDistributionError,
+    },
     /// A download task failed or panicked.
     #[error("{reference}: download task failed: {reason}")]
     Task { reference: String, reason: String },
@@ -261,7 +269,8 @@ impl PullError {
             | Self::UnsupportedMediaType { .. }
             | Self::UnsupportedPlatform { .. }
             | Self::Limit { .. }
-            | Self::Malformed { .. } => false,
+            | Self::Malformed { .. }
+            | Self::Client { .. } => false,
         }
     }
 }
@@ -285,20 +294,23 @@ impl std::fmt::Debug for Puller {
 }
 
 impl Puller {
-    pub fn new(settings: RegistrySettings, limits: PullLimits) -> Self {
+    /// Fails only when the HTTP client cannot be built (its TLS setup). Not `Client::new`:
+    /// that falls back silently to a default client, without our timeouts or insecure list.
+    pub fn new(settings: RegistrySettings, limits: PullLimits) -> Result<Self, PullError> {
         let config = ClientConfig {
             protocol: ClientProtocol::HttpsExcept(settings.insecure.clone()),
             connect_timeout: Some(limits.connect_timeout),
             read_timeout: Some(limits.read_timeout),
             max_concurrent_download: limits.parallel.max(1),
-            // No proxy from the environment: a daemon's pulls must not depend on it.
+            // Proxies: reqwest's default, i.e. the daemon's HTTPS_PROXY / HTTP_PROXY / NO_PROXY.
             ..ClientConfig::default()
         };
-        Self {
-            client: Client::new(config),
+        let client = Client::try_from(config).map_err(|source| PullError::Client { source })?;
+        Ok(Self {
+            client,
             settings,
             limits,
-        }
+        })
     }
 
     pub fn settings(&self) -> &RegistrySettings {
