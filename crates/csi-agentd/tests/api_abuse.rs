@@ -801,7 +801,7 @@ fn the_socket_is_created_0600_and_the_umask_restored() {
     inotify::add_watch(
         &watch,
         &run,
-        inotify::WatchFlags::CREATE | inotify::WatchFlags::ATTRIB,
+        inotify::WatchFlags::CREATE | inotify::WatchFlags::ATTRIB | inotify::WatchFlags::MOVED_TO,
     )
     .unwrap();
     // The most permissive umask: without the daemon's own, the socket would start 0777.
@@ -829,16 +829,25 @@ fn the_socket_is_created_0600_and_the_umask_restored() {
             Err(err) => panic!("{err}"),
         }
     }
+    // Made (and listening) under a temporary name, then renamed into place: it appears
+    // only once it accepts, and its mode is never changed on the way.
     let api_sock = Some("api.sock".to_owned());
+    let staged = Some(format!(".api.sock.{}", daemon.pid()));
     assert!(
         seen.iter()
-            .any(|(name, ev)| *name == api_sock && ev.contains(inotify::ReadFlags::CREATE)),
+            .any(|(name, ev)| *name == staged && ev.contains(inotify::ReadFlags::CREATE)),
+        "{seen:?}"
+    );
+    assert!(
+        seen.iter()
+            .any(|(name, ev)| *name == api_sock && ev.contains(inotify::ReadFlags::MOVED_TO)),
         "{seen:?}"
     );
     assert!(
         !seen
             .iter()
-            .any(|(name, ev)| *name == api_sock && ev.contains(inotify::ReadFlags::ATTRIB)),
+            .any(|(name, ev)| (*name == api_sock || *name == staged)
+                && ev.contains(inotify::ReadFlags::ATTRIB)),
         "the socket's mode was changed after it was created: {seen:?}"
     );
 }
