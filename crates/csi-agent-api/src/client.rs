@@ -211,6 +211,12 @@ impl ApiClient {
         self.get_json(routes::IMAGES).await
     }
 
+    /// `POST /v1/images/prune`: removes the images no configured plugin names.
+    pub async fn prune_images(&self) -> Result<ImagePruneResponse, ApiError> {
+        self.call_json(Method::POST, routes::IMAGES_PRUNE, None)
+            .await
+    }
+
     /// `POST /v1/images/pull`: pulls and prepares an image (the tag re-checked).
     pub async fn pull_image(&self, reference: &str) -> Result<ImagePullResponse, ApiError> {
         let request = ImagePullRequest {

@@ -27,6 +27,8 @@ pub const DRAIN: &str = "/v1/drain";
 pub const IMAGES: &str = "/v1/images";
 /// `POST`: pull and prepare an image (re-checking its tag).
 pub const IMAGES_PULL: &str = "/v1/images/pull";
+/// `POST`: remove the images no configured plugin names.
+pub const IMAGES_PRUNE: &str = "/v1/images/prune";
 
 /// Every `(method, path)` the API serves. `openapi.yaml` describes exactly these (checked by
 /// `tests/openapi.rs`), and the daemon's router must serve exactly these.
@@ -49,6 +51,7 @@ pub const ALL_ROUTES: &[(&str, &str)] = &[
     ("POST", DRAIN),
     ("GET", IMAGES),
     ("POST", IMAGES_PULL),
+    ("POST", IMAGES_PRUNE),
 ];
 
 /// `/v1/plugins/{type}` for one plugin type.

@@ -453,6 +453,17 @@ pub struct ImagePullRequest {
     pub reference: String,
 }
 
+/// `POST /v1/images/prune`: what was removed.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImagePruneResponse {
+    /// The references no configured plugin named, now gone from the index.
+    pub removed: Vec<String>,
+    /// Prepared root file systems removed.
+    pub rootfs_removed: usize,
+    /// Blobs removed (those still named by a kept image stay).
+    pub blobs_removed: usize,
+}
+
 /// `POST /v1/images/pull`
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ImagePullResponse {

@@ -253,6 +253,11 @@ fn cases() -> Result<Vec<Case>> {
         pulled_at_unix: 1,
         used_by: vec!["p".to_owned()],
     };
+    let pruned = ImagePruneResponse {
+        removed: vec!["r/a:1".to_owned()],
+        rootfs_removed: 1,
+        blobs_removed: 2,
+    };
     let pulled = ImagePullResponse {
         reference: "r/a:1".to_owned(),
         manifest: "sha256:m".to_owned(),
@@ -261,6 +266,7 @@ fn cases() -> Result<Vec<Case>> {
     };
     Ok(vec![
         response("ErrorBody", error(Some("NOT_FOUND")), error(None))?,
+        response("ImagePruneResponse", pruned.clone(), pruned)?,
         response("Health", health.clone(), health)?,
         response("StartResponse", start.clone(), start)?,
         request("CapabilitySpec", full_cap())?,
@@ -521,6 +527,12 @@ const BODIES: &[(&str, &str, Option<&str>, Option<&str>)] = &[
         Some("CapacityResponse"),
     ),
     ("GET", routes::IMAGES, None, Some("ImageList")),
+    (
+        "POST",
+        routes::IMAGES_PRUNE,
+        None,
+        Some("ImagePruneResponse"),
+    ),
     (
         "POST",
         routes::IMAGES_PULL,

@@ -73,6 +73,23 @@ pub enum ServerError {
     Volume(#[from] VolumeError),
     #[error("work dir: {0}")]
     Store(#[from] StoreError),
+    /// The image store could not be opened at start (the daemon's log says why).
+    #[error("the image store could not be opened; the daemon's log says why")]
+    ImagesUnavailable,
+    /// A prune would remove images a leftover plugin's containers may still run on.
+    #[error(
+        "not pruning: components of plugins that are no longer configured are still on the node ({}), and they may run on an image no config names; unpublish their volumes (restore their configs) first",
+        plugins.join(", ")
+    )]
+    PruneUnsafe { plugins: Vec<String> },
+    #[error(transparent)]
+    ImageStore(#[from] crate::image::store::StoreError),
+    #[error("cannot list the plugins' components under {}: {source}", path.display())]
+    ListComponents {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     /// The node was drained (`POST /v1/drain`): it publishes nothing and starts no plugin
     /// until csi-agentd is restarted.
     #[error(
@@ -766,6 +783,46 @@ impl CsiServer {
     /// The image store (`None` when it could not be opened; the daemon's log says why).
     pub fn images(&self) -> Option<&Arc<crate::image::store::ImageStore>> {
         self.inner.images.as_ref()
+    }
+
+    /// Removes the images no configured plugin names (`POST /v1/images/prune`, docs/operations.md
+    /// "Image store"): their index entries, root file systems and the blobs no kept image
+    /// names. Holds the reload lock, so no reload adds a user or stops one meanwhile; refuses
+    /// while components of unconfigured plugins remain (an earlier csi-agent's, kept for their
+    /// volumes), whose containers may run on an image no config names.
+    pub async fn prune_images(&self) -> Result<crate::image::store::Pruned, ServerError> {
+        let Some(store) = self.inner.images.clone() else {
+            return Err(ServerError::ImagesUnavailable);
+        };
+        let _reloading = self.inner.reload_lock.lock().await;
+        let configured: Vec<(String, String)> = {
+            let table = self.inner.table.lock().await;
+            table
+                .configs
+                .plugins
+                .values()
+                .map(|l| (l.config.plugin_type.clone(), l.config.name.clone()))
+                .collect()
+        };
+        let found = crate::service_manager::plugins_with_components(&self.inner.layout).map_err(
+            |source| ServerError::ListComponents {
+                path: self.inner.layout.csi_root(),
+                source,
+            },
+        )?;
+        let leftovers: Vec<String> = found
+            .into_iter()
+            .filter(|found| !configured.contains(found))
+            .map(|(plugin_type, name)| format!("{plugin_type} ({name})"))
+            .collect();
+        if !leftovers.is_empty() {
+            return Err(ServerError::PruneUnsafe { plugins: leftovers });
+        }
+        let used: std::collections::BTreeSet<String> =
+            self.image_users().await.into_keys().collect();
+        let pruned = store.prune(&used).await?;
+        tracing::info!(removed = ?pruned.references, rootfs = pruned.rootfs, blobs = pruned.blobs, "images pruned");
+        Ok(pruned)
     }
 
     /// Resolved image reference → the types of the configured plugins whose components name

@@ -109,6 +109,7 @@ pub fn router(state: AppState) -> Router {
         .route(routes::DRAIN, post(drain))
         .route(routes::IMAGES, get(images))
         .route(routes::IMAGES_PULL, post(pull_image))
+        .route(routes::IMAGES_PRUNE, post(prune_images))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
@@ -392,6 +393,15 @@ async fn images(State(state): State<AppState>) -> ApiResult<api::ImageList> {
         })
         .collect();
     Ok(Json(api::ImageList { images }))
+}
+
+async fn prune_images(State(state): State<AppState>) -> ApiResult<api::ImagePruneResponse> {
+    let pruned = state.server.prune_images().await?;
+    Ok(Json(api::ImagePruneResponse {
+        removed: pruned.references,
+        rootfs_removed: pruned.rootfs,
+        blobs_removed: pruned.blobs,
+    }))
 }
 
 async fn pull_image(

@@ -81,6 +81,12 @@ impl From<ServerError> for ApiFailure {
             }
             ServerError::Store(_) => Self::new(api::ErrorCode::Internal, err.to_string()),
             ServerError::Drained => Self::new(api::ErrorCode::Unavailable, err.to_string()),
+            ServerError::PruneUnsafe { .. } => Self::new(api::ErrorCode::Conflict, err.to_string()),
+            ServerError::ImagesUnavailable
+            | ServerError::ImageStore(_)
+            | ServerError::ListComponents { .. } => {
+                Self::new(api::ErrorCode::Internal, err.to_string())
+            }
         }
     }
 }

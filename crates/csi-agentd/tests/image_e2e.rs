@@ -332,6 +332,10 @@ async fn a_mesos_config_naming_an_image_runs_the_plugin_from_the_registry() {
         matches!(&err, csi_agent_api::ApiError::Api { status: 404, .. }),
         "{err:?}"
     );
+    // A prune keeps what configured plugins name.
+    let pruned = api.prune_images().await.unwrap();
+    assert!(pruned.removed.is_empty(), "{pruned:?}");
+    assert_eq!(api.images().await.unwrap().images.len(), 1);
 
     // The configs removed: every container stopped and deleted.
     for file in ["test.json", "second.json", "broken.json"] {
@@ -353,6 +357,25 @@ async fn a_mesos_config_naming_an_image_runs_the_plugin_from_the_registry() {
             containers.list()
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // No config names the image any more: a prune removes it, its root and its blobs.
+    let pruned = api.prune_images().await.unwrap();
+    assert_eq!(
+        pruned.removed,
+        vec![format!("{host}/csi/testplugin:v1")],
+        "{pruned:?}"
+    );
+    assert_eq!(
+        (pruned.rootfs_removed, pruned.blobs_removed),
+        (1, 2),
+        "{pruned:?}"
+    );
+    assert!(api.images().await.unwrap().images.is_empty());
+    let images = daemon.work.join("images");
+    for dir in ["rootfs", "blobs/sha256"] {
+        let left: Vec<_> = std::fs::read_dir(images.join(dir)).unwrap().collect();
+        assert!(left.is_empty(), "{dir} keeps {left:?}");
     }
 }
 

@@ -1,12 +1,12 @@
-//! `csictl images` and `csictl image pull REF`: the daemon's plugin image store, through the
-//! API (`GET /v1/images`, `POST /v1/images/pull`).
+//! `csictl images`, `csictl image pull REF` and `csictl image prune`: the daemon's plugin image
+//! store, through the API (`GET /v1/images`, `POST /v1/images/pull`, `POST /v1/images/prune`).
 //!
 //! This module owns those subcommands' arguments, calls and tables. Like the rest of csictl it
 //! talks to the daemon only through `csi_agent_api::ApiClient` and returns the text to print;
 //! it must not read the store's files itself (the daemon owns them).
 
 use clap::Subcommand;
-use csi_agent_api::{ApiClient, ImageList, ImagePullResponse};
+use csi_agent_api::{ApiClient, ImageList, ImagePruneResponse, ImagePullResponse};
 
 use crate::args::OutputFormat;
 use crate::commands::render;
@@ -22,6 +22,8 @@ pub enum ImageCommand {
         #[arg(value_name = "REF")]
         reference: String,
     },
+    /// Remove the images no configured plugin names (and their root file systems and blobs).
+    Prune,
 }
 
 /// `csictl images`
@@ -39,6 +41,7 @@ pub async fn run(
         ImageCommand::Pull { reference } => {
             render(format, &client.pull_image(&reference).await?, pulled)
         }
+        ImageCommand::Prune => render(format, &client.prune_images().await?, pruned),
     }
 }
 
@@ -54,6 +57,17 @@ fn images_table(list: &ImageList) -> String {
         ]);
     }
     table.render()
+}
+
+fn pruned(answer: &ImagePruneResponse) -> String {
+    fields(&[
+        ("removed", answer.removed.join(", ")),
+        (
+            "root file systems removed",
+            answer.rootfs_removed.to_string(),
+        ),
+        ("blobs removed", answer.blobs_removed.to_string()),
+    ])
 }
 
 fn pulled(answer: &ImagePullResponse) -> String {
