@@ -369,6 +369,17 @@ impl CsiServer {
         }
     }
 
+    /// `(type, name)` of every configured plugin.
+    async fn configured_plugins(&self) -> Vec<(String, String)> {
+        let table = self.inner.table.lock().await;
+        table
+            .configs
+            .plugins
+            .values()
+            .map(|l| (l.config.plugin_type.clone(), l.config.name.clone()))
+            .collect()
+    }
+
     /// Components left running by an earlier csi-agent for plugins that are no longer
     /// configured: stopped and cleaned when none of their volumes is known, else kept (a node
     /// plugin must outlive its volumes) and reported.
@@ -376,15 +387,7 @@ impl CsiServer {
         let Ok(found) = crate::service_manager::plugins_with_components(&self.inner.layout) else {
             return;
         };
-        let configured: Vec<(String, String)> = {
-            let table = self.inner.table.lock().await;
-            table
-                .configs
-                .plugins
-                .values()
-                .map(|l| (l.config.plugin_type.clone(), l.config.name.clone()))
-                .collect()
-        };
+        let configured = self.configured_plugins().await;
         for (plugin_type, plugin_name) in found {
             if configured.contains(&(plugin_type.clone(), plugin_name.clone())) {
                 continue;
@@ -795,15 +798,7 @@ impl CsiServer {
             return Err(ServerError::ImagesUnavailable);
         };
         let _reloading = self.inner.reload_lock.lock().await;
-        let configured: Vec<(String, String)> = {
-            let table = self.inner.table.lock().await;
-            table
-                .configs
-                .plugins
-                .values()
-                .map(|l| (l.config.plugin_type.clone(), l.config.name.clone()))
-                .collect()
-        };
+        let configured = self.configured_plugins().await;
         let found = crate::service_manager::plugins_with_components(&self.inner.layout).map_err(
             |source| ServerError::ListComponents {
                 path: self.inner.layout.csi_root(),

@@ -135,17 +135,7 @@ pub struct VolumeRef {
 impl VolumeRef {
     /// The plugin type and the volume id, from the flags or the positionals.
     pub fn resolve(&self) -> Result<(String, String), UsageError> {
-        let mut positional = self.positional.iter().cloned();
-        let plugin = self.plugin_flag.clone().or_else(|| positional.next());
-        let volume = self.volume_flag.clone().or_else(|| positional.next());
-        if positional.next().is_some() {
-            return Err(UsageError(
-                "too many arguments: give the plugin and the volume once, as --plugin TYPE \
-                 --volume VOLUME_ID or as PLUGIN VOLUME_ID"
-                    .to_owned(),
-            ));
-        }
-        match (plugin, volume) {
+        match plugin_and_volume(&self.plugin_flag, &self.volume_flag, &self.positional)? {
             (Some(plugin), Some(volume)) => Ok((plugin, volume)),
             (None, _) => Err(UsageError(
                 "no plugin given: add --plugin TYPE (or PLUGIN VOLUME_ID)".to_owned(),
@@ -222,17 +212,28 @@ impl VolumesArgs {
     }
 
     fn plugin_and_volume(&self) -> Result<(Option<String>, Option<String>), UsageError> {
-        let mut positional = self.positional.iter().cloned();
-        let plugin = self.plugin_flag.clone().or_else(|| positional.next());
-        let volume = self.volume_flag.clone().or_else(|| positional.next());
-        if positional.next().is_some() {
-            return Err(UsageError(
-                "too many arguments: give PLUGIN [VOLUME_ID] once, or --plugin and --volume"
-                    .to_owned(),
-            ));
-        }
-        Ok((plugin, volume))
+        plugin_and_volume(&self.plugin_flag, &self.volume_flag, &self.positional)
     }
+}
+
+/// The plugin and the volume from their flags, else from the positionals in that order (the
+/// flags' place taken by the first free positionals); more positionals than that is an error.
+fn plugin_and_volume(
+    plugin_flag: &Option<String>,
+    volume_flag: &Option<String>,
+    positional: &[String],
+) -> Result<(Option<String>, Option<String>), UsageError> {
+    let mut positional = positional.iter().cloned();
+    let plugin = plugin_flag.clone().or_else(|| positional.next());
+    let volume = volume_flag.clone().or_else(|| positional.next());
+    if positional.next().is_some() {
+        return Err(UsageError(
+            "too many arguments: give the plugin and the volume once, as --plugin TYPE \
+             --volume VOLUME_ID or as PLUGIN VOLUME_ID"
+                .to_owned(),
+        ));
+    }
+    Ok((plugin, volume))
 }
 
 /// How a volume is accessed: a filesystem (`--fs-type`, `--mount-flag`) or a raw device.
