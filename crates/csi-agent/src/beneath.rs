@@ -206,7 +206,7 @@ fn open_dir_once(
             }
             Err(BeneathError::NotFound { .. }) if create.is_some() => {
                 let mode = create.unwrap_or(Mode::RWXU);
-                purge_stale_new_dirs_in(parent);
+                purge_stale_new_dirs_in(parent, false);
                 match mkdir_marked(parent, name, mode) {
                     Ok(()) => created += 1,
                     // Made by someone else meanwhile: use it, it is not ours to remove.
@@ -306,6 +306,10 @@ fn mkdir_marked(parent: BorrowedFd<'_>, name: &OsStr, mode: Mode) -> Result<(), 
         SEQUENCE.fetch_add(1, Ordering::Relaxed)
     );
     rustix::fs::mkdirat(parent, temp.as_str(), mode)?;
+    if crate::failpoint::hit("beneath.mkdir.before_mark").is_err() {
+        let _ = rustix::fs::unlinkat(parent, temp.as_str(), AtFlags::REMOVEDIR);
+        return Err(Errno::IO);
+    }
     let marked = rustix::fs::openat(
         parent,
         temp.as_str(),
@@ -333,9 +337,11 @@ fn mkdir_marked(parent: BorrowedFd<'_>, name: &OsStr, mode: Mode) -> Result<(), 
     renamed
 }
 
-/// Removes, inside the directory `name` beneath `parent`, the empty marked directories a
-/// killed process left while creating them (see [`NEW_DIR_PREFIX`]), so that they do not keep
-/// the directory from being removed. Best effort: anything unexpected is left alone.
+/// Removes, inside the directory `name` beneath `parent` (one csi-agent made and is about to
+/// remove), the empty directories a killed process left while creating them (see
+/// [`NEW_DIR_PREFIX`]), so that they do not keep it from being removed. Inside a directory of
+/// ours even an unmarked one goes: a kill between its `mkdir` and its mark leaves it so.
+/// Best effort: anything unexpected is left alone.
 fn purge_stale_new_dirs(parent: BorrowedFd<'_>, name: &OsStr) {
     if let Ok(dir) = rustix::fs::openat(
         parent,
@@ -343,12 +349,14 @@ fn purge_stale_new_dirs(parent: BorrowedFd<'_>, name: &OsStr) {
         OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
         Mode::empty(),
     ) {
-        purge_stale_new_dirs_in(dir.as_fd());
+        purge_stale_new_dirs_in(dir.as_fd(), true);
     }
 }
 
-/// [`purge_stale_new_dirs`] of the directory `dir` itself (an `O_PATH` fd will do).
-fn purge_stale_new_dirs_in(dir: BorrowedFd<'_>) {
+/// [`purge_stale_new_dirs`] of the directory `dir` itself (an `O_PATH` fd will do). Unless
+/// `dir_is_ours`, only marked leftovers go: the directory may be the workload's, and an
+/// unmarked directory there is not known to be ours.
+fn purge_stale_new_dirs_in(dir: BorrowedFd<'_>, dir_is_ours: bool) {
     let Ok(dir_fd) = rustix::fs::openat(
         dir,
         ".",
@@ -365,13 +373,27 @@ fn purge_stale_new_dirs_in(dir: BorrowedFd<'_>) {
     for entry in entries.take(4096).flatten() {
         let entry_name = OsStr::from_bytes(entry.file_name().to_bytes());
         let bytes = entry_name.as_bytes();
-        if !bytes.starts_with(NEW_DIR_PREFIX.as_bytes()) || bytes.starts_with(ours.as_bytes()) {
+        if !is_new_dir_name(bytes) || bytes.starts_with(ours.as_bytes()) {
             continue;
         }
-        if is_marked_created(dir_fd.as_fd(), entry_name) {
+        if dir_is_ours || is_marked_created(dir_fd.as_fd(), entry_name) {
             let _ = rustix::fs::unlinkat(&dir_fd, entry_name, AtFlags::REMOVEDIR);
         }
     }
+}
+
+/// `.csi-agent-mkdir.<16 hex>.<decimal>`, exactly as [`mkdir_marked`] names them.
+fn is_new_dir_name(name: &[u8]) -> bool {
+    let Some(rest) = name.strip_prefix(NEW_DIR_PREFIX.as_bytes()) else {
+        return false;
+    };
+    let Some((token, sequence)) = rest.split_at_checked(16) else {
+        return false;
+    };
+    token.iter().all(u8::is_ascii_hexdigit)
+        && sequence.first() == Some(&b'.')
+        && sequence.len() > 1
+        && sequence[1..].iter().all(u8::is_ascii_digit)
 }
 
 fn is_marked_created(parent: BorrowedFd<'_>, name: &OsStr) -> bool {
@@ -490,6 +512,25 @@ fn io_error(op: &'static str, at: &Path, errno: Errno) -> BeneathError {
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_names_made_by_mkdir_marked_count_as_leftovers() {
+        assert!(is_new_dir_name(b".csi-agent-mkdir.f309abc882d511b8.383"));
+        for other in [
+            &b".csi-agent-mkdir."[..],
+            b".csi-agent-mkdir.f309abc882d511b8",
+            b".csi-agent-mkdir.f309abc882d511b8.",
+            b".csi-agent-mkdir.f309abc882d511bz.1",
+            b".csi-agent-mkdir.f309abc882d511b8.1x",
+            b"data",
+        ] {
+            assert!(
+                !is_new_dir_name(other),
+                "{}",
+                String::from_utf8_lossy(other)
+            );
+        }
+    }
 
     fn rel(root: &str, path: &str) -> Result<PathBuf, String> {
         normalized_relative(Path::new(root), Path::new(path)).map_err(|e| e.to_string())

@@ -526,12 +526,25 @@ async fn a_crash_between_the_bind_and_its_record_is_adopted_not_doubled() {
 
 #[tokio::test]
 async fn a_crash_while_making_the_dirs_of_a_bind_leaves_nothing_once_unpublished() {
+    crash_while_making_bind_dirs("beneath.mkdir.before_rename").await;
+}
+
+#[tokio::test]
+async fn a_crash_before_a_new_dir_is_marked_leaves_nothing_once_unpublished() {
+    // Killed between the temporary dir's mkdir and its mark: unmarked, it is still purged,
+    // since it lies in a dir csi-agent made.
+    crash_while_making_bind_dirs("beneath.mkdir.before_mark").await;
+}
+
+/// Kills the daemon at `point` while it makes `mnt` inside the `rootfs` it just made for a
+/// bind; the retried publish and the unpublish must leave no dir behind.
+async fn crash_while_making_bind_dirs(point: &str) {
     let mut scene = Scene::with_extra(&[]);
     // `rootfs` is made and renamed into place; the daemon dies while `mnt` is being made
     // inside it, leaving `mnt`'s temporary dir behind.
     scene
         .daemon
-        .stop_and_set_env("CSI_AGENT_FAILPOINTS", "beneath.mkdir.before_rename=2*exit");
+        .stop_and_set_env("CSI_AGENT_FAILPOINTS", &format!("{point}=2*exit"));
     scene.daemon.start();
     let bind = scene.root.join("w1/rootfs/mnt/data");
     let result = scene
