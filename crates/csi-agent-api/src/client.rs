@@ -1,23 +1,31 @@
 //! [`ApiClient`]: a typed client for csi-agentd's HTTP/JSON API, over the unix socket or over
 //! the TCP listener with a bearer token.
 //!
-//! This module owns the transport (one HTTP/1.1 connection per request, which keeps the client
-//! stateless and is cheap on a unix socket) and the mapping of answers to types or
-//! [`ApiError`]s. It must not interpret answers beyond that (no retries, no hints for a
+//! This module owns the transport (HTTP/1.1, connections kept alive and reused through
+//! hyper-util's pooling client, shared by every clone of a client) and the mapping of answers to
+//! types or [`ApiError`]s. It must not interpret answers beyond that (no retries, no hints for a
 //! particular program): callers decide what a failure means for them.
 
+use std::error::Error as StdError;
 use std::fmt;
+use std::future::Future;
+use std::io;
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Bytes;
-use hyper::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE, HOST, HeaderValue, USER_AGENT};
+use hyper::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE, HeaderValue, USER_AGENT};
 use hyper::{Method, Request, Uri};
-use hyper_util::rt::TokioIo;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use tokio::net::{TcpStream, UnixStream};
+use tokio::net::UnixStream;
 
 use crate::error::ApiError;
 use crate::routes;
@@ -27,11 +35,71 @@ use crate::types::*;
 /// it (10,000 volumes list in a few MiB), and a runaway peer must not exhaust memory.
 const MAX_BODY_BYTES: usize = 256 * 1024 * 1024;
 
-/// A client of one csi-agentd. Cheap to clone; every call opens its own connection.
+/// How long a connection may sit idle in the pool before it is closed. Well below the
+/// daemon's own idle timeout (60 s by default, docs/configuration.md), so that the client, not
+/// the daemon, closes an idle connection: a daemon closing one just as a request is written on
+/// it would fail that request.
+const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A client of one csi-agentd. Cheap to clone; clones share one pool of kept-alive
+/// connections, so that a program making many calls (a scheduler, the benchmarks) pays the
+/// connection set-up once per concurrent caller, not once per call.
 #[derive(Clone)]
 pub struct ApiClient {
     endpoint: Endpoint,
+    pool: Pool,
     timeout: Option<Duration>,
+}
+
+/// The pooling HTTP client for the endpoint's transport.
+#[derive(Clone)]
+enum Pool {
+    Unix(Client<UnixConnector, Full<Bytes>>),
+    Tcp(Client<HttpConnector, Full<Bytes>>),
+}
+
+impl Pool {
+    fn unix(socket: &Path) -> Pool {
+        Pool::Unix(pool_builder().build(UnixConnector {
+            socket: Arc::from(socket),
+        }))
+    }
+
+    fn tcp() -> Pool {
+        let mut connector = HttpConnector::new();
+        // Requests are small and answered at once; Nagle would only add latency.
+        connector.set_nodelay(true);
+        Pool::Tcp(pool_builder().build(connector))
+    }
+}
+
+fn pool_builder() -> hyper_util::client::legacy::Builder {
+    let mut builder = Client::builder(TokioExecutor::new());
+    builder
+        .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+        .pool_timer(TokioTimer::new());
+    builder
+}
+
+/// Connects to the daemon's unix socket, whatever the request's URI names.
+#[derive(Clone)]
+struct UnixConnector {
+    socket: Arc<Path>,
+}
+
+impl tower::Service<Uri> for UnixConnector {
+    type Response = TokioIo<UnixStream>;
+    type Error = io::Error;
+    type Future = Pin<Box<dyn Future<Output = io::Result<TokioIo<UnixStream>>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: Uri) -> Self::Future {
+        let socket = Arc::clone(&self.socket);
+        Box::pin(async move { UnixStream::connect(&*socket).await.map(TokioIo::new) })
+    }
 }
 
 #[derive(Clone)]
@@ -42,10 +110,7 @@ enum Endpoint {
     Tcp {
         /// As the caller wrote it, for messages.
         url: String,
-        /// Host without IPv6 brackets, for connecting.
-        host: String,
-        port: u16,
-        /// `host:port` as in the URL, for the `Host` header.
+        /// `host:port` as in the URL, for connecting and the `Host` header.
         authority: String,
         /// `Bearer <token>`, marked sensitive so that hyper never logs it.
         authorization: Option<HeaderValue>,
@@ -77,10 +142,10 @@ impl ApiClient {
     /// A client of the daemon listening on the unix socket at `socket` (usually
     /// `<work_dir>/api.sock`). Nothing is connected until the first call.
     pub fn unix(socket: impl Into<PathBuf>) -> ApiClient {
+        let socket = socket.into();
         ApiClient {
-            endpoint: Endpoint::Unix {
-                socket: socket.into(),
-            },
+            pool: Pool::unix(&socket),
+            endpoint: Endpoint::Unix { socket },
             timeout: None,
         }
     }
@@ -119,11 +184,6 @@ impl ApiClient {
                 "credentials in the URL are not supported; use a token file",
             ));
         }
-        let host = authority
-            .host()
-            .trim_start_matches('[')
-            .trim_end_matches(']')
-            .to_owned();
         let authorization = match token {
             Some(token) => Some(bearer(token.trim())?),
             None => None,
@@ -131,11 +191,10 @@ impl ApiClient {
         Ok(ApiClient {
             endpoint: Endpoint::Tcp {
                 url: url.to_owned(),
-                host,
-                port: authority.port_u16().unwrap_or(80),
                 authority: authority.as_str().to_owned(),
                 authorization,
             },
+            pool: Pool::tcp(),
             timeout: None,
         })
     }
@@ -336,7 +395,7 @@ impl ApiClient {
         })
     }
 
-    /// One request on a fresh connection; the status and the whole body.
+    /// One request on a pooled connection; the status and the whole body.
     async fn send(
         &self,
         method: Method,
@@ -363,25 +422,19 @@ impl ApiClient {
         path: &str,
         body: Option<Vec<u8>>,
     ) -> Result<(u16, Bytes), ApiError> {
-        let (host, authorization) = match &self.endpoint {
-            // Any Host will do on a unix socket; HTTP/1.1 only requires one.
-            Endpoint::Unix { .. } => (HeaderValue::from_static("localhost"), None),
+        // The pooling client wants an absolute URI: its authority keys the pool and is the
+        // `Host` header. On a unix socket any host will do (HTTP/1.1 only requires one).
+        let (authority, authorization) = match &self.endpoint {
+            Endpoint::Unix { .. } => ("localhost", None),
             Endpoint::Tcp {
                 authority,
                 authorization,
                 ..
-            } => (
-                HeaderValue::from_str(authority).map_err(|err| ApiError::InvalidUrl {
-                    url: self.endpoint(),
-                    reason: err.to_string(),
-                })?,
-                authorization.clone(),
-            ),
+            } => (authority.as_str(), authorization.clone()),
         };
         let mut builder = Request::builder()
             .method(method)
-            .uri(path)
-            .header(HOST, host)
+            .uri(format!("http://{authority}{path}"))
             .header(ACCEPT, "application/json")
             .header(
                 USER_AGENT,
@@ -399,72 +452,70 @@ impl ApiClient {
                 url: path.to_owned(),
                 reason: err.to_string(),
             })?;
+        let response = match &self.pool {
+            Pool::Unix(client) => client.request(request).await,
+            Pool::Tcp(client) => client.request(request).await,
+        }
+        .map_err(|err| self.request_error(err))?;
+        let status = response.status().as_u16();
+        let body = Limited::new(response.into_body(), MAX_BODY_BYTES)
+            .collect()
+            .await
+            .map_err(|err| match err.downcast::<hyper::Error>() {
+                Ok(source) => ApiError::Transport {
+                    endpoint: self.endpoint(),
+                    source: source as Box<dyn StdError + Send + Sync>,
+                },
+                Err(other) => ApiError::decode(
+                    status,
+                    format!("body larger than {MAX_BODY_BYTES} bytes ({other})"),
+                    b"",
+                ),
+            })?
+            .to_bytes();
+        Ok((status, body))
+    }
 
-        match &self.endpoint {
-            Endpoint::Unix { socket } => {
-                let stream =
-                    UnixStream::connect(socket)
-                        .await
-                        .map_err(|source| ApiError::Connect {
-                            socket: socket.clone(),
-                            source,
-                        })?;
-                exchange(TokioIo::new(stream), request, &self.endpoint()).await
-            }
-            Endpoint::Tcp {
-                url, host, port, ..
-            } => {
-                let stream =
-                    TcpStream::connect((host.as_str(), *port))
-                        .await
-                        .map_err(|source| ApiError::ConnectTcp {
-                            url: url.clone(),
-                            source,
-                        })?;
-                // Requests are small and answered at once; Nagle would only add latency.
-                // Failing to set it changes nothing but speed, so it is not an error.
-                let _ = stream.set_nodelay(true);
-                exchange(TokioIo::new(stream), request, url).await
-            }
+    /// The pooling client's error as the [`ApiError`] that names its cause: the connect
+    /// error's `io::Error` (whose kind the hints depend on), or hyper's own error. Both are
+    /// found in the source chain, by type, not by text.
+    fn request_error(&self, err: hyper_util::client::legacy::Error) -> ApiError {
+        if err.is_connect()
+            && let Some(source) = find_source::<io::Error>(&err)
+        {
+            // The hints depend on the kind; the OS's code keeps its exact wording.
+            let source = match source.raw_os_error() {
+                Some(code) => io::Error::from_raw_os_error(code),
+                None => io::Error::new(source.kind(), source.to_string()),
+            };
+            return match &self.endpoint {
+                Endpoint::Unix { socket } => ApiError::Connect {
+                    socket: socket.clone(),
+                    source,
+                },
+                Endpoint::Tcp { url, .. } => ApiError::ConnectTcp {
+                    url: url.clone(),
+                    source,
+                },
+            };
+        }
+        ApiError::Transport {
+            endpoint: self.endpoint(),
+            source: Box::new(err),
         }
     }
 }
 
-/// Sends one request over an established stream and reads the whole answer.
-async fn exchange<I>(
-    io: I,
-    request: Request<Full<Bytes>>,
-    endpoint: &str,
-) -> Result<(u16, Bytes), ApiError>
-where
-    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
-{
-    let transport = |source| ApiError::Transport {
-        endpoint: endpoint.to_owned(),
-        source,
-    };
-    let (mut sender, connection) = hyper::client::conn::http1::handshake(io)
-        .await
-        .map_err(transport)?;
-    // The connection must be driven while the request is in flight and the body is read; it
-    // ends by itself once `sender` is dropped. Its own error, if any, also fails
-    // `send_request` or the body, where it is reported.
-    tokio::spawn(connection);
-    let response = sender.send_request(request).await.map_err(transport)?;
-    let status = response.status().as_u16();
-    let body = Limited::new(response.into_body(), MAX_BODY_BYTES)
-        .collect()
-        .await
-        .map_err(|err| match err.downcast::<hyper::Error>() {
-            Ok(source) => transport(*source),
-            Err(other) => ApiError::decode(
-                status,
-                format!("body larger than {MAX_BODY_BYTES} bytes ({other})"),
-                b"",
-            ),
-        })?
-        .to_bytes();
-    Ok((status, body))
+/// The first error of type `E` in `err`'s source chain (`err` itself excluded).
+fn find_source<'a, E: StdError + 'static>(err: &'a (dyn StdError + 'static)) -> Option<&'a E> {
+    let mut cause = err.source();
+    while let Some(current) = cause {
+        if let Some(found) = current.downcast_ref::<E>() {
+            return Some(found);
+        }
+        cause = current.source();
+    }
+    None
 }
 
 fn is_success(status: u16) -> bool {
@@ -528,8 +579,6 @@ mod tests {
         let client = ApiClient::tcp("http://127.0.0.1:7070", Some("s3cret\n"))?;
         assert_eq!(client.endpoint(), "http://127.0.0.1:7070");
         let Endpoint::Tcp {
-            host,
-            port,
             authority,
             authorization,
             ..
@@ -537,7 +586,6 @@ mod tests {
         else {
             panic!("not a TCP endpoint");
         };
-        assert_eq!((host.as_str(), *port), ("127.0.0.1", 7070));
         assert_eq!(authority, "127.0.0.1:7070");
         assert_eq!(
             authorization.as_ref().map(|v| v.as_bytes()),
@@ -547,12 +595,13 @@ mod tests {
     }
 
     #[test]
-    fn ipv6_and_default_port() -> Result<(), ApiError> {
+    fn ipv6_authority_keeps_its_brackets() -> Result<(), ApiError> {
         let client = ApiClient::tcp("http://[::1]/", None)?;
-        let Endpoint::Tcp { host, port, .. } = &client.endpoint else {
+        let Endpoint::Tcp { authority, .. } = &client.endpoint else {
             panic!("not a TCP endpoint");
         };
-        assert_eq!((host.as_str(), *port), ("::1", 80));
+        // The request URI is `http://{authority}{path}`: without the brackets it would not parse.
+        assert_eq!(authority, "[::1]");
         Ok(())
     }
 

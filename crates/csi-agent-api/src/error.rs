@@ -51,13 +51,15 @@ pub enum ApiError {
 
     /// The connection broke after it was made: the daemon stopped or restarted mid-request.
     #[error(
-        "lost the connection to csi-agentd at {endpoint}: {source}; the daemon may have stopped \
+        "lost the connection to csi-agentd at {endpoint}: {}; the daemon may have stopped \
          or restarted (see its log); the request may or may not have taken effect, and repeating \
-         it is safe"
+         it is safe",
+        transport_reason(source.as_ref())
     )]
     Transport {
         endpoint: String,
-        source: hyper::Error,
+        /// hyper's error, or the pooling client's error that holds it.
+        source: Box<dyn std::error::Error + Send + Sync>,
     },
 
     /// No complete answer within the client's deadline.
@@ -112,6 +114,19 @@ impl ApiError {
             body_excerpt: excerpt(body),
         }
     }
+}
+
+/// hyper's own words for a broken exchange ("connection closed before message completed"),
+/// not the pooling client's wrapper around them ("client error (SendRequest)").
+fn transport_reason(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut current = Some(err);
+    while let Some(cause) = current {
+        if let Some(hyper) = cause.downcast_ref::<hyper::Error>() {
+            return hyper.to_string();
+        }
+        current = cause.source();
+    }
+    err.to_string()
 }
 
 /// The OS's reason without the trailing " (os error N)", which tells an operator nothing.

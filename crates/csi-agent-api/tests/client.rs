@@ -6,6 +6,8 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use anyhow::{Result, bail, ensure};
@@ -13,6 +15,7 @@ use axum::extract::{Path, Query};
 use axum::http::{HeaderMap, StatusCode, Uri};
 use axum::response::IntoResponse;
 use axum::routing::{get, post};
+use axum::serve::ListenerExt;
 use axum::{Json, Router};
 use csi_agent_api::*;
 use tempfile::TempDir;
@@ -356,5 +359,113 @@ async fn tcp_connection_refused_is_connect_error() -> Result<()> {
     };
     ensure!(matches!(err, ApiError::ConnectTcp { .. }), "{err:?}");
     ensure!(err.to_string().contains(&url), "{err}");
+    Ok(())
+}
+
+/// Serves `app()` on a fresh unix socket and counts the connections it accepts.
+async fn counting_unix_server() -> Result<(TempDir, PathBuf, Arc<AtomicUsize>)> {
+    let dir = tempfile::tempdir()?;
+    let socket = dir.path().join("api.sock");
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&accepted);
+    let listener = tokio::net::UnixListener::bind(&socket)?.tap_io(move |_| {
+        counter.fetch_add(1, Ordering::SeqCst);
+    });
+    tokio::spawn(async move { axum::serve(listener, app()).await });
+    Ok((dir, socket, accepted))
+}
+
+#[tokio::test]
+async fn sequential_calls_reuse_one_kept_alive_connection() -> Result<()> {
+    let (_dir, socket, accepted) = counting_unix_server().await?;
+    let client = ApiClient::unix(&socket);
+    for _ in 0..20 {
+        client.health().await?;
+    }
+    // A clone shares the pool.
+    client.clone().health().await?;
+    let connections = accepted.load(Ordering::SeqCst);
+    ensure!(
+        connections == 1,
+        "21 calls opened {connections} connections"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn concurrent_calls_open_one_connection_each_and_reuse_them() -> Result<()> {
+    let (_dir, socket, accepted) = counting_unix_server().await?;
+    let client = ApiClient::unix(&socket);
+    for _ in 0..5 {
+        let calls: Vec<_> = (0..8)
+            .map(|_| {
+                let client = client.clone();
+                tokio::spawn(async move { client.health().await })
+            })
+            .collect();
+        for call in calls {
+            call.await??;
+        }
+    }
+    let connections = accepted.load(Ordering::SeqCst);
+    ensure!(
+        (1..=8).contains(&connections),
+        "5 rounds of 8 concurrent calls opened {connections} connections (at most 8 expected)"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_connection_the_server_closed_is_not_reused() -> Result<()> {
+    // A server that answers one request per connection and closes it (`Connection: close`),
+    // as a daemon does when it restarts: the next call must open a new connection, not fail.
+    let dir = tempfile::tempdir()?;
+    let socket = dir.path().join("api.sock");
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&accepted);
+    let listener = tokio::net::UnixListener::bind(&socket)?.tap_io(move |_| {
+        counter.fetch_add(1, Ordering::SeqCst);
+    });
+    let router = app().layer(axum::middleware::map_response(
+        |mut response: axum::response::Response| async move {
+            response.headers_mut().insert(
+                axum::http::header::CONNECTION,
+                axum::http::HeaderValue::from_static("close"),
+            );
+            response
+        },
+    ));
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    let client = ApiClient::unix(&socket);
+    for _ in 0..3 {
+        client.health().await?;
+    }
+    let connections = accepted.load(Ordering::SeqCst);
+    ensure!(
+        connections == 3,
+        "3 calls on closing connections made {connections} connections"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn tcp_calls_reuse_one_kept_alive_connection() -> Result<()> {
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&accepted);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let address = listener.local_addr()?;
+    let listener = listener.tap_io(move |_| {
+        counter.fetch_add(1, Ordering::SeqCst);
+    });
+    tokio::spawn(async move { axum::serve(listener, app()).await });
+    let client = ApiClient::tcp(&format!("http://{address}"), None)?;
+    for _ in 0..10 {
+        client.health().await?;
+    }
+    let connections = accepted.load(Ordering::SeqCst);
+    ensure!(
+        connections == 1,
+        "10 calls opened {connections} connections"
+    );
     Ok(())
 }

@@ -22,12 +22,10 @@ use crate::daemon::{
     Checkpoints, Daemon, DaemonDirs, PluginSpec, publish_request, unpublish_request,
 };
 use crate::env::{Env, Machine, PLUGIN_TYPE, in_private_mount_namespace};
-use crate::keepalive::KeepAlive;
 use crate::procs::Scratch;
 use crate::raw::{Engine, Raw, capability};
 use crate::stats::Summary;
-use csi_agent_api::routes;
-use hyper::Method;
+use csi_agent_api::ApiClient;
 
 /// The fixed per-cycle allowance of the targets (docs/benchmarks.md) (on top of the raw sequence and the writes).
 pub const ALLOWANCE_MS: f64 = 0.3;
@@ -57,7 +55,7 @@ pub struct CycleArgs {
     #[arg(long, default_value_t = 20)]
     pub count_cycles: usize,
     /// Diagnostics: run only these contenders (raw, raw-durable, engine, daemon,
-    /// daemon-keepalive, write, store, health); the checks are then meaningless.
+    /// daemon-fresh, write, store, health); the checks are then meaningless.
     #[arg(long, value_delimiter = ',', hide = true)]
     pub only: Vec<String>,
 }
@@ -147,11 +145,11 @@ pub struct VariantReport {
     pub raw_durable: Phase,
     pub engine: Phase,
     pub daemon: Phase,
-    /// Diagnostic: the daemon driven over one kept-alive HTTP connection (`ApiClient`, used
-    /// for `daemon`, opens a connection per request).
-    pub daemon_keepalive: Phase,
-    /// Diagnostic: one `GET /v1/health` round trip, fresh connection (`ApiClient`) and
-    /// kept-alive connection: the HTTP cost of a request without any engine work.
+    /// Diagnostic: the daemon driven with a fresh connection per request (a new `ApiClient`
+    /// for each, as a one-shot `csictl` makes it; `daemon` reuses its pooled connection).
+    pub daemon_fresh: Phase,
+    /// Diagnostic: one `GET /v1/health` round trip, fresh connection and kept-alive (pooled)
+    /// connection: the HTTP cost of a request without any engine work.
     pub health_fresh: Summary,
     pub health_keepalive: Summary,
     /// One `write_atomic` (temp file, write, fsync, rename, fsync dir) of a volume record
@@ -253,7 +251,7 @@ impl Variant {
             "--mount-mode",
             mount_mode.flag(),
             "--volumes",
-            "raw-vol:1M,engine-vol:1M,daemon-vol:1M,keepalive-vol:1M",
+            "raw-vol:1M,engine-vol:1M,daemon-vol:1M,fresh-vol:1M",
         ];
         if !self.controller_publish {
             flags.push("--no-controller-publish");
@@ -322,7 +320,7 @@ enum Contender {
     RawDurable,
     Engine,
     Daemon,
-    DaemonKeepAlive,
+    DaemonFresh,
     Write,
     Store,
     Health,
@@ -333,7 +331,7 @@ const ORDER: [Contender; 8] = [
     Contender::RawDurable,
     Contender::Engine,
     Contender::Daemon,
-    Contender::DaemonKeepAlive,
+    Contender::DaemonFresh,
     Contender::Write,
     Contender::Store,
     Contender::Health,
@@ -346,7 +344,7 @@ impl Contender {
             Contender::RawDurable => "raw-durable",
             Contender::Engine => "engine",
             Contender::Daemon => "daemon",
-            Contender::DaemonKeepAlive => "daemon-keepalive",
+            Contender::DaemonFresh => "daemon-fresh",
             Contender::Write => "write",
             Contender::Store => "store",
             Contender::Health => "health",
@@ -385,7 +383,7 @@ struct Contenders<'a> {
     raw_durable: Raw,
     engine: Engine,
     daemon: &'a Daemon,
-    keepalive: tokio::sync::Mutex<KeepAlive>,
+    daemon_socket: PathBuf,
     plugin_type: String,
     write_path: PathBuf,
     write_payload: Vec<u8>,
@@ -398,7 +396,7 @@ struct Contenders<'a> {
 const RAW_VOLUME: &str = "raw-vol";
 const ENGINE_VOLUME: &str = "engine-vol";
 const DAEMON_VOLUME: &str = "daemon-vol";
-const KEEPALIVE_VOLUME: &str = "keepalive-vol";
+const FRESH_VOLUME: &str = "fresh-vol";
 const WORKLOAD: &str = "bench-workload";
 const STORE_TYPE: &str = "org.example.store-probe";
 const STORE_VOLUME: &str = "store-vol";
@@ -437,28 +435,23 @@ impl Contenders<'_> {
                     .unpublish(&self.plugin_type, DAEMON_VOLUME, WORKLOAD)
                     .await?;
             }
-            Contender::DaemonKeepAlive => {
-                let mut http = self.keepalive.lock().await;
-                http.post(
-                    routes::PUBLISH,
-                    &publish_request(&self.plugin_type, KEEPALIVE_VOLUME, WORKLOAD),
-                )
-                .await?;
+            Contender::DaemonFresh => {
+                ApiClient::unix(&self.daemon_socket)
+                    .publish(&publish_request(&self.plugin_type, FRESH_VOLUME, WORKLOAD))
+                    .await?;
                 t1 = Instant::now();
-                http.post(
-                    routes::UNPUBLISH,
-                    &unpublish_request(&self.plugin_type, KEEPALIVE_VOLUME, WORKLOAD),
-                )
-                .await?;
+                ApiClient::unix(&self.daemon_socket)
+                    .unpublish(&unpublish_request(
+                        &self.plugin_type,
+                        FRESH_VOLUME,
+                        WORKLOAD,
+                    ))
+                    .await?;
             }
             Contender::Health => {
-                self.daemon.api.health().await?;
+                ApiClient::unix(&self.daemon_socket).health().await?;
                 t1 = Instant::now();
-                self.keepalive
-                    .lock()
-                    .await
-                    .call(Method::GET, routes::HEALTH, None)
-                    .await?;
+                self.daemon.api.health().await?;
             }
             Contender::Write => {
                 write_atomic(&self.write_path, &self.write_payload, None)?;
@@ -531,7 +524,7 @@ async fn run_variant(
         raw_durable,
         engine,
         daemon,
-        keepalive: tokio::sync::Mutex::new(KeepAlive::connect(&daemon_socket).await?),
+        daemon_socket,
         plugin_type: plugin_type.clone(),
         write_path,
         write_payload: sample_record()?,
@@ -561,7 +554,7 @@ async fn run_variant(
     let mut raw_durable = Samples::default();
     let mut engine = Samples::default();
     let mut daemon_samples = Samples::default();
-    let mut keepalive_samples = Samples::default();
+    let mut fresh_samples = Samples::default();
     let mut health_fresh = Vec::new();
     let mut health_keepalive = Vec::new();
     let mut writes = Vec::new();
@@ -597,9 +590,9 @@ async fn run_variant(
                         daemon_samples.publish.push(p);
                         daemon_samples.unpublish.push(u);
                     }
-                    Contender::DaemonKeepAlive => {
-                        keepalive_samples.publish.push(p);
-                        keepalive_samples.unpublish.push(u);
+                    Contender::DaemonFresh => {
+                        fresh_samples.publish.push(p);
+                        fresh_samples.unpublish.push(u);
                     }
                     Contender::Health => {
                         health_fresh.push(p);
@@ -639,12 +632,12 @@ async fn run_variant(
     let count = args.count_cycles.max(1) as f64;
     let n = args.iterations as f64;
     let writes_summary = Summary::of(&writes);
-    let daemon_cycles = daemon_samples.publish.len() + keepalive_samples.publish.len();
+    let daemon_cycles = daemon_samples.publish.len() + fresh_samples.publish.len();
     let raw = raw.phase(&raw_delta, args.iterations);
     let raw_durable = raw_durable.phase(&raw_durable_delta, args.iterations);
     let engine = engine.phase(&engine_delta, args.iterations);
     let daemon_phase = daemon_samples.phase(&measured, daemon_cycles);
-    let keepalive_phase = keepalive_samples.phase(&measured, daemon_cycles);
+    let fresh_phase = fresh_samples.phase(&measured, daemon_cycles);
     let write_counts = Writes {
         engine_per_publish: engine_pub_writes as f64 / n,
         engine_per_unpublish: engine_unpub_writes as f64 / n,
@@ -675,7 +668,7 @@ async fn run_variant(
         raw_durable,
         engine,
         daemon: daemon_phase,
-        daemon_keepalive: keepalive_phase,
+        daemon_fresh: fresh_phase,
         health_fresh: Summary::of(&health_fresh),
         health_keepalive: Summary::of(&health_keepalive),
         durable_write: writes_summary,

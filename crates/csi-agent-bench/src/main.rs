@@ -17,7 +17,6 @@ mod cycle;
 mod daemon;
 mod env;
 mod images;
-mod keepalive;
 mod procs;
 mod raw;
 mod report;

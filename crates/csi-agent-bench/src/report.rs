@@ -161,14 +161,14 @@ fn variant_section(out: &mut String, report: &CycleReport, v: &VariantReport) {
     phase_row(out, "engine in-process", &v.engine, &v.raw);
     phase_row(
         out,
-        "daemon over HTTP (`ApiClient`: a connection per request)",
+        "daemon over HTTP (`ApiClient`: kept-alive connections)",
         &v.daemon,
         &v.raw,
     );
     phase_row(
         out,
-        "(diagnostic) daemon over one kept-alive HTTP connection",
-        &v.daemon_keepalive,
+        "(diagnostic) daemon over HTTP, a fresh connection per request (as `csictl`)",
+        &v.daemon_fresh,
         &v.raw,
     );
     let w = &v.writes;
