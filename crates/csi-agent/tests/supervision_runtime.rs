@@ -251,3 +251,79 @@ async fn supervision_process_stop_escalates_to_sigkill_after_grace() -> anyhow::
     }
     anyhow::bail!("grandchild {child} survived the stop")
 }
+
+/// A `sleep` with the given marker in its environment, optionally in its own process group and
+/// as another user.
+fn marked_sleep(
+    marker: &str,
+    own_group: bool,
+    uid: Option<u32>,
+) -> anyhow::Result<std::process::Child> {
+    use std::os::unix::process::CommandExt;
+    let mut command = std::process::Command::new("sleep");
+    command
+        .arg("30")
+        .env(csi_agent::runtime::process::COMPONENT_MARKER_VAR, marker);
+    if own_group {
+        command.process_group(0);
+    }
+    if let Some(uid) = uid {
+        command.uid(uid).gid(uid);
+    }
+    Ok(command.spawn()?)
+}
+
+#[tokio::test]
+async fn supervision_process_untracked_component_processes_are_stopped_before_a_launch()
+-> anyhow::Result<()> {
+    // A daemon killed between spawning a component and writing its component.json leaves a
+    // process nobody adopts: the next launch of that component must stop it first.
+    let dir = tempfile::tempdir()?;
+    let marker = dir.path().display().to_string();
+    let mut untracked = marked_sleep(&marker, true, None)?;
+    // Left alone: another component's marker, a marked process outside its own group, and a
+    // marked process of another user (nobody could then make root signal a stranger).
+    let mut other_component = marked_sleep(&format!("{marker}-other"), true, None)?;
+    let mut not_a_leader = marked_sleep(&marker, false, None)?;
+    let mut other_user = marked_sleep(&marker, true, Some(65534))?;
+    let found = csi_agent::runtime::process::find_marked(&marker);
+    let found: Vec<i32> = found.iter().map(|pid| pid.as_raw_pid()).collect();
+    anyhow::ensure!(
+        found == vec![untracked.id() as i32],
+        "found {found:?}, expected only {}",
+        untracked.id()
+    );
+
+    let component = runtime_launch(
+        &spec(shell("echo started > started; exec sleep 30")),
+        dir.path(),
+    )
+    .await?;
+    // The untracked one was killed before the launch (it is our child here: reap it).
+    let status = untracked.wait()?;
+    anyhow::ensure!(
+        std::os::unix::process::ExitStatusExt::signal(&status) == Some(9),
+        "untracked process ended with {status:?}, not SIGKILL"
+    );
+    for (name, child) in [
+        ("other component", &mut other_component),
+        ("not a group leader", &mut not_a_leader),
+        ("other user", &mut other_user),
+    ] {
+        anyhow::ensure!(child.try_wait()?.is_none(), "{name}'s process was killed");
+        child.kill()?;
+        child.wait()?;
+    }
+    // The new component carries the marker, so a later daemon could find it the same way.
+    let pid = pid_of(component.as_ref());
+    let environ = std::fs::read(format!("/proc/{pid}/environ"))?;
+    let wanted = format!("CSI_AGENT_COMPONENT={marker}");
+    anyhow::ensure!(
+        environ
+            .split(|b| *b == 0)
+            .any(|var| var == wanted.as_bytes()),
+        "the launched component has no marker"
+    );
+    component.stop(Duration::from_secs(2)).await;
+    Ok(())
+}

@@ -15,6 +15,11 @@
 //!   `pre_exec`, which is `unsafe`; a new process group is enough because csi-agent has no
 //!   controlling terminal worth detaching from when run as a service, and a terminal hang-up
 //!   of an interactive session is not a case we need to survive.
+//! - **Untracked processes**: every component process carries `CSI_AGENT_COMPONENT=<its
+//!   container dir>` in its environment. A daemon killed after spawning a component but before
+//!   its `component.json` was durable leaves a process no record names; before each launch the
+//!   runtime finds such processes by that marker (same owner, own process group) and kills
+//!   them, so that a component never runs twice (issue #12, item 6; docs/recovery.md).
 //! - **Identity**: pid plus process start time (field 22 of `/proc/<pid>/stat`) plus boot id,
 //!   so adoption never takes a reused pid for the component.
 //! - **Watching**: a pidfd (`pidfd_open`) registered with tokio: readable = exited. This works
@@ -67,7 +72,11 @@ impl Runtime for ProcessRuntime {
         spec: &'a LaunchSpec,
         context: &'a LaunchContext,
     ) -> BoxFuture<'a, Result<Box<dyn Component>, RuntimeError>> {
-        async move { launch(spec, context).map(|c| Box::new(c) as Box<dyn Component>) }.boxed()
+        async move {
+            stop_untracked(&component_marker(context)).await;
+            launch(spec, context).map(|c| Box::new(c) as Box<dyn Component>)
+        }
+        .boxed()
     }
 
     fn adopt<'a>(
@@ -90,6 +99,95 @@ fn open_log(path: &Path) -> Result<File, RuntimeError> {
         })
 }
 
+/// The environment variable that marks a component's processes (see the module doc).
+pub const COMPONENT_MARKER_VAR: &str = "CSI_AGENT_COMPONENT";
+
+/// An environment larger than this is not searched for the marker (a process's environment is
+/// a few KiB; the marker of a component csi-agent launched is never beyond the variables its
+/// config sets).
+const MAX_ENVIRON_BYTES: u64 = 1 << 20;
+
+/// How long an untracked process is given to die after SIGKILL before the launch goes on.
+const UNTRACKED_KILL_WAIT: Duration = Duration::from_secs(2);
+
+/// The marker value of a component: its container dir, unique per work dir and component.
+fn component_marker(context: &LaunchContext) -> String {
+    context.container_dir.display().to_string()
+}
+
+/// Processes marked as the component's (environment entry `CSI_AGENT_COMPONENT=<marker>`),
+/// owned by our effective user and leading their own process group, as every component
+/// process this runtime starts does. Anything else is left alone, whatever its environment
+/// says: another user's process cannot make csi-agent signal it.
+pub fn find_marked(marker: &str) -> Vec<Pid> {
+    use std::io::Read;
+    use std::os::unix::fs::MetadataExt;
+    let wanted = format!("{COMPONENT_MARKER_VAR}={marker}");
+    let me = rustix::process::getpid();
+    let uid = rustix::process::geteuid().as_raw();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut found = Vec::new();
+    for entry in entries.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|name| name.parse::<i32>().ok())
+            .and_then(Pid::from_raw)
+        else {
+            continue;
+        };
+        if pid == me
+            || entry.metadata().ok().map(|m| m.uid()) != Some(uid)
+            || read_stat(pid).is_none_or(|stat| {
+                stat.process_group != pid.as_raw_pid() || matches!(stat.state, 'Z' | 'X')
+            })
+        {
+            continue;
+        }
+        let mut environ = Vec::new();
+        let read = File::open(entry.path().join("environ"))
+            .and_then(|file| file.take(MAX_ENVIRON_BYTES).read_to_end(&mut environ));
+        if read.is_ok()
+            && environ
+                .split(|byte| *byte == 0)
+                .any(|var| var == wanted.as_bytes())
+        {
+            found.push(pid);
+        }
+    }
+    found
+}
+
+/// Kills the component's untracked processes (see the module doc) and waits, bounded, until
+/// they are gone.
+async fn stop_untracked(marker: &str) {
+    let marker_owned = marker.to_owned();
+    let pids = crate::sys::blocking("scan /proc", || find_marked(&marker_owned));
+    for pid in pids {
+        // The pidfd pins the process: the signal below cannot hit a later one with its pid.
+        let Ok(fd) = pidfd_open(pid, PidfdFlags::empty()) else {
+            continue;
+        };
+        tracing::warn!(
+            pid = pid.as_raw_pid(),
+            component = marker,
+            "killing a component process no record accounts for (left by a daemon that died while launching it)"
+        );
+        // Its group too (a plugin under a shell wrapper): the leader is alive (we hold its
+        // pidfd and it was no zombie), so the group id is still its own.
+        let _ = kill_process_group(pid, Signal::KILL);
+        let _ = pidfd_send_signal(&fd, Signal::KILL);
+        let deadline = tokio::time::Instant::now() + UNTRACKED_KILL_WAIT;
+        while read_stat(pid).is_some_and(|stat| !matches!(stat.state, 'Z' | 'X'))
+            && tokio::time::Instant::now() < deadline
+        {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+}
+
 fn launch(spec: &LaunchSpec, context: &LaunchContext) -> Result<ProcessComponent, RuntimeError> {
     let stdout = open_log(&context.container_dir.join("stdout"))?;
     let stderr = open_log(&context.container_dir.join("stderr"))?;
@@ -109,6 +207,7 @@ fn launch(spec: &LaunchSpec, context: &LaunchContext) -> Result<ProcessComponent
     command
         .env(CSI_ENDPOINT_VAR, &endpoint)
         .env(CSI_NODE_ID_VAR, &spec.node_id)
+        .env(COMPONENT_MARKER_VAR, component_marker(context))
         .current_dir(&context.container_dir)
         .stdin(Stdio::null())
         .stdout(stdout)
@@ -362,6 +461,8 @@ fn exit_info(status: &WaitIdStatus) -> ExitInfo {
 pub struct ProcStat {
     /// Field 3: `R`, `S`, `Z` (zombie), ...
     pub state: char,
+    /// Field 5: the process group id.
+    pub process_group: i32,
     /// Field 22: start time in clock ticks after boot.
     pub start_time: u64,
 }
@@ -376,11 +477,16 @@ fn parse_stat(text: &str) -> Option<ProcStat> {
     // Field 2 (comm) is in parentheses and may itself contain spaces and parentheses: the
     // fixed fields start after the *last* ')'.
     let rest = &text[text.rfind(')')? + 1..];
-    let mut fields = rest.split_ascii_whitespace();
-    let state = fields.next()?.chars().next()?;
-    // `fields` now stands at field 4; field 22 is 18 further on.
-    let start_time = fields.nth(18)?.parse().ok()?;
-    Some(ProcStat { state, start_time })
+    let fields: Vec<&str> = rest.split_ascii_whitespace().collect();
+    // `fields[0]` is field 3.
+    let state = fields.first()?.chars().next()?;
+    let process_group = fields.get(5 - 3)?.parse().ok()?;
+    let start_time = fields.get(22 - 3)?.parse().ok()?;
+    Some(ProcStat {
+        state,
+        process_group,
+        start_time,
+    })
 }
 
 /// The current boot id, or `None` where the kernel does not expose it.
@@ -403,6 +509,7 @@ mod tests {
             parse_stat(text),
             Some(ProcStat {
                 state: 'S',
+                process_group: 1234,
                 start_time: 987654
             })
         );

@@ -159,9 +159,6 @@ pub struct Node {
     log: PathBuf,
     /// Daemon processes started so far.
     pub starts: u32,
-    /// Plugin processes that no component record accounts for, known to be leaked (see
-    /// `crash_matrix.rs`, `KNOWN_ORPHAN`): excluded from the one-plugin-process check.
-    pub known_orphans: BTreeSet<i32>,
 }
 
 impl Node {
@@ -206,7 +203,6 @@ impl Node {
             log_format: "json",
             child: None,
             starts: 0,
-            known_orphans: BTreeSet::new(),
             root,
         }
     }
@@ -660,11 +656,7 @@ impl Node {
         }
 
         // One plugin process, the one the daemon supervises.
-        let processes: BTreeSet<i32> = self
-            .plugin_pids()
-            .difference(&self.known_orphans)
-            .copied()
-            .collect();
+        let processes = self.plugin_pids();
         let (reported, _) = self.api_plugin_pids().await?;
         if processes.len() > 1 || processes != reported {
             return Err(format!(
