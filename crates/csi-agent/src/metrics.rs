@@ -170,7 +170,7 @@ impl Metrics {
         let checkpoint_records = Counter::default();
         registry.register(
             "checkpoint_records",
-            "Record writes and deletes committed (group commit puts many in one commit)",
+            "Record writes and deletes committed (group commit puts many in one commit; a row written several times before a commit counts once)",
             checkpoint_records.clone(),
         );
         let checkpoint_fsync_seconds = Histogram::new(latency_buckets());

@@ -82,7 +82,7 @@ impl Default for StoreOptions {
 
 /// A row key: the plugin and the volume's encoded id (`layout::encode_id`: one safe ASCII
 /// token, so no NUL or odd text ever reaches SQLite).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Key {
     pub plugin_type: String,
     pub plugin_name: String,
@@ -151,6 +151,28 @@ impl Drop for Database {
             let _ = writer.join();
         }
     }
+}
+
+impl Op {
+    fn key(&self) -> &Key {
+        match self {
+            Op::Put { key, .. } | Op::Delete { key } => key,
+        }
+    }
+}
+
+/// Keeps only the last operation on each row, in their order: within one transaction an
+/// earlier write of a row is overwritten by the later one anyway, so applying it is wasted
+/// work (an operation's progress notes pile up on one row between two commits).
+pub fn last_per_row(ops: &mut Vec<Op>) {
+    let mut seen = std::collections::HashSet::with_capacity(ops.len());
+    let mut kept: Vec<Op> = ops
+        .drain(..)
+        .rev()
+        .filter(|op| seen.insert(op.key().clone()))
+        .collect();
+    kept.reverse();
+    *ops = kept;
 }
 
 impl std::fmt::Debug for Msg {
@@ -472,6 +494,7 @@ fn write_loop(
             continue;
         }
         let started = Instant::now();
+        last_per_row(&mut ops);
         let result = commit_batch(&mut conn, path, &ops);
         if let Some(metrics) = &metrics {
             metrics.checkpoint_writes.inc();
@@ -554,4 +577,91 @@ pub fn put_raw(work_dir: &Path, row: &RawRow) -> rusqlite::Result<()> {
             record: row.record.clone(),
         }],
     )
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn key(volume: &str) -> Key {
+        Key {
+            plugin_type: "t".into(),
+            plugin_name: "default".into(),
+            volume_key: volume.into(),
+        }
+    }
+
+    fn put(volume: &str, record: &str) -> Op {
+        Op::Put {
+            key: key(volume),
+            schema_version: 1,
+            record: record.into(),
+        }
+    }
+
+    fn delete(volume: &str) -> Op {
+        Op::Delete { key: key(volume) }
+    }
+
+    fn describe(ops: &[Op]) -> Vec<String> {
+        ops.iter()
+            .map(|op| match op {
+                Op::Put { key, record, .. } => format!("put {} {record}", key.volume_key),
+                Op::Delete { key } => format!("delete {}", key.volume_key),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_batch_keeps_the_last_write_of_each_row() {
+        let mut ops = vec![
+            put("a", "1"),
+            put("b", "1"),
+            put("a", "2"),
+            delete("b"),
+            put("c", "1"),
+            delete("a"),
+            put("a", "3"),
+        ];
+        last_per_row(&mut ops);
+        assert_eq!(describe(&ops), ["delete b", "put c 1", "put a 3"]);
+    }
+
+    #[test]
+    fn a_deduplicated_batch_leaves_the_same_rows_as_the_whole_one() {
+        let ops = vec![
+            put("a", "1"),
+            put("b", "1"),
+            put("a", "2"),
+            delete("b"),
+            put("b", "2"),
+            delete("a"),
+            put("c", "1"),
+        ];
+        let rows = |ops: &[Op]| {
+            let dir = tempfile::tempdir().unwrap();
+            let (mut conn, _) = Database::open(dir.path()).unwrap();
+            apply(&mut conn, ops).unwrap();
+            let mut stmt = conn
+                .prepare("SELECT volume_key, record FROM volumes ORDER BY volume_key")
+                .unwrap();
+            stmt.query_map([], |row| {
+                Ok((row.get::<_, String>(0)?, row.get::<_, String>(1)?))
+            })
+            .unwrap()
+            .collect::<Result<Vec<_>, _>>()
+            .unwrap()
+        };
+        let mut deduplicated = ops.clone();
+        last_per_row(&mut deduplicated);
+        assert_eq!(rows(&ops), rows(&deduplicated));
+        assert_eq!(
+            rows(&ops),
+            [
+                ("b".to_owned(), "2".to_owned()),
+                ("c".to_owned(), "1".to_owned())
+            ]
+        );
+    }
 }
