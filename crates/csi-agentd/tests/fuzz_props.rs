@@ -2,7 +2,10 @@
 //! input (proptest): `layout::encode_id`/`decode_id` round-trip, are injective and never
 //! panic; the beneath checks and the O_PATH walk never yield a path outside their root for
 //! any component strings, even with symlinks planted in the tree; config parsing never panics
-//! on arbitrary JSON. No mounts: runs anywhere.
+//! on arbitrary JSON; the mountinfo parser never panics and reads back exactly what the
+//! kernel's escaping wrote, whatever bytes a path holds; the record decoder never panics on
+//! arbitrary bytes, arbitrary JSON or a damaged valid record, and a record it accepts
+//! re-encodes to itself. No mounts: runs anywhere.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::os::fd::AsFd;
@@ -10,7 +13,10 @@ use std::path::{Path, PathBuf};
 
 use csi_agent::beneath;
 use csi_agent::layout::{decode_id, encode_id};
+use csi_agent::mounts::{MountInfo, MountTable};
+use csi_agent::store::{decode_record, encode_record};
 use csi_agent::volume::bind::Binder;
+use csi_agent::volume::{Origin, VolumeRecord, VolumeState};
 use proptest::prelude::*;
 use serde_json::Value;
 
@@ -183,5 +189,149 @@ proptest! {
         }
         // Nothing was ever created outside.
         prop_assert_eq!(std::fs::read_dir(&outside).unwrap().count(), 0);
+    }
+}
+
+/// A path component as bytes: anything but `/` and NUL, with the bytes the kernel escapes in
+/// mountinfo (space, tab, newline, backslash) and near-miss escapes over-represented.
+fn path_bytes() -> impl Strategy<Value = Vec<u8>> {
+    let piece = prop_oneof![
+        Just(b" ".to_vec()),
+        Just(b"\t".to_vec()),
+        Just(b"\n".to_vec()),
+        Just(b"\\".to_vec()),
+        Just(b"\\040".to_vec()),
+        Just(b"\\12".to_vec()),
+        Just(b"-".to_vec()),
+        Just(b"\xff\xfe".to_vec()),
+        prop::collection::vec(
+            any::<u8>().prop_filter("no / or NUL", |b| *b != b'/' && *b != 0),
+            1..6
+        ),
+    ];
+    prop::collection::vec(
+        prop::collection::vec(piece, 1..4).prop_map(|p| p.concat()),
+        1..4,
+    )
+    .prop_map(|components| {
+        let mut path = Vec::new();
+        for component in components {
+            path.push(b'/');
+            path.extend(component);
+        }
+        path
+    })
+}
+
+/// The kernel's mountinfo escaping (`fs/proc_namespace.c`, `mangle`): space, tab, newline and
+/// backslash as three-digit octal.
+fn mangle(bytes: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for &b in bytes {
+        if matches!(b, b' ' | b'\t' | b'\n' | b'\\') {
+            out.extend(format!("\\{b:03o}").into_bytes());
+        } else {
+            out.push(b);
+        }
+    }
+    out
+}
+
+fn path_of(bytes: &[u8]) -> PathBuf {
+    use std::os::unix::ffi::OsStrExt;
+    PathBuf::from(std::ffi::OsStr::from_bytes(bytes))
+}
+
+fn a_valid_record() -> VolumeRecord {
+    let mut record = VolumeRecord::new("vol-1", Origin::PreProvisioned);
+    record.state = VolumeState::Published;
+    record.claims.insert("workload-a".to_owned());
+    record
+        .volume_context
+        .insert("k".to_owned(), "v \" \\ \u{1}".to_owned());
+    record.boot_id = Some("b".to_owned());
+    record
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    #[test]
+    fn mountinfo_parsing_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..400)) {
+        let _ = MountTable::parse_bytes(&bytes);
+    }
+
+    #[test]
+    fn mountinfo_parsing_never_panics_on_near_valid_lines(
+        fields in prop::collection::vec(prop_oneof![
+            Just("-".to_owned()), Just("36".to_owned()), Just("8:1".to_owned()),
+            Just("/".to_owned()), Just("shared:1".to_owned()), Just("".to_owned()),
+            "[0-9:a-z/\\\\-]{0,6}",
+        ], 0..14)
+    ) {
+        let _ = MountTable::parse(&fields.join(" "));
+    }
+
+    #[test]
+    fn mountinfo_reads_back_what_the_kernel_escaped(
+        root in path_bytes(),
+        point in path_bytes(),
+        source in path_bytes(),
+        ids in (0u64..1 << 40, 0u64..1 << 40, 0u32..4096, 0u32..1 << 20),
+        shared in any::<bool>(),
+    ) {
+        let (mount_id, parent_id, major, minor) = ids;
+        let mut line = format!("{mount_id} {parent_id} {major}:{minor} ").into_bytes();
+        line.extend(mangle(&root));
+        line.push(b' ');
+        line.extend(mangle(&point));
+        line.extend(b" rw,nosuid");
+        if shared {
+            line.extend(b" shared:7");
+        }
+        line.extend(b" - ext4 ");
+        line.extend(mangle(&source));
+        line.extend(b" rw\n");
+        let table = MountTable::parse_bytes(&line).unwrap();
+        let parsed: &MountInfo = &table.entries()[0];
+        prop_assert_eq!(parsed.mount_id, mount_id);
+        prop_assert_eq!(parsed.parent_id, parent_id);
+        prop_assert_eq!((parsed.major, parsed.minor), (major, minor));
+        prop_assert_eq!(&parsed.root, &path_of(&root));
+        prop_assert_eq!(&parsed.mount_point, &path_of(&point));
+        // The source is informational text (a device name), decoded lossily; the paths, which
+        // csi-agent acts on, are bytes and must come back exactly.
+        prop_assert_eq!(&parsed.source, &String::from_utf8_lossy(&source));
+        prop_assert_eq!(parsed.is_shared(), shared);
+        prop_assert_eq!(parsed.fs_type.as_str(), "ext4");
+    }
+
+    #[test]
+    fn record_decoding_never_panics_on_bytes(bytes in prop::collection::vec(any::<u8>(), 0..300)) {
+        let _ = decode_record::<VolumeRecord>(&bytes);
+    }
+
+    #[test]
+    fn record_decoding_never_panics_on_json(value in arbitrary_json()) {
+        let bytes = serde_json::to_vec(&value).unwrap();
+        let _ = decode_record::<VolumeRecord>(&bytes);
+        let wrapped = serde_json::to_vec(&serde_json::json!({"schema_version": 1, "record": value})).unwrap();
+        let _ = decode_record::<VolumeRecord>(&wrapped);
+    }
+
+    #[test]
+    fn a_damaged_record_is_refused_or_read_as_a_record_that_re_encodes_to_itself(
+        cut in any::<prop::sample::Index>(),
+        flip in any::<prop::sample::Index>(),
+        byte in any::<u8>(),
+    ) {
+        let good = encode_record(&a_valid_record()).unwrap();
+        let mut damaged = good.clone();
+        damaged[flip.index(good.len())] = byte;
+        damaged.truncate(cut.index(good.len() + 1));
+        if let Ok(record) = decode_record::<VolumeRecord>(&damaged) {
+            let again = encode_record(&record).unwrap();
+            prop_assert_eq!(decode_record::<VolumeRecord>(&again).unwrap(), record);
+        }
     }
 }
