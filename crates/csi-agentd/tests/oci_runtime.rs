@@ -2,6 +2,9 @@
 //! runc container (runc must be installed: `scripts/test` and `.ci/run` install it), and the
 //! mounts the plugin makes inside the container reach the host. Real mounts: run under
 //! `unshare -m --propagation private`.
+//!
+//! `CSI_TEST_OCI_RUNTIME=crun` runs the same tests with crun as the daemon's `--oci-runtime`
+//! (`.ci/run` does both): the runtime speaks only the CLI the two share.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -31,8 +34,19 @@ fn oci_config(plugin_dir: &Path, runtime: Value) -> Value {
     config
 }
 
+/// The OCI runtime under test: `runc` unless `CSI_TEST_OCI_RUNTIME` names another.
+fn oci_runtime() -> String {
+    std::env::var("CSI_TEST_OCI_RUNTIME").unwrap_or_else(|_| "runc".to_owned())
+}
+
+/// The daemon flags that select it.
+fn oci_flags() -> Vec<&'static str> {
+    let runtime: &'static str = Box::leak(oci_runtime().into_boxed_str());
+    vec!["--oci-runtime", runtime]
+}
+
 fn runc_list(socket_root: &Path) -> Vec<Value> {
-    let out = Command::new("runc")
+    let out = Command::new(oci_runtime())
         .arg("--root")
         .arg(socket_root.join("runc"))
         .args(["list", "--format", "json"])
@@ -99,7 +113,7 @@ async fn the_plugin_runs_in_a_container_and_its_mounts_reach_the_host() {
         .unwrap();
     let plugin_dir = dir.path().join("plugin");
     std::fs::create_dir_all(&plugin_dir).unwrap();
-    let mut daemon = Daemon::new(dir.path(), &[]);
+    let mut daemon = Daemon::new(dir.path(), &oci_flags());
     let mut config = oci_config(&plugin_dir, json!({"kind": "oci"}));
     config["containers"][0]["resources"] = json!([
         {"name": "cpus", "type": "SCALAR", "scalar": {"value": 0.5}},
@@ -349,7 +363,7 @@ async fn launch_errors_are_reported_on_the_plugin_naming_the_field() {
     daemon.kill9();
 
     // A rootfs that does not exist, with the real runc.
-    let mut daemon = Daemon::new(dir.path(), &[]);
+    let mut daemon = Daemon::new(dir.path(), &oci_flags());
     std::fs::remove_file(daemon.configs.join("badcap.json")).unwrap();
     std::fs::remove_file(daemon.configs.join("badmem.json")).unwrap();
     daemon.add_config(
@@ -391,7 +405,7 @@ async fn a_container_stopped_while_the_daemon_was_down_is_replaced_and_a_changed
         .unwrap();
     let plugin_dir = dir.path().join("plugin");
     std::fs::create_dir_all(&plugin_dir).unwrap();
-    let mut daemon = Daemon::new(dir.path(), &[]);
+    let mut daemon = Daemon::new(dir.path(), &oci_flags());
     daemon.add_config(
         "test.json",
         &oci_config(&plugin_dir, json!({"kind": "oci"})),
@@ -524,7 +538,7 @@ async fn a_daemon_killed_while_starting_a_container_leaves_exactly_one_after_res
             .unwrap();
         let plugin_dir = dir.path().join("plugin");
         std::fs::create_dir_all(&plugin_dir).unwrap();
-        let mut daemon = Daemon::new(dir.path(), &[]);
+        let mut daemon = Daemon::new(dir.path(), &oci_flags());
         daemon.add_config(
             "test.json",
             &oci_config(&plugin_dir, json!({"kind": "oci"})),
