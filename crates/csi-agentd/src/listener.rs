@@ -70,6 +70,22 @@ pub struct Limits {
     pub idle_timeout: Duration,
     /// From the end of a request head to the end of its body.
     pub body_timeout: Duration,
+    /// The one route whose body is streamed to its handler instead of read whole here (an
+    /// image archive), with its own size bound; `None`: every body is JSON, small.
+    pub upload: Option<Upload>,
+}
+
+/// A route taking a large, non-JSON body, streamed: [`guard`] checks its declared length and
+/// its `Content-Type` and leaves the reading (and the bound on what is actually sent, and on
+/// each wait for more) to the handler.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Upload {
+    /// `POST` to exactly this path.
+    pub path: &'static str,
+    pub content_type: &'static str,
+    pub max_bytes: u64,
+    /// The flag that sets `max_bytes`, for the 413's message.
+    pub flag: &'static str,
 }
 
 impl Default for Limits {
@@ -79,6 +95,7 @@ impl Default for Limits {
             header_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(60),
             body_timeout: Duration::from_secs(30),
+            upload: None,
         }
     }
 }
@@ -99,6 +116,7 @@ impl Limits {
             header_timeout: ms(header_timeout_ms, default.header_timeout),
             idle_timeout: ms(idle_timeout_ms, default.idle_timeout),
             body_timeout: ms(body_timeout_ms, default.body_timeout),
+            upload: None,
         }
     }
 
@@ -688,10 +706,7 @@ impl hyper::service::Service<hyper::Request<Incoming>> for Tracked {
 /// Adds the framing checks to every route of `router` (and its fallbacks): the head size, the
 /// body's size, type and reading time. Layer the token check outside it, so that it runs first.
 pub fn guard(router: Router, limits: &Limits) -> Router {
-    router.layer(axum::middleware::from_fn_with_state(
-        limits.body_timeout,
-        guard_request,
-    ))
+    router.layer(axum::middleware::from_fn_with_state(*limits, guard_request))
 }
 
 /// A refusal in the error shape (`invalid_request`) with a status of the HTTP layer; the
@@ -725,11 +740,8 @@ fn is_json(headers: &HeaderMap) -> bool {
     }
 }
 
-async fn guard_request(
-    State(body_timeout): State<Duration>,
-    request: Request,
-    next: Next,
-) -> Response {
+async fn guard_request(State(limits): State<Limits>, request: Request, next: Next) -> Response {
+    let body_timeout = limits.body_timeout;
     if head_len(&request) > MAX_HEAD_BYTES {
         return refusal(
             StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
@@ -750,6 +762,12 @@ async fn guard_request(
     };
     if !has_body {
         return next.run(request).await;
+    }
+    if let Some(upload) = limits.upload
+        && request.method() == axum::http::Method::POST
+        && request.uri().path() == upload.path
+    {
+        return guard_upload(upload, declared, request, next).await;
     }
     if declared.is_some_and(|len| len > MAX_BODY_BYTES as u64) {
         return too_large();
@@ -780,6 +798,44 @@ async fn guard_request(
             ),
         ),
     }
+}
+
+/// The upload route: a body declared too large is refused before a byte of it is read, one of
+/// another type too; the rest is streamed to the handler.
+async fn guard_upload(
+    upload: Upload,
+    declared: Option<u64>,
+    request: Request,
+    next: Next,
+) -> Response {
+    if declared.is_some_and(|len| len > upload.max_bytes) {
+        return refusal(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!(
+                "the request body is declared {} bytes; {} takes at most {} bytes ({})",
+                declared.unwrap_or_default(),
+                upload.path,
+                upload.max_bytes,
+                upload.flag
+            ),
+        );
+    }
+    let media = request
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .map(str::trim);
+    if !media.is_some_and(|m| m.eq_ignore_ascii_case(upload.content_type)) {
+        return refusal(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            format!(
+                "{} takes a tar archive: send \"Content-Type: {}\"",
+                upload.path, upload.content_type
+            ),
+        );
+    }
+    next.run(request).await
 }
 
 fn too_large() -> Response {
