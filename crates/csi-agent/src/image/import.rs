@@ -17,7 +17,9 @@
 //!   the digest in its name, for `blobs/sha256/<hex>`). Nothing is ever extracted by name;
 //! - be trusted for a digest or a size: every digest is computed from the content, every size
 //!   a manifest declares is compared with what the archive held;
-//! - hold anything odd: `..` or absolute names, symlinks and hard links, devices, a name twice,
+//! - hold anything odd: `..` or absolute names, hard links, symlinks (but for `docker save`'s
+//!   legacy `<id>/layer.tar -> ../<hex>.tar`, which is skipped, never followed nor created,
+//!   as `manifest.json` names the files themselves), devices, a name twice,
 //!   a JSON file over [`ImportLimits::max_json_bytes`], more than
 //!   [`ImportLimits::max_archive_bytes`] in all, a media type the pull refuses too, a file
 //!   referenced but missing: each is a typed [`ImportError`] naming the file or field;
@@ -839,6 +841,32 @@ fn normalise(name: &str) -> Result<String, &'static str> {
     Ok(parts.join("/"))
 }
 
+/// True when the symlink `name -> target` is relative and, resolved lexically from `name`'s
+/// directory, stays inside the archive (and is not itself a blob or JSON file's name, which
+/// only content may claim).
+fn stays_inside(name: &str, target: &str) -> bool {
+    if target.is_empty() || target.starts_with('/') || target.contains('\0') {
+        return false;
+    }
+    if name.starts_with("blobs/") || JSON_FILES.contains(&name) {
+        return false;
+    }
+    let mut parts: Vec<&str> = name.split('/').collect();
+    parts.pop();
+    for part in target.split('/') {
+        match part {
+            "" | "." => {}
+            ".." => {
+                if parts.pop().is_none() {
+                    return false;
+                }
+            }
+            part => parts.push(part),
+        }
+    }
+    !parts.is_empty()
+}
+
 /// Counts what is read and fails once past the limit, remembering that it did.
 struct Bounded<R> {
     inner: R,
@@ -921,14 +949,30 @@ fn read_entries<R: Read>(
             // PAX global headers carry no file.
             tar::EntryType::XGlobalHeader => continue,
             tar::EntryType::Regular | tar::EntryType::Continuous => {}
-            tar::EntryType::Symlink | tar::EntryType::Link => {
+            // `docker save` (and skopeo's docker-archive) add `<id>/layer.tar ->
+            // ../<hex>.tar` for the legacy format; manifest.json names the files themselves.
+            // Such a link is skipped: never created, never followed, never looked up. Any
+            // other link (absolute, or leading out of the archive) is refused.
+            tar::EntryType::Symlink => {
+                let target = entry
+                    .link_name_bytes()
+                    .map(|t| String::from_utf8_lossy(&t).into_owned())
+                    .unwrap_or_default();
+                if !stays_inside(&name, &target) {
+                    return Err(ImportError::UnsupportedEntry {
+                        name,
+                        kind: format!("symlink to {target:?}"),
+                    });
+                }
+                if !seen.insert(name.clone()) {
+                    return Err(ImportError::Duplicate { name });
+                }
+                continue;
+            }
+            tar::EntryType::Link => {
                 return Err(ImportError::UnsupportedEntry {
                     name,
-                    kind: if kind == tar::EntryType::Symlink {
-                        "symlink".to_owned()
-                    } else {
-                        "hard link".to_owned()
-                    },
+                    kind: "hard link".to_owned(),
                 });
             }
             other => {
@@ -1009,5 +1053,20 @@ mod tests {
             assert!(normalise(bad).is_err(), "{bad:?} accepted");
         }
         assert!(normalise(&"a".repeat(5000)).is_err());
+    }
+
+    #[test]
+    fn only_docker_legacy_links_inside_the_archive_pass() {
+        assert!(stays_inside("abc/layer.tar", "../def.tar"));
+        for (name, target) in [
+            ("abc/layer.tar", "/etc/passwd"),
+            ("abc/layer.tar", "../../x"),
+            ("layer.tar", "../x"),
+            ("blobs/sha256/ab", "../cd"),
+            ("index.json", "other.json"),
+            ("a", ""),
+        ] {
+            assert!(!stays_inside(name, target), "{name} -> {target} passed");
+        }
     }
 }
