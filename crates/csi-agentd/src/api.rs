@@ -445,6 +445,10 @@ async fn pull_image(
     }))
 }
 
+/// What is read and dropped of an archive the engine refused before its end; past it the
+/// connection is closed on the sender.
+use crate::listener::MAX_DRAIN_BYTES;
+
 #[derive(Debug, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ImportQuery {
@@ -483,12 +487,18 @@ async fn import_images(
     let stalled = AtomicBool::new(false);
     let forward = async {
         let mut stream = body.into_data_stream();
+        let mut drained: u64 = 0;
         loop {
             match tokio::time::timeout(settings.idle_timeout, stream.next()).await {
                 Ok(Some(Ok(chunk))) => {
-                    // The engine stops reading once it has refused the archive.
-                    if tx.send(Ok(chunk)).await.is_err() {
-                        break;
+                    // The engine stops reading once it has refused the archive. The rest is
+                    // read and dropped, up to a bound, so that the client (still sending)
+                    // reads the answer instead of a broken pipe.
+                    if drained > 0 || tx.send(Ok(chunk.clone())).await.is_err() {
+                        drained += chunk.len() as u64;
+                        if drained > MAX_DRAIN_BYTES {
+                            break;
+                        }
                     }
                 }
                 Ok(Some(Err(err))) => {

@@ -45,6 +45,9 @@ pub const MAX_HEAD_BYTES: usize = 16 * 1024;
 /// The most hyper buffers for one connection. A head that does not fit is answered 431 by hyper
 /// itself, without a body, and the connection is closed.
 pub const READ_BUFFER_BYTES: usize = 128 * 1024;
+/// How much of an upload over its limit is read and dropped before the 413, so that the client
+/// gets to read it (see `guard_upload` and the import handler).
+pub const MAX_DRAIN_BYTES: u64 = 64 << 20;
 /// Request bodies larger than this are answered 413.
 pub const MAX_BODY_BYTES: usize = 1024 * 1024;
 /// The shortest token the TCP listener accepts.
@@ -767,7 +770,7 @@ async fn guard_request(State(limits): State<Limits>, request: Request, next: Nex
         && request.method() == axum::http::Method::POST
         && request.uri().path() == upload.path
     {
-        return guard_upload(upload, declared, request, next).await;
+        return guard_upload(upload, body_timeout, declared, request, next).await;
     }
     if declared.is_some_and(|len| len > MAX_BODY_BYTES as u64) {
         return too_large();
@@ -804,11 +807,22 @@ async fn guard_request(State(limits): State<Limits>, request: Request, next: Nex
 /// another type too; the rest is streamed to the handler.
 async fn guard_upload(
     upload: Upload,
+    limits_body_timeout: Duration,
     declared: Option<u64>,
     request: Request,
     next: Next,
 ) -> Response {
     if declared.is_some_and(|len| len > upload.max_bytes) {
+        // A client sends its body before it reads an answer: a body not much over the limit
+        // is read and dropped first, so that it reads this answer, not a broken pipe. Past
+        // that bound the connection is just closed on it (nothing is kept either way).
+        if declared.is_some_and(|len| len <= upload.max_bytes.saturating_add(MAX_DRAIN_BYTES)) {
+            let mut stream = request.into_body().into_data_stream();
+            while let Ok(Some(Ok(_))) =
+                tokio::time::timeout(limits_body_timeout, futures::StreamExt::next(&mut stream))
+                    .await
+            {}
+        }
         return refusal(
             StatusCode::PAYLOAD_TOO_LARGE,
             format!(

@@ -148,7 +148,7 @@ pub enum ImportError {
     Manifest {
         file: String,
         #[source]
-        source: PullError,
+        source: Box<PullError>,
     },
     #[error("image archive: the image {manifest} has no name ({what}); give one (--name REF)")]
     Unnamed {
@@ -470,15 +470,15 @@ impl ImageStore {
             found.push(self.oci_image(archive, &manifest, &field, declared, names, limits)?);
         }
         if found.is_empty() && !index.manifests.is_empty() {
-            return Err(ImportError::Manifest {
-                file: OCI_INDEX_FILE.to_owned(),
-                source: PullError::UnsupportedPlatform {
+            return Err(manifest_err(
+                OCI_INDEX_FILE,
+                PullError::UnsupportedPlatform {
                     reference: OCI_INDEX_FILE.to_owned(),
                     os,
                     architecture,
                     available: "only other platforms".to_owned(),
                 },
-            });
+            ));
         }
         if found.is_empty() {
             return Err(ImportError::Malformed {
@@ -766,7 +766,7 @@ enum Magic {
 fn manifest_err(file: &str, source: PullError) -> ImportError {
     ImportError::Manifest {
         file: file.to_owned(),
-        source,
+        source: Box::new(source),
     }
 }
 
