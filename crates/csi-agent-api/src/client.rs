@@ -31,6 +31,9 @@ use crate::error::ApiError;
 use crate::routes;
 use crate::types::*;
 
+// Streaming uploads (`import_image`): beside the JSON transport, with a connection of their own.
+mod upload;
+
 /// Bodies larger than this are refused rather than buffered: no legitimate answer comes near
 /// it (10,000 volumes list in a few MiB), and a runaway peer must not exhaust memory.
 const MAX_BODY_BYTES: usize = 256 * 1024 * 1024;

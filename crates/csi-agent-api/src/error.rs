@@ -69,6 +69,13 @@ pub enum ApiError {
     )]
     Timeout { endpoint: String, after: Duration },
 
+    /// The archive being uploaded could not be read (nothing was imported).
+    #[error("cannot read the archive to send: {source}")]
+    Archive {
+        #[source]
+        source: io::Error,
+    },
+
     /// The daemon answered with a non-2xx status and the API's error shape.
     #[error("{body}")]
     Api { status: u16, body: ErrorBody },

@@ -29,6 +29,10 @@ pub const IMAGES: &str = "/v1/images";
 pub const IMAGES_PULL: &str = "/v1/images/pull";
 /// `POST`: remove the images no configured plugin names.
 pub const IMAGES_PRUNE: &str = "/v1/images/prune";
+/// `POST ?name=REF`: import the images of the archive in the body (`application/x-tar`).
+pub const IMAGES_IMPORT: &str = "/v1/images/import";
+/// The media type of `POST /v1/images/import`'s body.
+pub const TAR_MEDIA_TYPE: &str = "application/x-tar";
 
 /// Every `(method, path)` the API serves. `openapi.yaml` describes exactly these (checked by
 /// `tests/openapi.rs`), and the daemon's router must serve exactly these.
@@ -52,6 +56,7 @@ pub const ALL_ROUTES: &[(&str, &str)] = &[
     ("GET", IMAGES),
     ("POST", IMAGES_PULL),
     ("POST", IMAGES_PRUNE),
+    ("POST", IMAGES_IMPORT),
 ];
 
 /// `/v1/plugins/{type}` for one plugin type.

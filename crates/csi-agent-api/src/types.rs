@@ -474,6 +474,13 @@ pub struct ImagePullResponse {
     pub downloaded: Vec<String>,
 }
 
+/// `POST /v1/images/import` (the body is the archive, `Content-Type: application/x-tar`):
+/// the images indexed, as `GET /v1/images` lists them.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImageImportResponse {
+    pub images: Vec<ImageInfo>,
+}
+
 /// `POST /v1/volumes` (CreateVolume)
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

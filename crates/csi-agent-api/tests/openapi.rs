@@ -367,6 +367,13 @@ fn cases() -> Result<Vec<Case>> {
             },
         )?,
         response("ImagePullResponse", pulled.clone(), pulled)?,
+        response(
+            "ImageImportResponse",
+            ImageImportResponse {
+                images: vec![image.clone()],
+            },
+            ImageImportResponse { images: vec![] },
+        )?,
     ])
 }
 
@@ -539,6 +546,13 @@ const BODIES: &[(&str, &str, Option<&str>, Option<&str>)] = &[
         Some("ImagePullRequest"),
         Some("ImagePullResponse"),
     ),
+    // Its body is a tar archive, not JSON: checked on its own below.
+    (
+        "POST",
+        routes::IMAGES_IMPORT,
+        None,
+        Some("ImageImportResponse"),
+    ),
 ];
 
 #[test]
@@ -553,6 +567,13 @@ fn each_route_carries_its_rust_types() -> Result<()> {
         ensure!(op.is_object(), "{method} {path} missing");
         let body = &op["requestBody"];
         match request {
+            None if *path == routes::IMAGES_IMPORT => ensure!(
+                body["required"] == json!(true)
+                    && body["content"][routes::TAR_MEDIA_TYPE]["schema"]["format"]
+                        == json!("binary"),
+                "{method} {path}: a required {} body",
+                routes::TAR_MEDIA_TYPE
+            ),
             None => ensure!(body.is_null(), "{method} {path} takes no body"),
             Some(schema) => {
                 ensure!(
@@ -603,7 +624,8 @@ fn each_route_carries_its_rust_types() -> Result<()> {
         // Only a route that takes a body documents the refusals of a body.
         for status in ["408", "413", "415"] {
             ensure!(
-                op["responses"].get(status).is_some() == request.is_some(),
+                op["responses"].get(status).is_some()
+                    == (request.is_some() || *path == routes::IMAGES_IMPORT),
                 "{method} {path}: {status} response is for routes with a body, and only for them"
             );
         }

@@ -26,6 +26,17 @@ use crate::convert::{self, ApiFailure};
 #[derive(Clone, Debug)]
 pub struct AppState {
     pub server: CsiServer,
+    pub import: ImportSettings,
+}
+
+/// The bounds of `POST /v1/images/import`, whose body is streamed (see `listener::Upload`).
+#[derive(Clone, Copy, Debug)]
+pub struct ImportSettings {
+    /// `--image-import-max-bytes`: the most read from the body.
+    pub max_bytes: u64,
+    /// The longest wait for the next piece of the body (`--body-timeout-ms`: a slow upload is
+    /// fine, a stalled one is not).
+    pub idle_timeout: std::time::Duration,
 }
 
 impl IntoResponse for ApiFailure {
@@ -110,6 +121,7 @@ pub fn router(state: AppState) -> Router {
         .route(routes::IMAGES, get(images))
         .route(routes::IMAGES_PULL, post(pull_image))
         .route(routes::IMAGES_PRUNE, post(prune_images))
+        .route(routes::IMAGES_IMPORT, post(import_images))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
@@ -431,6 +443,137 @@ async fn pull_image(
             .map(ToString::to_string)
             .collect(),
     }))
+}
+
+/// What is read and dropped of an archive the engine refused before its end; past it the
+/// connection is closed on the sender.
+use crate::listener::MAX_DRAIN_BYTES;
+
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ImportQuery {
+    name: Option<String>,
+}
+
+/// `POST /v1/images/import?name=REF`: the body, a tar archive, is streamed to the engine as it
+/// arrives (never held whole), bounded by `--image-import-max-bytes` and, per wait, by
+/// `--body-timeout-ms`.
+async fn import_images(
+    State(state): State<AppState>,
+    query: Result<Query<ImportQuery>, axum::extract::rejection::QueryRejection>,
+    body: axum::body::Body,
+) -> Response {
+    use futures::StreamExt;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let query = match query {
+        Ok(Query(query)) => query,
+        Err(e) => {
+            return ApiFailure::invalid(format!(
+                "query of POST /v1/images/import is not valid: {e}; use name=REF or nothing"
+            ))
+            .into_response();
+        }
+    };
+    let store = match image_store(&state) {
+        Ok(store) => Arc::clone(store),
+        Err(failure) => return failure.into_response(),
+    };
+    let settings = state.import;
+    let limits = csi_agent::image::import::ImportLimits {
+        max_archive_bytes: settings.max_bytes,
+        ..Default::default()
+    };
+    let (tx, rx) = tokio::sync::mpsc::channel::<std::io::Result<Bytes>>(16);
+    let stalled = AtomicBool::new(false);
+    let forward = async {
+        let mut stream = body.into_data_stream();
+        let mut drained: u64 = 0;
+        loop {
+            match tokio::time::timeout(settings.idle_timeout, stream.next()).await {
+                Ok(Some(Ok(chunk))) => {
+                    // The engine stops reading once it has refused the archive. The rest is
+                    // read and dropped, up to a bound, so that the client (still sending)
+                    // reads the answer instead of a broken pipe.
+                    if drained > 0 || tx.send(Ok(chunk.clone())).await.is_err() {
+                        drained += chunk.len() as u64;
+                        if drained > MAX_DRAIN_BYTES {
+                            break;
+                        }
+                    }
+                }
+                Ok(Some(Err(err))) => {
+                    let _ = tx.send(Err(std::io::Error::other(err.to_string()))).await;
+                    break;
+                }
+                Ok(None) => break,
+                Err(_) => {
+                    stalled.store(true, Ordering::SeqCst);
+                    let _ = tx
+                        .send(Err(std::io::Error::new(
+                            std::io::ErrorKind::TimedOut,
+                            "the upload stalled",
+                        )))
+                        .await;
+                    break;
+                }
+            }
+        }
+        drop(tx);
+    };
+    let reader = csi_agent::image::pull::ChannelReader::new(rx);
+    let import = store.import(reader, query.name.as_deref(), &limits);
+    let ((), result) = tokio::join!(forward, import);
+    let imported = match result {
+        Ok(imported) => imported,
+        Err(err) => {
+            use csi_agent::image::import::ImportError;
+            let (status, code) = match &err {
+                ImportError::TooLarge { .. } => (
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    api::ErrorCode::InvalidRequest,
+                ),
+                _ if stalled.load(Ordering::SeqCst) => {
+                    (StatusCode::REQUEST_TIMEOUT, api::ErrorCode::InvalidRequest)
+                }
+                err if err.is_transient() => {
+                    (StatusCode::SERVICE_UNAVAILABLE, api::ErrorCode::Unavailable)
+                }
+                _ => (StatusCode::BAD_REQUEST, api::ErrorCode::InvalidRequest),
+            };
+            let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
+                format!("{err} (--image-import-max-bytes)")
+            } else if status == StatusCode::REQUEST_TIMEOUT {
+                format!(
+                    "{err}: no part of the archive arrived for {} ms (--body-timeout-ms)",
+                    settings.idle_timeout.as_millis()
+                )
+            } else {
+                err.to_string()
+            };
+            let mut response = ApiFailure::new(code, message).into_response();
+            *response.status_mut() = status;
+            // The rest of the body may be unread.
+            response.headers_mut().insert(
+                header::CONNECTION,
+                header::HeaderValue::from_static("close"),
+            );
+            return response;
+        }
+    };
+    let users = state.server.image_users().await;
+    let images = imported
+        .into_iter()
+        .map(|image| api::ImageInfo {
+            used_by: users.get(&image.reference).cloned().unwrap_or_default(),
+            reference: image.reference,
+            manifest: image.entry.manifest,
+            config: image.entry.config,
+            layers: image.entry.layers.into_iter().map(|l| l.digest).collect(),
+            size: image.entry.size,
+            pulled_at_unix: image.entry.pulled_at,
+        })
+        .collect();
+    Json(api::ImageImportResponse { images }).into_response()
 }
 
 /// A failed pull: not found → 404, transient (unreachable, timeouts, disk) → 503, an image

@@ -45,6 +45,9 @@ pub const MAX_HEAD_BYTES: usize = 16 * 1024;
 /// The most hyper buffers for one connection. A head that does not fit is answered 431 by hyper
 /// itself, without a body, and the connection is closed.
 pub const READ_BUFFER_BYTES: usize = 128 * 1024;
+/// How much of an upload over its limit is read and dropped before the 413, so that the client
+/// gets to read it (see `guard_upload` and the import handler).
+pub const MAX_DRAIN_BYTES: u64 = 64 << 20;
 /// Request bodies larger than this are answered 413.
 pub const MAX_BODY_BYTES: usize = 1024 * 1024;
 /// The shortest token the TCP listener accepts.
@@ -70,6 +73,22 @@ pub struct Limits {
     pub idle_timeout: Duration,
     /// From the end of a request head to the end of its body.
     pub body_timeout: Duration,
+    /// The one route whose body is streamed to its handler instead of read whole here (an
+    /// image archive), with its own size bound; `None`: every body is JSON, small.
+    pub upload: Option<Upload>,
+}
+
+/// A route taking a large, non-JSON body, streamed: [`guard`] checks its declared length and
+/// its `Content-Type` and leaves the reading (and the bound on what is actually sent, and on
+/// each wait for more) to the handler.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Upload {
+    /// `POST` to exactly this path.
+    pub path: &'static str,
+    pub content_type: &'static str,
+    pub max_bytes: u64,
+    /// The flag that sets `max_bytes`, for the 413's message.
+    pub flag: &'static str,
 }
 
 impl Default for Limits {
@@ -79,6 +98,7 @@ impl Default for Limits {
             header_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(60),
             body_timeout: Duration::from_secs(30),
+            upload: None,
         }
     }
 }
@@ -99,6 +119,7 @@ impl Limits {
             header_timeout: ms(header_timeout_ms, default.header_timeout),
             idle_timeout: ms(idle_timeout_ms, default.idle_timeout),
             body_timeout: ms(body_timeout_ms, default.body_timeout),
+            upload: None,
         }
     }
 
@@ -688,10 +709,7 @@ impl hyper::service::Service<hyper::Request<Incoming>> for Tracked {
 /// Adds the framing checks to every route of `router` (and its fallbacks): the head size, the
 /// body's size, type and reading time. Layer the token check outside it, so that it runs first.
 pub fn guard(router: Router, limits: &Limits) -> Router {
-    router.layer(axum::middleware::from_fn_with_state(
-        limits.body_timeout,
-        guard_request,
-    ))
+    router.layer(axum::middleware::from_fn_with_state(*limits, guard_request))
 }
 
 /// A refusal in the error shape (`invalid_request`) with a status of the HTTP layer; the
@@ -725,11 +743,8 @@ fn is_json(headers: &HeaderMap) -> bool {
     }
 }
 
-async fn guard_request(
-    State(body_timeout): State<Duration>,
-    request: Request,
-    next: Next,
-) -> Response {
+async fn guard_request(State(limits): State<Limits>, request: Request, next: Next) -> Response {
+    let body_timeout = limits.body_timeout;
     if head_len(&request) > MAX_HEAD_BYTES {
         return refusal(
             StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
@@ -750,6 +765,12 @@ async fn guard_request(
     };
     if !has_body {
         return next.run(request).await;
+    }
+    if let Some(upload) = limits.upload
+        && request.method() == axum::http::Method::POST
+        && request.uri().path() == upload.path
+    {
+        return guard_upload(upload, body_timeout, declared, request, next).await;
     }
     if declared.is_some_and(|len| len > MAX_BODY_BYTES as u64) {
         return too_large();
@@ -780,6 +801,55 @@ async fn guard_request(
             ),
         ),
     }
+}
+
+/// The upload route: a body declared too large is refused before a byte of it is read, one of
+/// another type too; the rest is streamed to the handler.
+async fn guard_upload(
+    upload: Upload,
+    limits_body_timeout: Duration,
+    declared: Option<u64>,
+    request: Request,
+    next: Next,
+) -> Response {
+    if declared.is_some_and(|len| len > upload.max_bytes) {
+        // A client sends its body before it reads an answer: a body not much over the limit
+        // is read and dropped first, so that it reads this answer, not a broken pipe. Past
+        // that bound the connection is just closed on it (nothing is kept either way).
+        if declared.is_some_and(|len| len <= upload.max_bytes.saturating_add(MAX_DRAIN_BYTES)) {
+            let mut stream = request.into_body().into_data_stream();
+            while let Ok(Some(Ok(_))) =
+                tokio::time::timeout(limits_body_timeout, futures::StreamExt::next(&mut stream))
+                    .await
+            {}
+        }
+        return refusal(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!(
+                "the request body is declared {} bytes; {} takes at most {} bytes ({})",
+                declared.unwrap_or_default(),
+                upload.path,
+                upload.max_bytes,
+                upload.flag
+            ),
+        );
+    }
+    let media = request
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .map(str::trim);
+    if !media.is_some_and(|m| m.eq_ignore_ascii_case(upload.content_type)) {
+        return refusal(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            format!(
+                "{} takes a tar archive: send \"Content-Type: {}\"",
+                upload.path, upload.content_type
+            ),
+        );
+    }
+    next.run(request).await
 }
 
 fn too_large() -> Response {

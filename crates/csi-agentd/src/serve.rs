@@ -17,7 +17,7 @@ use serde::Deserialize;
 use tokio::signal::unix::{SignalKind, signal};
 
 use crate::api::{self, AppState};
-use crate::listener::{self, Limits};
+use crate::listener::{self, Limits, Upload};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -110,6 +110,10 @@ pub struct ServeArgs {
     /// other registry is HTTPS only.
     #[arg(long = "insecure-registry", value_name = "HOST:PORT")]
     insecure_registries: Vec<String>,
+    /// The largest image archive `POST /v1/images/import` (`csictl image import`) takes, in
+    /// bytes (default 8 GiB); larger is answered 413. Every other route keeps its 1 MiB limit.
+    #[arg(long)]
+    image_import_max_bytes: Option<NonZeroU64>,
 }
 
 /// The TOML file: the same settings as the flags.
@@ -138,6 +142,7 @@ struct FileSettings {
     docker_config: Option<PathBuf>,
     #[serde(default)]
     insecure_registries: Vec<String>,
+    image_import_max_bytes: Option<NonZeroU64>,
 }
 
 /// The effective settings.
@@ -159,6 +164,9 @@ pub struct Settings {
     pub start_plugins: bool,
     pub registry: RegistrySettings,
 }
+
+/// `--image-import-max-bytes`'s default: 8 GiB, the pull's bound on an image's layers.
+pub const DEFAULT_IMAGE_IMPORT_MAX_BYTES: u64 = 8 << 30;
 
 pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
     let file = match &args.config {
@@ -244,12 +252,23 @@ pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
             .transpose()?,
         api_socket,
         listen,
-        limits: Limits::new(
-            args.max_connections.or(file.max_connections),
-            args.header_timeout_ms.or(file.header_timeout_ms),
-            args.idle_timeout_ms.or(file.idle_timeout_ms),
-            args.body_timeout_ms.or(file.body_timeout_ms),
-        ),
+        limits: Limits {
+            upload: Some(Upload {
+                path: csi_agent_api::routes::IMAGES_IMPORT,
+                content_type: csi_agent_api::routes::TAR_MEDIA_TYPE,
+                max_bytes: args
+                    .image_import_max_bytes
+                    .or(file.image_import_max_bytes)
+                    .map_or(DEFAULT_IMAGE_IMPORT_MAX_BYTES, NonZeroU64::get),
+                flag: "--image-import-max-bytes",
+            }),
+            ..Limits::new(
+                args.max_connections.or(file.max_connections),
+                args.header_timeout_ms.or(file.header_timeout_ms),
+                args.idle_timeout_ms.or(file.idle_timeout_ms),
+                args.body_timeout_ms.or(file.body_timeout_ms),
+            )
+        },
         token_file,
         start: args.start.or(file.start).unwrap_or(StartMode::Immediate),
         log_format: args
@@ -395,6 +414,12 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     .context("cannot open the work dir")?;
     let state = AppState {
         server: server.clone(),
+        import: api::ImportSettings {
+            max_bytes: limits
+                .upload
+                .map_or(DEFAULT_IMAGE_IMPORT_MAX_BYTES, |u| u.max_bytes),
+            idle_timeout: limits.body_timeout,
+        },
     };
 
     let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);

@@ -7,140 +7,21 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
+mod image_support;
 #[path = "../../csi-agent/tests/registry_support/mod.rs"]
 mod registry_support;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
-use csi_agent::mounts::MountTable;
-use csi_agent_api::PluginInfo;
-use serde_json::{Value, json};
+use serde_json::json;
 
 use common::*;
+use image_support::*;
 use registry_support::*;
 
 const SECOND: &str = "org.example.second";
 const BROKEN: &str = "org.example.broken";
-
-/// The files a dynamically linked binary needs, as `ldd` lists them: `(path, real file)`.
-fn shared_libraries(binary: &Path) -> Vec<PathBuf> {
-    let out = Command::new("ldd").arg(binary).output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    if text.contains("statically linked") || text.contains("not a dynamic executable") {
-        return Vec::new();
-    }
-    text.lines()
-        .filter_map(|line| {
-            let path = match line.split_once("=>") {
-                Some((_, rest)) => rest.split_whitespace().next()?,
-                None => line.split_whitespace().next()?,
-            };
-            path.starts_with('/').then(|| PathBuf::from(path))
-        })
-        .collect()
-}
-
-/// A plain tar: `bin/csi-testplugin` plus its libraries and loader at their paths.
-fn plugin_layer() -> Vec<u8> {
-    let binary = binary("csi-testplugin");
-    let mut builder = tar::Builder::new(Vec::new());
-    let mut add = |path: &str, source: &Path, mode: u32| {
-        let file = std::fs::File::open(source).unwrap();
-        let mut header = tar::Header::new_gnu();
-        header.set_entry_type(tar::EntryType::Regular);
-        header.set_mode(mode);
-        header.set_uid(0);
-        header.set_gid(0);
-        header.set_size(file.metadata().unwrap().len());
-        builder.append_data(&mut header, path, file).unwrap();
-    };
-    add("bin/csi-testplugin", &binary, 0o755);
-    let libraries = shared_libraries(&binary);
-    for library in &libraries {
-        // The file itself (ldd's path may be a symlink on the host), at the path the
-        // loader and the binary ask for.
-        let name = library.to_string_lossy();
-        add(name.trim_start_matches('/'), library, 0o755);
-    }
-    builder.into_inner().unwrap()
-}
-
-fn component(services: &[&str], container: Value) -> Value {
-    json!({"services": services, "container": container})
-}
-
-fn volume(dir: &Path) -> Value {
-    json!({"container_path": dir, "host_path": dir, "mode": "RW"})
-}
-
-async fn wait_plugin(
-    daemon: &Daemon,
-    plugin: &str,
-    what: &str,
-    mut check: impl FnMut(&PluginInfo) -> bool,
-) -> PluginInfo {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let info = daemon.api().plugin(plugin).await;
-        if let Ok(info) = &info
-            && check(info)
-        {
-            return info.clone();
-        }
-        assert!(
-            Instant::now() < deadline,
-            "timed out waiting for {what}: {info:?}\n{}",
-            std::fs::read_to_string(daemon.work.parent().unwrap().join("daemon.log"))
-                .unwrap_or_default()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-fn ready_pid(info: &PluginInfo) -> Option<u32> {
-    info.components
-        .first()
-        .filter(|c| c.ready)
-        .and_then(|c| c.pid)
-}
-
-/// Force-deletes every container of the test's runc root when dropped (also on a failed
-/// assertion): the daemon leaves its plugins running on purpose, and a plugin run from an
-/// image has no test path in its command line for `Daemon`'s own cleanup to find.
-struct Containers(PathBuf);
-
-impl Containers {
-    fn list(&self) -> Vec<String> {
-        let out = Command::new("runc")
-            .arg("--root")
-            .arg(&self.0)
-            .args(["list", "-q"])
-            .output()
-            .expect("runc is installed");
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .map(str::to_owned)
-            .collect()
-    }
-}
-
-impl Drop for Containers {
-    fn drop(&mut self) {
-        for id in self.list() {
-            let _ = Command::new("runc")
-                .arg("--root")
-                .arg(&self.0)
-                .args(["delete", "--force", &id])
-                .status();
-        }
-    }
-}
-
-fn is_mounted(path: &Path) -> bool {
-    MountTable::read().unwrap().is_mount_point(path)
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_mesos_config_naming_an_image_runs_the_plugin_from_the_registry() {
@@ -377,19 +258,6 @@ async fn a_mesos_config_naming_an_image_runs_the_plugin_from_the_registry() {
         let left: Vec<_> = std::fs::read_dir(images.join(dir)).unwrap().collect();
         assert!(left.is_empty(), "{dir} keeps {left:?}");
     }
-}
-
-/// Names in `dir` starting with `.tmp-` (what a pull or a preparation in progress has).
-fn temp_names(dir: &Path) -> Vec<String> {
-    std::fs::read_dir(dir)
-        .map(|entries| {
-            entries
-                .flatten()
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| n.starts_with(".tmp-"))
-                .collect()
-        })
-        .unwrap_or_default()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,12 +1,17 @@
-//! `csictl images`, `csictl image pull REF` and `csictl image prune`: the daemon's plugin image
-//! store, through the API (`GET /v1/images`, `POST /v1/images/pull`, `POST /v1/images/prune`).
+//! `csictl images`, `csictl image pull REF`, `csictl image import FILE` and `csictl image
+//! prune`: the daemon's plugin image store, through the API (`GET /v1/images`,
+//! `POST /v1/images/pull`, `POST /v1/images/import`, `POST /v1/images/prune`).
 //!
 //! This module owns those subcommands' arguments, calls and tables. Like the rest of csictl it
 //! talks to the daemon only through `csi_agent_api::ApiClient` and returns the text to print;
 //! it must not read the store's files itself (the daemon owns them).
 
+use std::path::{Path, PathBuf};
+
 use clap::Subcommand;
-use csi_agent_api::{ApiClient, ImageList, ImagePruneResponse, ImagePullResponse};
+use csi_agent_api::{
+    ApiClient, ImageImportResponse, ImageList, ImagePruneResponse, ImagePullResponse,
+};
 
 use crate::args::OutputFormat;
 use crate::commands::render;
@@ -21,6 +26,18 @@ pub enum ImageCommand {
         /// As a plugin config names it: `busybox`, `org/app:1`, `host:5000/org/app@sha256:…`.
         #[arg(value_name = "REF")]
         reference: String,
+    },
+    /// Import the images of an archive into the daemon's store, for nodes without a registry:
+    /// a tar of an OCI image layout (`skopeo copy … oci-archive:FILE:REF`), a `docker save`
+    /// archive (`skopeo copy … docker-archive:FILE:REF`), or an OCI layout directory (sent as
+    /// a tar made on the fly). Each image is imported under its name in the archive.
+    Import {
+        /// The archive (or OCI layout directory).
+        #[arg(value_name = "FILE")]
+        file: PathBuf,
+        /// Import the archive's one image under this reference instead.
+        #[arg(long, value_name = "REF")]
+        name: Option<String>,
     },
     /// Remove the images no configured plugin names (and their root file systems and blobs).
     Prune,
@@ -41,8 +58,65 @@ pub async fn run(
         ImageCommand::Pull { reference } => {
             render(format, &client.pull_image(&reference).await?, pulled)
         }
+        ImageCommand::Import { file, name } => {
+            let answer = import(client, &file, name.as_deref()).await?;
+            render(format, &answer, imported)
+        }
         ImageCommand::Prune => render(format, &client.prune_images().await?, pruned),
     }
+}
+
+/// Streams `file` (or the tar of the OCI layout directory `file`) to the daemon.
+async fn import(
+    client: &ApiClient,
+    file: &Path,
+    name: Option<&str>,
+) -> Result<ImageImportResponse, Failure> {
+    let usage = |message: String| Failure::Usage(message);
+    let meta = std::fs::metadata(file)
+        .map_err(|err| usage(format!("cannot read {}: {err}", file.display())))?;
+    if meta.is_dir() {
+        if !file.join("oci-layout").is_file() {
+            return Err(usage(format!(
+                "{} is a directory but not an OCI image layout (no oci-layout file)",
+                file.display()
+            )));
+        }
+        let (reader, writer) = std::io::pipe()
+            .map_err(|err| usage(format!("cannot make a pipe for the tar stream: {err}")))?;
+        let dir = file.to_path_buf();
+        // Packed as the body is sent; the pipe bounds what is held in memory. A failure
+        // closes the pipe early, which fails the upload (the daemon indexes nothing).
+        std::thread::spawn(move || {
+            let mut builder = tar::Builder::new(writer);
+            // Symlinks are sent as symlinks (the daemon refuses them), never followed.
+            builder.follow_symlinks(false);
+            let packed = builder
+                .append_dir_all(".", &dir)
+                .and_then(|()| builder.finish());
+            if let Err(err) = packed {
+                eprintln!("csictl: packing {}: {err}", dir.display());
+            }
+        });
+        Ok(client.import_image(reader, None, name).await?)
+    } else {
+        let archive = std::fs::File::open(file)
+            .map_err(|err| usage(format!("cannot open {}: {err}", file.display())))?;
+        Ok(client.import_image(archive, Some(meta.len()), name).await?)
+    }
+}
+
+fn imported(answer: &ImageImportResponse) -> String {
+    let mut table = Table::new(&["REFERENCE", "MANIFEST", "SIZE", "LAYERS"]);
+    for image in &answer.images {
+        table.row(vec![
+            cell(&image.reference),
+            cell(short(&image.manifest)),
+            image.size.to_string(),
+            image.layers.len().to_string(),
+        ]);
+    }
+    table.render()
 }
 
 fn images_table(list: &ImageList) -> String {

@@ -314,6 +314,98 @@ impl BlobStore {
         Ok(Put::Stored)
     }
 
+    /// Streams `source` into the store under the digest its content hashes to, for a blob
+    /// whose digest is not known beforehand (a `docker save` layer named by an image id, not
+    /// a digest). Reading stops with [`BlobError::TooLarge`] past `max` bytes; a failing
+    /// source leaves nothing behind. Returns the digest, the size and whether it was stored
+    /// or already there (then the copy just written is discarded).
+    pub fn put_computed<R: Read>(
+        &self,
+        mut source: R,
+        max: u64,
+    ) -> Result<(Digest, u64, Put), BlobError> {
+        // Named like a put's temp file, so that open removes it after a crash.
+        let temp_name = format!(
+            "{TEMP_PREFIX}computed-{}-{:016x}",
+            std::process::id(),
+            rand::random::<u64>()
+        );
+        // Until the digest is known, errors name the empty digest.
+        let unknown = Digest::of(b"");
+        let fd = rustix::fs::openat(
+            &self.dir_fd,
+            temp_name.as_str(),
+            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::from_raw_mode(0o600),
+        )
+        .map_err(|errno| self.io("create", &temp_name, errno))?;
+        let mut temp = TempFile {
+            store: self,
+            name: Some(temp_name),
+        };
+        let mut file = File::from(fd);
+        let mut hasher = Sha256::new();
+        let mut buf = vec![0u8; CHUNK];
+        let mut total: u64 = 0;
+        loop {
+            let n = match source.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => n,
+                Err(err) if err.kind() == io::ErrorKind::Interrupted => continue,
+                Err(source) => {
+                    return Err(BlobError::Read {
+                        digest: unknown,
+                        source,
+                    });
+                }
+            };
+            total = total.saturating_add(n as u64);
+            if total > max {
+                return Err(BlobError::TooLarge {
+                    digest: unknown,
+                    expected: max,
+                });
+            }
+            let chunk = buf.get(..n).unwrap_or_default();
+            hasher.update(chunk);
+            file.write_all(chunk)
+                .map_err(|source| temp.io_error("write", source))?;
+        }
+        let digest = Digest::from_hasher(hasher);
+        if self.contains(&digest)? {
+            // Dropping `temp` removes the copy.
+            return Ok((digest, total, Put::AlreadyPresent));
+        }
+        file.sync_all()
+            .map_err(|source| temp.io_error("fsync", source))?;
+        drop(file);
+        let name = temp.name.as_deref().unwrap_or_default();
+        match rustix::fs::renameat_with(
+            &self.dir_fd,
+            name,
+            &self.dir_fd,
+            digest.hex(),
+            RenameFlags::NOREPLACE,
+        ) {
+            Ok(()) => temp.name = None,
+            Err(Errno::EXIST) => return Ok((digest, total, Put::AlreadyPresent)),
+            Err(errno) => return Err(self.io("rename", digest.hex(), errno)),
+        }
+        fsync(&self.dir_fd, &self.dir)?;
+        Ok((digest, total, Put::Stored))
+    }
+
+    /// The size of a stored blob.
+    pub fn size_of(&self, digest: &Digest) -> Result<u64, BlobError> {
+        match rustix::fs::statat(&self.dir_fd, digest.hex(), AtFlags::SYMLINK_NOFOLLOW) {
+            Ok(stat) => Ok(u64::try_from(stat.st_size).unwrap_or(0)),
+            Err(Errno::NOENT) => Err(BlobError::NotFound {
+                digest: digest.clone(),
+            }),
+            Err(errno) => Err(self.io("stat", digest.hex(), errno)),
+        }
+    }
+
     /// Every blob in the store (names that are not a valid digest are skipped: they are
     /// temp files or not ours).
     pub fn list(&self) -> Result<Vec<Digest>, BlobError> {

@@ -11,6 +11,8 @@
 //! - [`blobs`]: `blobs/sha256/<hex>` under a directory the caller chooses. A blob enters only
 //!   whole and verified (digest and size checked while streaming, fsynced, renamed into place,
 //!   the directory fsynced); a partial or mismatching blob is never visible under its name.
+//! - [`import`]: an OCI layout or `docker save` archive read as a hostile stream, every blob
+//!   verified into [`blobs`], the images indexed through the same path as a pull.
 //! - [`unpack`]: applying a layer tar (plain or gzip) to a root directory in the OCI layer
 //!   semantics (whiteouts, opaque directories), creating every entry with `*at` syscalls
 //!   relative to a parent fd reached beneath the root without following symlinks
@@ -22,6 +24,7 @@
 //! treated as hostile input; the root directory given is trusted as the operator's.
 
 pub mod blobs;
+pub mod import;
 pub mod pull;
 pub mod reference;
 pub mod store;

@@ -722,15 +722,17 @@ impl<T> Drop for AbortOnDrop<T> {
     }
 }
 
-/// A blocking [`Read`] over the chunks the download task sends.
-struct ChannelReader {
+/// A blocking [`Read`] over the chunks an async task sends (a download, an uploaded body).
+/// Read it on a blocking thread only.
+#[derive(Debug)]
+pub struct ChannelReader {
     rx: tokio::sync::mpsc::Receiver<io::Result<bytes::Bytes>>,
     current: Option<bytes::Bytes>,
     offset: usize,
 }
 
 impl ChannelReader {
-    fn new(rx: tokio::sync::mpsc::Receiver<io::Result<bytes::Bytes>>) -> Self {
+    pub fn new(rx: tokio::sync::mpsc::Receiver<io::Result<bytes::Bytes>>) -> Self {
         Self {
             rx,
             current: None,
@@ -919,7 +921,7 @@ pub fn host_platform() -> (&'static str, &'static str) {
 
 /// The index entry for this host's platform: an image manifest for linux and this
 /// architecture (the first such, as Docker and containerd pick).
-fn choose_platform(reference: &str, entries: &[IndexEntry]) -> Result<Digest, PullError> {
+pub fn choose_platform(reference: &str, entries: &[IndexEntry]) -> Result<Digest, PullError> {
     let (os, architecture) = host_platform();
     entries
         .iter()

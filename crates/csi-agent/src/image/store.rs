@@ -273,40 +273,102 @@ impl ImageStore {
                             gzip: l.compression == Compression::Gzip,
                         })
                         .collect(),
-                    pulled_at: SystemTime::now()
-                        .duration_since(UNIX_EPOCH)
-                        .map_or(0, |d| d.as_secs()),
+                    pulled_at: now_secs(),
                 };
                 (entry, pulled.downloaded)
             }
         };
-        let manifest = parse_digest(&self.index_path(), &entry.manifest)?;
-        let rootfs = self.rootfs_path(&manifest);
-        if !rootfs.is_dir() {
-            let store = BlobsAndDir {
-                blobs: Arc::clone(&self.blobs),
-                dir: self.dir.clone(),
-                limits: self.limits.clone(),
-            };
-            let (key2, entry2, manifest2) = (key.clone(), entry.clone(), manifest.clone());
-            tokio::task::spawn_blocking(move || store.prepare(&key2, &entry2, &manifest2))
-                .await
-                .map_err(|err| StoreError::Task(err.to_string()))??;
+        let mut prepared = self
+            .prepare_and_record(vec![(key, entry, downloaded)])
+            .await?;
+        prepared
+            .pop()
+            .ok_or_else(|| StoreError::Task("nothing prepared".to_owned()))
+    }
+
+    /// Waits for the store's one-at-a-time lock (see `busy`); the import holds it while it
+    /// checks, prepares, records and cleans up.
+    pub(super) async fn lock_busy(&self) -> tokio::sync::MutexGuard<'_, ()> {
+        self.busy.lock().await
+    }
+
+    /// The one path by which an image whose blobs are all in the store becomes usable, shared
+    /// by pull ([`ImageStore::ensure`]) and import: each image's rootfs prepared (unless
+    /// already complete) and its config read and checked, then every entry that changed
+    /// written to the index in one durable rewrite, so either all of them are indexed or
+    /// none. The caller holds the busy lock.
+    pub(super) async fn prepare_and_record(
+        &self,
+        images: Vec<(String, IndexEntry, Vec<Digest>)>,
+    ) -> Result<Vec<Prepared>, StoreError> {
+        let mut prepared = Vec::with_capacity(images.len());
+        let mut entries = Vec::with_capacity(images.len());
+        for (key, entry, downloaded) in images {
+            let manifest = parse_digest(&self.index_path(), &entry.manifest)?;
+            let rootfs = self.rootfs_path(&manifest);
+            if !rootfs.is_dir() {
+                let store = BlobsAndDir {
+                    blobs: Arc::clone(&self.blobs),
+                    dir: self.dir.clone(),
+                    limits: self.limits.clone(),
+                };
+                let (key2, entry2, manifest2) = (key.clone(), entry.clone(), manifest.clone());
+                tokio::task::spawn_blocking(move || store.prepare(&key2, &entry2, &manifest2))
+                    .await
+                    .map_err(|err| StoreError::Task(err.to_string()))??;
+            }
+            let config = self.read_config(&key, &entry)?;
+            prepared.push(Prepared {
+                reference: key.clone(),
+                manifest,
+                rootfs,
+                config,
+                downloaded,
+            });
+            entries.push((key, entry));
         }
-        let config = self.read_config(&key, &entry)?;
-        let changed = self.lock_index().images.get(&key) != Some(&entry);
-        if changed {
+        let changed: Vec<(String, IndexEntry)> = {
+            let index = self.lock_index();
+            entries
+                .into_iter()
+                .filter(|(key, entry)| index.images.get(key) != Some(entry))
+                .collect()
+        };
+        if !changed.is_empty() {
             self.write_index_with(|index| {
-                index.images.insert(key.clone(), entry.clone());
+                for (key, entry) in changed {
+                    index.images.insert(key, entry);
+                }
             })?;
         }
-        Ok(Prepared {
-            reference: key,
-            manifest,
-            rootfs,
-            config,
-            downloaded,
-        })
+        Ok(prepared)
+    }
+
+    /// The pull limits, which bound an import's manifests, configs and layer counts too.
+    pub(super) fn pull_limits(&self) -> &super::pull::PullLimits {
+        self.puller.limits()
+    }
+
+    /// Removes those of `candidates` that no index entry names (blobs an import stored and
+    /// then did not use, or used by nothing because it failed). The caller holds the busy
+    /// lock, so no pull or import is between storing a blob and indexing it.
+    pub(super) fn remove_unreferenced(&self, candidates: &[Digest]) -> Result<usize, StoreError> {
+        let path = self.index_path();
+        let mut keep = BTreeSet::new();
+        for entry in self.lock_index().images.values() {
+            keep.insert(parse_digest(&path, &entry.config)?);
+            for layer in &entry.layers {
+                keep.insert(parse_digest(&path, &layer.digest)?);
+            }
+        }
+        let mut removed = 0;
+        for digest in candidates {
+            if !keep.contains(digest) {
+                self.blobs.remove(digest)?;
+                removed += 1;
+            }
+        }
+        Ok(removed)
     }
 
     /// The entry when everything it needs is still in the store (blobs for a rootfs not yet
@@ -515,6 +577,13 @@ impl BlobsAndDir {
         }
         result
     }
+}
+
+/// Seconds since the epoch (0 if the clock is before it).
+pub(super) fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 fn parse_digest(index: &Path, text: &str) -> Result<Digest, StoreError> {

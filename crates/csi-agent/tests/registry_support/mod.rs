@@ -332,3 +332,116 @@ pub fn push(layout: &Path, registry: &Registry, name: &str) -> anyhow::Result<()
     }
     Ok(())
 }
+
+/// `skopeo copy oci:LAYOUT TRANSPORT:FILE:NAME`, e.g. `oci-archive` or `docker-archive`: an
+/// image archive as a node without a registry receives it. No registry involved.
+pub fn export(layout: &Path, transport: &str, file: &Path, name: &str) -> anyhow::Result<()> {
+    let out = Command::new("skopeo")
+        .args(["--insecure-policy", "copy", "-q"])
+        .arg(format!("oci:{}", layout.display()))
+        .arg(format!("{transport}:{}:{name}", file.display()))
+        .output()
+        .context("skopeo is installed (scripts/test installs it)")?;
+    if !out.status.success() {
+        bail!("skopeo copy: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(())
+}
+
+/// Adds `org.opencontainers.image.ref.name` = `name` to every manifest of the layout's
+/// `index.json` (what `skopeo copy … oci:DIR:NAME` writes).
+pub fn name_layout(layout: &Path, name: &str) -> anyhow::Result<()> {
+    let path = layout.join("index.json");
+    let mut index: serde_json::Value = serde_json::from_slice(&std::fs::read(&path)?)?;
+    for manifest in index["manifests"].as_array_mut().context("manifests")? {
+        manifest["annotations"] = serde_json::json!({"org.opencontainers.image.ref.name": name});
+    }
+    std::fs::write(&path, serde_json::to_vec(&index)?)?;
+    Ok(())
+}
+
+/// An archive entry, for hand-made (and hostile) image archives.
+pub enum ArchiveEntry<'a> {
+    /// A regular file; the name is written into the header as it is (`../x` too).
+    File {
+        name: &'a str,
+        data: &'a [u8],
+    },
+    Symlink {
+        name: &'a str,
+        target: &'a str,
+    },
+    HardLink {
+        name: &'a str,
+        target: &'a str,
+    },
+}
+
+/// A tar of `entries`, names unchecked.
+pub fn archive(entries: &[ArchiveEntry<'_>]) -> Vec<u8> {
+    let mut builder = tar::Builder::new(Vec::new());
+    for entry in entries {
+        let mut header = tar::Header::new_gnu();
+        header.set_uid(0);
+        header.set_gid(0);
+        header.set_mode(0o644);
+        header.set_mtime(1_700_000_000);
+        let (name, data, link): (&str, &[u8], Option<&str>) = match entry {
+            ArchiveEntry::File { name, data } => {
+                header.set_entry_type(tar::EntryType::Regular);
+                (name, data, None)
+            }
+            ArchiveEntry::Symlink { name, target } => {
+                header.set_entry_type(tar::EntryType::Symlink);
+                (name, &[], Some(target))
+            }
+            ArchiveEntry::HardLink { name, target } => {
+                header.set_entry_type(tar::EntryType::Link);
+                (name, &[], Some(target))
+            }
+        };
+        header.set_size(data.len() as u64);
+        let bytes = header.as_old_mut();
+        bytes.name = [0; 100];
+        bytes.name[..name.len()].copy_from_slice(name.as_bytes());
+        if let Some(link) = link {
+            bytes.linkname = [0; 100];
+            bytes.linkname[..link.len()].copy_from_slice(link.as_bytes());
+        }
+        header.set_cksum();
+        builder.append(&header, data).unwrap();
+    }
+    builder.into_inner().unwrap()
+}
+
+/// The files of an OCI layout directory as archive entries' (name, content), sorted.
+pub fn layout_files(layout: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut files = Vec::new();
+    let mut stack = vec![layout.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+            } else {
+                let name = path
+                    .strip_prefix(layout)
+                    .unwrap()
+                    .to_string_lossy()
+                    .into_owned();
+                files.push((name, std::fs::read(&path).unwrap()));
+            }
+        }
+    }
+    files.sort();
+    files
+}
+
+/// A tar of `files`.
+pub fn archive_of(files: &[(String, Vec<u8>)]) -> Vec<u8> {
+    let entries: Vec<ArchiveEntry<'_>> = files
+        .iter()
+        .map(|(name, data)| ArchiveEntry::File { name, data })
+        .collect();
+    archive(&entries)
+}

@@ -1,0 +1,146 @@
+//! Test support for the image tests of csi-agentd (`image_e2e.rs`, `image_import_e2e.rs`): an
+//! image layer of the real `csi-testplugin` (the binary with the libraries and loader `ldd`
+//! lists), the plugin config pieces naming an image, waiting for a plugin, and the runc
+//! containers a test leaves, removed when it ends.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use csi_agent::mounts::MountTable;
+use csi_agent_api::PluginInfo;
+use serde_json::{Value, json};
+
+use crate::common::{Daemon, binary};
+
+/// The files a dynamically linked binary needs, as `ldd` lists them: `(path, real file)`.
+pub fn shared_libraries(binary: &Path) -> Vec<PathBuf> {
+    let out = Command::new("ldd").arg(binary).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    if text.contains("statically linked") || text.contains("not a dynamic executable") {
+        return Vec::new();
+    }
+    text.lines()
+        .filter_map(|line| {
+            let path = match line.split_once("=>") {
+                Some((_, rest)) => rest.split_whitespace().next()?,
+                None => line.split_whitespace().next()?,
+            };
+            path.starts_with('/').then(|| PathBuf::from(path))
+        })
+        .collect()
+}
+
+/// A plain tar: `bin/csi-testplugin` plus its libraries and loader at their paths.
+pub fn plugin_layer() -> Vec<u8> {
+    let binary = binary("csi-testplugin");
+    let mut builder = tar::Builder::new(Vec::new());
+    let mut add = |path: &str, source: &Path, mode: u32| {
+        let file = std::fs::File::open(source).unwrap();
+        let mut header = tar::Header::new_gnu();
+        header.set_entry_type(tar::EntryType::Regular);
+        header.set_mode(mode);
+        header.set_uid(0);
+        header.set_gid(0);
+        header.set_size(file.metadata().unwrap().len());
+        builder.append_data(&mut header, path, file).unwrap();
+    };
+    add("bin/csi-testplugin", &binary, 0o755);
+    let libraries = shared_libraries(&binary);
+    for library in &libraries {
+        // The file itself (ldd's path may be a symlink on the host), at the path the
+        // loader and the binary ask for.
+        let name = library.to_string_lossy();
+        add(name.trim_start_matches('/'), library, 0o755);
+    }
+    builder.into_inner().unwrap()
+}
+
+pub fn component(services: &[&str], container: Value) -> Value {
+    json!({"services": services, "container": container})
+}
+
+pub fn volume(dir: &Path) -> Value {
+    json!({"container_path": dir, "host_path": dir, "mode": "RW"})
+}
+
+pub async fn wait_plugin(
+    daemon: &Daemon,
+    plugin: &str,
+    what: &str,
+    mut check: impl FnMut(&PluginInfo) -> bool,
+) -> PluginInfo {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let info = daemon.api().plugin(plugin).await;
+        if let Ok(info) = &info
+            && check(info)
+        {
+            return info.clone();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for {what}: {info:?}\n{}",
+            std::fs::read_to_string(daemon.work.parent().unwrap().join("daemon.log"))
+                .unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+pub fn ready_pid(info: &PluginInfo) -> Option<u32> {
+    info.components
+        .first()
+        .filter(|c| c.ready)
+        .and_then(|c| c.pid)
+}
+
+/// Force-deletes every container of the test's runc root when dropped (also on a failed
+/// assertion): the daemon leaves its plugins running on purpose, and a plugin run from an
+/// image has no test path in its command line for `Daemon`'s own cleanup to find.
+pub struct Containers(pub PathBuf);
+
+impl Containers {
+    pub fn list(&self) -> Vec<String> {
+        let out = Command::new("runc")
+            .arg("--root")
+            .arg(&self.0)
+            .args(["list", "-q"])
+            .output()
+            .expect("runc is installed");
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(str::to_owned)
+            .collect()
+    }
+}
+
+impl Drop for Containers {
+    fn drop(&mut self) {
+        for id in self.list() {
+            let _ = Command::new("runc")
+                .arg("--root")
+                .arg(&self.0)
+                .args(["delete", "--force", &id])
+                .status();
+        }
+    }
+}
+
+pub fn is_mounted(path: &Path) -> bool {
+    MountTable::read().unwrap().is_mount_point(path)
+}
+
+/// Names in `dir` starting with `.tmp-` (what a pull or a preparation in progress has).
+pub fn temp_names(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with(".tmp-"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
