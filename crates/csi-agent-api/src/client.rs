@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Bytes;
 use hyper::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE, HeaderValue, USER_AGENT};
@@ -54,11 +55,14 @@ pub struct ApiClient {
     timeout: Option<Duration>,
 }
 
+/// A request body: a whole JSON document, or an archive streamed in chunks (`upload`).
+type RequestBody = UnsyncBoxBody<Bytes, io::Error>;
+
 /// The pooling HTTP client for the endpoint's transport.
 #[derive(Clone)]
 enum Pool {
-    Unix(Client<UnixConnector, Full<Bytes>>),
-    Tcp(Client<HttpConnector, Full<Bytes>>),
+    Unix(Client<UnixConnector, RequestBody>),
+    Tcp(Client<HttpConnector, RequestBody>),
 }
 
 impl Pool {
@@ -425,6 +429,18 @@ impl ApiClient {
         path: &str,
         body: Option<Vec<u8>>,
     ) -> Result<(u16, Bytes), ApiError> {
+        let mut builder = self.request_builder(method, path);
+        if body.is_some() {
+            builder = builder.header(CONTENT_TYPE, "application/json");
+        }
+        let body = Full::new(Bytes::from(body.unwrap_or_default()))
+            .map_err(|never| match never {})
+            .boxed_unsync();
+        self.round_trip(builder, path, body).await
+    }
+
+    /// A request to `path` with the headers every call sends (the bearer token on TCP).
+    fn request_builder(&self, method: Method, path: &str) -> hyper::http::request::Builder {
         // The pooling client wants an absolute URI: its authority keys the pool and is the
         // `Host` header. On a unix socket any host will do (HTTP/1.1 only requires one).
         let (authority, authorization) = match &self.endpoint {
@@ -443,18 +459,23 @@ impl ApiClient {
                 USER_AGENT,
                 concat!("csi-agent-api/", env!("CARGO_PKG_VERSION")),
             );
-        if body.is_some() {
-            builder = builder.header(CONTENT_TYPE, "application/json");
-        }
         if let Some(authorization) = authorization {
             builder = builder.header(AUTHORIZATION, authorization);
         }
-        let request = builder
-            .body(Full::new(Bytes::from(body.unwrap_or_default())))
-            .map_err(|err| ApiError::InvalidUrl {
-                url: path.to_owned(),
-                reason: err.to_string(),
-            })?;
+        builder
+    }
+
+    /// Sends the request on a pooled connection and reads the whole answer, bounded.
+    async fn round_trip(
+        &self,
+        builder: hyper::http::request::Builder,
+        path: &str,
+        body: RequestBody,
+    ) -> Result<(u16, Bytes), ApiError> {
+        let request = builder.body(body).map_err(|err| ApiError::InvalidUrl {
+            url: path.to_owned(),
+            reason: err.to_string(),
+        })?;
         let response = match &self.pool {
             Pool::Unix(client) => client.request(request).await,
             Pool::Tcp(client) => client.request(request).await,

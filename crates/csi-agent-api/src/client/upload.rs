@@ -2,24 +2,22 @@
 //! [`Read`] on a blocking thread a chunk at a time, so that an archive of gigabytes never sits
 //! in memory.
 //!
-//! It owns that one request's transport: its own connection (the JSON calls' `send` buffers
-//! whole bodies, which is right for them and wrong here), the body as a stream of chunks, and
-//! the answer read with the same bound and mapped to the same errors as every other call. It
-//! must not read the archive's contents: what the archive holds is the daemon's to check.
+//! It owns that one request's body, a stream of chunks (the JSON calls buffer whole bodies,
+//! which is right for them and wrong here); the connection, the bound on the answer and the
+//! errors are every call's (`ApiClient::round_trip`). It must not read the archive's
+//! contents: what the archive holds is the daemon's to check.
 
 use std::io::{self, Read};
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use http_body_util::{BodyExt, Limited};
+use http_body_util::BodyExt;
+use hyper::Method;
 use hyper::body::{Body, Bytes, Frame, SizeHint};
-use hyper::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE, HOST, HeaderValue, USER_AGENT};
-use hyper::{Method, Request};
-use hyper_util::rt::TokioIo;
-use tokio::net::{TcpStream, UnixStream};
+use hyper::header::CONTENT_TYPE;
 use tokio::sync::mpsc;
 
-use super::{ApiClient, Endpoint, MAX_BODY_BYTES, error_from, is_success};
+use super::{ApiClient, error_from, is_success};
 use crate::error::ApiError;
 use crate::routes;
 use crate::types::ImageImportResponse;
@@ -71,70 +69,17 @@ impl ApiClient {
             ),
             None => routes::IMAGES_IMPORT.to_owned(),
         };
-        let (host, authorization) = match &self.endpoint {
-            Endpoint::Unix { .. } => (HeaderValue::from_static("localhost"), None),
-            Endpoint::Tcp {
-                authority,
-                authorization,
-                ..
-            } => (
-                HeaderValue::from_str(authority).map_err(|err| ApiError::InvalidUrl {
-                    url: self.endpoint(),
-                    reason: err.to_string(),
-                })?,
-                authorization.clone(),
-            ),
-        };
         let (tx, rx) = mpsc::channel(4);
         let failed = std::sync::Arc::new(std::sync::Mutex::new(None::<io::Error>));
         let reader_failed = std::sync::Arc::clone(&failed);
         // The reader stops as soon as the request is gone (the daemon answered early).
         let reader = tokio::task::spawn_blocking(move || pump(archive, &tx, &reader_failed));
-        let mut builder = Request::builder()
-            .method(Method::POST)
-            .uri(&path)
-            .header(HOST, host)
-            .header(ACCEPT, "application/json")
-            .header(CONTENT_TYPE, routes::TAR_MEDIA_TYPE)
-            .header(
-                USER_AGENT,
-                concat!("csi-agent-api/", env!("CARGO_PKG_VERSION")),
-            );
-        if let Some(authorization) = authorization {
-            builder = builder.header(AUTHORIZATION, authorization);
-        }
-        let request =
-            builder
-                .body(ChannelBody { rx, length })
-                .map_err(|err| ApiError::InvalidUrl {
-                    url: path.clone(),
-                    reason: err.to_string(),
-                })?;
-        let endpoint = self.endpoint();
-        let result = match &self.endpoint {
-            Endpoint::Unix { socket } => {
-                let stream =
-                    UnixStream::connect(socket)
-                        .await
-                        .map_err(|source| ApiError::Connect {
-                            socket: socket.clone(),
-                            source,
-                        })?;
-                upload(TokioIo::new(stream), request, &endpoint).await
-            }
-            Endpoint::Tcp {
-                url, host, port, ..
-            } => {
-                let stream =
-                    TcpStream::connect((host.as_str(), *port))
-                        .await
-                        .map_err(|source| ApiError::ConnectTcp {
-                            url: url.clone(),
-                            source,
-                        })?;
-                upload(TokioIo::new(stream), request, url).await
-            }
-        };
+        let builder = self
+            .request_builder(Method::POST, &path)
+            .header(CONTENT_TYPE, routes::TAR_MEDIA_TYPE);
+        let result = self
+            .round_trip(builder, &path, ChannelBody { rx, length }.boxed_unsync())
+            .await;
         drop(reader);
         // A local read failure explains a broken request better than the transport's error.
         let local = failed
@@ -203,40 +148,4 @@ impl Body for ChannelBody {
             None => SizeHint::default(),
         }
     }
-}
-
-/// Sends the streamed request over an established stream and reads the whole answer. The
-/// daemon may answer before the body is all sent (a limit, a refused archive): that answer
-/// is what is returned, not the broken pipe that follows.
-async fn upload<I>(
-    io: I,
-    request: Request<ChannelBody>,
-    endpoint: &str,
-) -> Result<(u16, Bytes), ApiError>
-where
-    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
-{
-    let transport = |source| ApiError::Transport {
-        endpoint: endpoint.to_owned(),
-        source,
-    };
-    let (mut sender, connection) = hyper::client::conn::http1::handshake(io)
-        .await
-        .map_err(transport)?;
-    tokio::spawn(connection);
-    let response = sender.send_request(request).await.map_err(transport)?;
-    let status = response.status().as_u16();
-    let body = Limited::new(response.into_body(), MAX_BODY_BYTES)
-        .collect()
-        .await
-        .map_err(|err| match err.downcast::<hyper::Error>() {
-            Ok(source) => transport(*source),
-            Err(other) => ApiError::decode(
-                status,
-                format!("body larger than {MAX_BODY_BYTES} bytes ({other})"),
-                b"",
-            ),
-        })?
-        .to_bytes();
-    Ok((status, body))
 }
