@@ -1069,13 +1069,16 @@ impl VolumeManager {
                         staging_target_path: path_string(staging),
                     })
                     .await?;
-                if is_mount_point(staging)? {
-                    return Err(VolumeError::Protocol(format!(
-                        "NodeUnstageVolume succeeded but {} is still mounted",
-                        staging.display()
-                    )));
-                }
-                remove_empty_dir(staging)?;
+                // One hand-off for the check and the removal (the calls inside run inline).
+                sys::blocking("unstage checks", || {
+                    if is_mount_point(staging)? {
+                        return Err(VolumeError::Protocol(format!(
+                            "NodeUnstageVolume succeeded but {} is still mounted",
+                            staging.display()
+                        )));
+                    }
+                    remove_empty_dir(staging)
+                })?;
             }
             LifecycleRpc::NodePublish => {
                 // v1: "The CO SHALL ensure that the parent directory of this path exists";
@@ -1116,23 +1119,26 @@ impl VolumeManager {
                         target_path: path_string(target),
                     })
                     .await?;
-                if is_mount_point(target)? {
-                    return Err(VolumeError::Protocol(format!(
-                        "NodeUnpublishVolume succeeded but {} is still mounted",
-                        target.display()
-                    )));
-                }
-                // v1: "the SP MUST delete the file or directory it created at this path". A
-                // plugin that leaves an empty directory is tolerated (real ones do); the CO
-                // removes what it created itself (v0).
-                if target.exists() && !co_creates_target {
-                    tracing::warn!(
-                        plugin = %self.inner.config.plugin_type,
-                        target = %target.display(),
-                        "plugin left the target path after NodeUnpublishVolume (CSI v1 says it must remove it); removing it"
-                    );
-                }
-                remove_empty_dir(target)?;
+                // One hand-off for the checks and the removal (the calls inside run inline).
+                sys::blocking("unpublish checks", || {
+                    if is_mount_point(target)? {
+                        return Err(VolumeError::Protocol(format!(
+                            "NodeUnpublishVolume succeeded but {} is still mounted",
+                            target.display()
+                        )));
+                    }
+                    // v1: "the SP MUST delete the file or directory it created at this path".
+                    // A plugin that leaves an empty directory is tolerated (real ones do); the
+                    // CO removes what it created itself (v0).
+                    if target.exists() && !co_creates_target {
+                        tracing::warn!(
+                            plugin = %self.inner.config.plugin_type,
+                            target = %target.display(),
+                            "plugin left the target path after NodeUnpublishVolume (CSI v1 says it must remove it); removing it"
+                        );
+                    }
+                    remove_empty_dir(target)
+                })?;
             }
         }
         Ok(())
@@ -1229,11 +1235,20 @@ impl VolumeManager {
     /// answers OK for what is not there) before forgetting it.
     async fn note_forget(&self, slot: &mut Slot, volume_id: &str) -> Result<(), VolumeError> {
         let had_secrets = slot.record.as_ref().is_some_and(|r| r.has_secrets);
-        let store = self.inner.store.clone();
-        let c = self.inner.config.clone();
-        let id = volume_id.to_owned();
-        blocking(move || store.note_delete(&c.plugin_type, &c.plugin_name, &id, had_secrets))
-            .await?;
+        let c = &self.inner.config;
+        if had_secrets {
+            // Deleting the secrets file is file-system work: off the async worker.
+            let store = self.inner.store.clone();
+            let c = c.clone();
+            let id = volume_id.to_owned();
+            blocking(move || store.note_delete(&c.plugin_type, &c.plugin_name, &id, true))
+                .await?;
+        } else {
+            // Only a note queued to the writer: no thread hand-off for it.
+            self.inner
+                .store
+                .note_delete(&c.plugin_type, &c.plugin_name, volume_id, false)?;
+        }
         self.set_record(slot, None);
         slot.secrets = None;
         Ok(())
@@ -1461,7 +1476,15 @@ fn mount_table() -> Result<MountTable, VolumeError> {
 }
 
 fn create_dir_all(path: &Path) -> Result<(), VolumeError> {
-    sys::blocking("mkdir", || std::fs::create_dir_all(path)).map_err(|source| VolumeError::Io {
+    sys::blocking("mkdir", || {
+        // Looked at first: a mkdir that finds the dir there (EEXIST) still takes its parent's
+        // lock and a journal handle; a lookup does neither (docs/benchmarks.md, "Throughput").
+        if path.is_dir() {
+            return Ok(());
+        }
+        std::fs::create_dir_all(path)
+    })
+    .map_err(|source| VolumeError::Io {
         path: path.to_path_buf(),
         source,
     })
@@ -1471,7 +1494,12 @@ fn create_dir_all(path: &Path) -> Result<(), VolumeError> {
 /// fine. `rmdir` itself refuses non-empty directories and returns EBUSY on a mount point, so
 /// this can never delete data.
 fn remove_empty_dir(path: &Path) -> Result<(), VolumeError> {
-    match sys::blocking("rmdir", || std::fs::remove_dir(path)) {
+    let removed = sys::blocking("rmdir", || {
+        // A path already gone (the plugin removed its target; the cleanup after an unstage)
+        // is seen by a lookup, without the parent's lock an rmdir takes to find it missing.
+        std::fs::symlink_metadata(path).and_then(|_| std::fs::remove_dir(path))
+    });
+    match removed {
         Ok(()) => Ok(()),
         Err(err) if err.kind() == std::io::ErrorKind::NotFound => Ok(()),
         Err(source) => Err(VolumeError::Io {
