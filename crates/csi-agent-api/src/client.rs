@@ -291,6 +291,11 @@ impl ApiClient {
         self.post_json(routes::IMAGES_PULL, &request).await
     }
 
+    /// `GET /v1/images/pulls`: the pulls in flight, with their bytes per blob.
+    pub async fn image_pulls(&self) -> Result<ImagePullList, ApiError> {
+        self.get_json(routes::IMAGES_PULLS).await
+    }
+
     /// `POST /v1/volumes/publish`
     pub async fn publish(&self, request: &PublishRequest) -> Result<PublishResponse, ApiError> {
         self.post_json(routes::PUBLISH, request).await

@@ -27,6 +27,8 @@ pub const DRAIN: &str = "/v1/drain";
 pub const IMAGES: &str = "/v1/images";
 /// `POST`: pull and prepare an image (re-checking its tag).
 pub const IMAGES_PULL: &str = "/v1/images/pull";
+/// `GET`: the pulls in flight, with their bytes per blob.
+pub const IMAGES_PULLS: &str = "/v1/images/pulls";
 /// `POST`: remove the images no configured plugin names.
 pub const IMAGES_PRUNE: &str = "/v1/images/prune";
 /// `POST ?name=REF`: import the images of the archive in the body (`application/x-tar`).
@@ -55,6 +57,7 @@ pub const ALL_ROUTES: &[(&str, &str)] = &[
     ("POST", DRAIN),
     ("GET", IMAGES),
     ("POST", IMAGES_PULL),
+    ("GET", IMAGES_PULLS),
     ("POST", IMAGES_PRUNE),
     ("POST", IMAGES_IMPORT),
 ];

@@ -369,6 +369,10 @@ pub struct PluginInfo {
     pub error: Option<String>,
     pub components: Vec<ComponentInfo>,
     pub volumes: usize,
+    /// The pulls in flight of the images this plugin's components run (while it waits for
+    /// them); absent when none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub image_pulls: Vec<ImagePullProgress>,
 }
 
 /// A configuration file that failed to load.
@@ -443,6 +447,33 @@ pub struct ImageInfo {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ImageList {
     pub images: Vec<ImageInfo>,
+}
+
+/// A pull in flight: bytes stored of each blob, out of the manifest's sizes.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImagePullProgress {
+    /// The resolved reference being pulled.
+    pub reference: String,
+    pub started_at_unix_ms: u64,
+    /// Sums over `blobs`.
+    pub bytes_done: u64,
+    pub bytes_total: u64,
+    /// Config and layers, in the manifest's order; a blob already in the store counts as
+    /// done. Empty until the manifest has been read.
+    pub blobs: Vec<BlobPullProgress>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlobPullProgress {
+    pub digest: String,
+    pub bytes_done: u64,
+    pub bytes_total: u64,
+}
+
+/// `GET /v1/images/pulls`
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImagePullList {
+    pub pulls: Vec<ImagePullProgress>,
 }
 
 /// `POST /v1/images/pull`

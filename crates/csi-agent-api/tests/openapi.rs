@@ -111,6 +111,21 @@ fn plugin_info(full: bool) -> PluginInfo {
         error: full.then(|| "boom".to_owned()),
         components: vec![component(full)],
         volumes: 1,
+        image_pulls: if full { vec![pull_progress()] } else { vec![] },
+    }
+}
+
+fn pull_progress() -> ImagePullProgress {
+    ImagePullProgress {
+        reference: "r/a:1".to_owned(),
+        started_at_unix_ms: 1,
+        bytes_done: 3,
+        bytes_total: 7,
+        blobs: vec![BlobPullProgress {
+            digest: "sha256:l".to_owned(),
+            bytes_done: 3,
+            bytes_total: 7,
+        }],
     }
 }
 
@@ -367,6 +382,19 @@ fn cases() -> Result<Vec<Case>> {
             },
         )?,
         response("ImagePullResponse", pulled.clone(), pulled)?,
+        response("ImagePullProgress", pull_progress(), pull_progress())?,
+        response(
+            "BlobPullProgress",
+            pull_progress().blobs[0].clone(),
+            pull_progress().blobs[0].clone(),
+        )?,
+        response(
+            "ImagePullList",
+            ImagePullList {
+                pulls: vec![pull_progress()],
+            },
+            ImagePullList { pulls: vec![] },
+        )?,
         response(
             "ImageImportResponse",
             ImageImportResponse {
@@ -534,6 +562,7 @@ const BODIES: &[(&str, &str, Option<&str>, Option<&str>)] = &[
         Some("CapacityResponse"),
     ),
     ("GET", routes::IMAGES, None, Some("ImageList")),
+    ("GET", routes::IMAGES_PULLS, None, Some("ImagePullList")),
     (
         "POST",
         routes::IMAGES_PRUNE,

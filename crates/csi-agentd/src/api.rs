@@ -120,6 +120,7 @@ pub fn router(state: AppState) -> Router {
         .route(routes::DRAIN, post(drain))
         .route(routes::IMAGES, get(images))
         .route(routes::IMAGES_PULL, post(pull_image))
+        .route(routes::IMAGES_PULLS, get(image_pulls))
         .route(routes::IMAGES_PRUNE, post(prune_images))
         .route(routes::IMAGES_IMPORT, post(import_images))
         .fallback(not_found)
@@ -199,6 +200,13 @@ async fn metrics(State(state): State<AppState>) -> Response {
 async fn plugin_infos(state: &AppState) -> api::PluginList {
     state.server.load_configs().await;
     let (reports, errors) = state.server.plugins().await;
+    // Which plugins wait for which pull: asked only while a pull is in flight.
+    let pulls = pull_progress(state);
+    let users = if pulls.is_empty() {
+        BTreeMap::new()
+    } else {
+        state.server.image_users().await
+    };
     let mut plugins = Vec::new();
     for report in reports {
         let config = &report.loaded.config;
@@ -290,6 +298,15 @@ async fn plugin_infos(state: &AppState) -> api::PluginList {
             error,
             components,
             volumes,
+            image_pulls: pulls
+                .iter()
+                .filter(|pull| {
+                    users
+                        .get(&pull.reference)
+                        .is_some_and(|types| types.contains(&config.plugin_type))
+                })
+                .cloned()
+                .collect(),
         });
     }
     api::PluginList {
@@ -386,6 +403,39 @@ fn image_store(state: &AppState) -> Result<&Arc<ImageStore>, ApiFailure> {
             "the image store could not be opened; the daemon's log says why",
         )
     })
+}
+
+/// The pulls in flight, in the API's shape (none without an image store).
+fn pull_progress(state: &AppState) -> Vec<api::ImagePullProgress> {
+    let Some(store) = state.server.images() else {
+        return Vec::new();
+    };
+    store
+        .pulls()
+        .into_iter()
+        .map(|pull| api::ImagePullProgress {
+            bytes_done: pull.bytes_done(),
+            bytes_total: pull.bytes_total(),
+            reference: pull.reference,
+            started_at_unix_ms: pull.started_at_unix_ms,
+            blobs: pull
+                .blobs
+                .into_iter()
+                .map(|blob| api::BlobPullProgress {
+                    digest: blob.digest,
+                    bytes_done: blob.bytes_done,
+                    bytes_total: blob.bytes_total,
+                })
+                .collect(),
+        })
+        .collect()
+}
+
+async fn image_pulls(State(state): State<AppState>) -> ApiResult<api::ImagePullList> {
+    image_store(&state)?;
+    Ok(Json(api::ImagePullList {
+        pulls: pull_progress(&state),
+    }))
 }
 
 async fn images(State(state): State<AppState>) -> ApiResult<api::ImageList> {

@@ -10,7 +10,8 @@ use std::path::{Path, PathBuf};
 
 use clap::Subcommand;
 use csi_agent_api::{
-    ApiClient, ImageImportResponse, ImageList, ImagePruneResponse, ImagePullResponse,
+    ApiClient, ImageImportResponse, ImageList, ImagePruneResponse, ImagePullProgress,
+    ImagePullResponse,
 };
 
 use crate::args::OutputFormat;
@@ -56,7 +57,8 @@ pub async fn run(
 ) -> Result<String, Failure> {
     match command {
         ImageCommand::Pull { reference } => {
-            render(format, &client.pull_image(&reference).await?, pulled)
+            let answer = pull_with_progress(client, format, &reference).await?;
+            render(format, &answer, pulled)
         }
         ImageCommand::Import { file, name } => {
             let answer = import(client, &file, name.as_deref()).await?;
@@ -64,6 +66,63 @@ pub async fn run(
         }
         ImageCommand::Prune => render(format, &client.prune_images().await?, pruned),
     }
+}
+
+/// How often the progress bar asks the daemon how far the pull has come.
+const PROGRESS_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// `POST /v1/images/pull`, with a progress line on stderr while it runs (text output to a
+/// terminal only: a script reading stderr gets no carriage returns).
+async fn pull_with_progress(
+    client: &ApiClient,
+    format: OutputFormat,
+    reference: &str,
+) -> Result<ImagePullResponse, Failure> {
+    use std::io::{IsTerminal, Write};
+    let draw = matches!(format, OutputFormat::Table) && std::io::stderr().is_terminal();
+    let pull = client.pull_image(reference);
+    if !draw {
+        return Ok(pull.await?);
+    }
+    tokio::pin!(pull);
+    let mut ticker = tokio::time::interval(PROGRESS_EVERY);
+    let mut drawn = false;
+    let answer = loop {
+        tokio::select! {
+            answer = &mut pull => break answer,
+            _ = ticker.tick() => {
+                // A failed progress read only means no bar this tick.
+                if let Ok(pulls) = client.image_pulls().await
+                    && let Some(progress) = this_pull(&pulls.pulls, reference)
+                {
+                    let mut err = std::io::stderr().lock();
+                    let _ = write!(err, "\r\x1b[2K{}", crate::output::pull_progress(progress));
+                    let _ = err.flush();
+                    drawn = true;
+                }
+            }
+        }
+    };
+    if drawn {
+        let _ = write!(std::io::stderr().lock(), "\r\x1b[2K");
+    }
+    Ok(answer?)
+}
+
+/// The pull in flight that is this command's: the daemon lists references resolved against
+/// its default registry (`busybox` is `docker.io/library/busybox:latest`), so the one that
+/// ends with the name given (and its default tag) is it; failing that, the only one.
+fn this_pull<'a>(pulls: &'a [ImagePullProgress], reference: &str) -> Option<&'a ImagePullProgress> {
+    let tagged = format!("{reference}:latest");
+    let ends = |pull: &&ImagePullProgress| {
+        [reference, tagged.as_str()]
+            .iter()
+            .any(|name| pull.reference == *name || pull.reference.ends_with(&format!("/{name}")))
+    };
+    pulls
+        .iter()
+        .find(ends)
+        .or_else(|| (pulls.len() == 1).then(|| &pulls[0]))
 }
 
 /// Streams `file` (or the tar of the OCI layout directory `file`) to the daemon.
@@ -189,6 +248,39 @@ mod tests {
         assert!(
             !row.contains(&"ab".repeat(20)),
             "the digest is not shortened"
+        );
+    }
+
+    fn pull(reference: &str) -> ImagePullProgress {
+        ImagePullProgress {
+            reference: reference.to_owned(),
+            started_at_unix_ms: 0,
+            bytes_done: 0,
+            bytes_total: 0,
+            blobs: vec![],
+        }
+    }
+
+    #[test]
+    fn the_bar_follows_the_pull_of_the_name_given() {
+        let pulls = [
+            pull("docker.io/library/busybox:latest"),
+            pull("r.example:5000/csi/lvm:1"),
+        ];
+        let found = |name| this_pull(&pulls, name).map(|p| p.reference.as_str());
+        assert_eq!(found("csi/lvm:1"), Some("r.example:5000/csi/lvm:1"));
+        assert_eq!(found("busybox"), Some("docker.io/library/busybox:latest"));
+        assert_eq!(
+            found("r.example:5000/csi/lvm:1"),
+            Some("r.example:5000/csi/lvm:1")
+        );
+        // Not a suffix on a component boundary, and two pulls in flight: no bar.
+        assert_eq!(found("vm:1"), None);
+        // The only pull in flight is shown whatever its name (the daemon's resolution may
+        // differ from the name's text, e.g. a digest).
+        assert_eq!(
+            this_pull(&pulls[1..], "other").map(|p| p.reference.as_str()),
+            Some("r.example:5000/csi/lvm:1")
         );
     }
 }

@@ -236,6 +236,9 @@ pub fn plugin(plugin: &PluginInfo) -> String {
     if let Some(error) = &plugin.error {
         pairs.push(("error", error.clone()));
     }
+    for pull in &plugin.image_pulls {
+        pairs.push(("pulling", pull_progress(pull)));
+    }
     let mut out = fields(&pairs);
     if !plugin.components.is_empty() {
         let mut table = Table::new(&[
@@ -260,6 +263,29 @@ pub fn plugin(plugin: &PluginInfo) -> String {
         out.push_str(&table.render());
     }
     out
+}
+
+/// One pull in flight: `REF: 3.1 MB of 5.6 MB (56 %), 1 of 2 blobs`.
+pub fn pull_progress(pull: &ImagePullProgress) -> String {
+    let percent = (pull.bytes_done.saturating_mul(100))
+        .checked_div(pull.bytes_total)
+        .unwrap_or(0);
+    let complete = pull
+        .blobs
+        .iter()
+        .filter(|b| b.bytes_done >= b.bytes_total)
+        .count();
+    let size = |bytes: u64| csi_agent_api::size::human(i64::try_from(bytes).unwrap_or(i64::MAX));
+    if pull.blobs.is_empty() {
+        return format!("{}: reading the manifest", pull.reference);
+    }
+    format!(
+        "{}: {} of {} ({percent} %), {complete} of {} blobs",
+        pull.reference,
+        size(pull.bytes_done),
+        size(pull.bytes_total),
+        pull.blobs.len()
+    )
 }
 
 pub fn reload(report: &ReloadReport) -> String {
@@ -584,6 +610,7 @@ mod tests {
                         error: None,
                     }],
                     volumes: 3,
+                    image_pulls: vec![],
                 },
                 PluginInfo {
                     plugin_type: "org.example.nfs".to_owned(),
@@ -595,6 +622,7 @@ mod tests {
                     error: None,
                     components: vec![],
                     volumes: 0,
+                    image_pulls: vec![],
                 },
             ],
             config_errors: vec![ConfigErrorInfo {
@@ -634,6 +662,24 @@ mod tests {
                 error: Some("no runc".to_owned()),
             }],
             volumes: 0,
+            image_pulls: vec![ImagePullProgress {
+                reference: "r.example/csi/lvm:1".to_owned(),
+                started_at_unix_ms: 1,
+                bytes_done: 3_000_000,
+                bytes_total: 5_000_000,
+                blobs: vec![
+                    BlobPullProgress {
+                        digest: "sha256:c".to_owned(),
+                        bytes_done: 1_000,
+                        bytes_total: 1_000,
+                    },
+                    BlobPullProgress {
+                        digest: "sha256:l".to_owned(),
+                        bytes_done: 2_999_000,
+                        bytes_total: 4_999_000,
+                    },
+                ],
+            }],
         };
         assert_eq!(
             plugin(&info),
@@ -645,6 +691,7 @@ mod tests {
              config file:  /etc/csi/lvm.json\n\
              volumes:      0\n\
              error:        probe failed\n\
+             pulling:      r.example/csi/lvm:1: 2.9Mi of 4.8Mi (60 %), 1 of 2 blobs\n\
              \n\
              COMPONENT                                  SERVICES                         READY  PID  RESTARTS  ENDPOINT\n\
              csi-org-example-lvm-default--NODE_SERVICE  CONTROLLER_SERVICE,NODE_SERVICE  no     -    4         unix:///w/e.sock\n"

@@ -8,6 +8,7 @@
 //!   every size and wait bounded, typed errors that say which ones are transient.
 //! - [`store`]: the image store of the daemon (`<work_dir>/images`): the blob store, a
 //!   durable index, a prepared rootfs per image, garbage collection, Mesos `cached`.
+//! - [`progress`]: the pulls in flight and their bytes, per blob, for the API and csictl.
 //! - [`blobs`]: `blobs/sha256/<hex>` under a directory the caller chooses. A blob enters only
 //!   whole and verified (digest and size checked while streaming, fsynced, renamed into place,
 //!   the directory fsynced); a partial or mismatching blob is never visible under its name.
@@ -25,6 +26,7 @@
 
 pub mod blobs;
 pub mod import;
+pub mod progress;
 pub mod pull;
 pub mod reference;
 pub mod store;

@@ -49,6 +49,7 @@ use oci_client::{Client, RegistryOperation};
 use serde::Deserialize;
 
 use super::blobs::{BlobError, BlobStore, Digest, Put};
+use super::progress::{BlobProgress, PullGuard, PullProgress};
 use super::reference::{ImageRef, RegistrySettings};
 use super::unpack::Compression;
 
@@ -282,6 +283,8 @@ pub struct Puller {
     client: Client,
     settings: RegistrySettings,
     limits: PullLimits,
+    /// Shared by the clones: every pull of the daemon reports here.
+    progress: Arc<PullProgress>,
 }
 
 impl std::fmt::Debug for Puller {
@@ -310,7 +313,13 @@ impl Puller {
             client,
             settings,
             limits,
+            progress: Arc::default(),
         })
+    }
+
+    /// The pulls in flight, with their bytes per blob.
+    pub fn progress(&self) -> &Arc<PullProgress> {
+        &self.progress
     }
 
     pub fn settings(&self) -> &RegistrySettings {
@@ -328,13 +337,19 @@ impl Puller {
         blobs: &Arc<BlobStore>,
     ) -> Result<Pulled, PullError> {
         let name = reference.to_string();
+        // Registered for as long as this call runs, whatever ends it.
+        let progress = self.progress.begin(&name);
         // On a task of its own: a panic in the HTTP stack on a hostile answer (oci-client
         // unwraps a header value built from the registry's token) becomes this pull's error
         // instead of taking down the caller's task (a plugin's supervisor).
         let this = self.clone();
         let (owned, blobs) = (reference.clone(), Arc::clone(blobs));
         let mut task = AbortOnDrop(tokio::spawn(async move {
-            tokio::time::timeout(this.limits.total_timeout, this.pull_inner(&owned, &blobs)).await
+            tokio::time::timeout(
+                this.limits.total_timeout,
+                this.pull_inner(&owned, &blobs, &progress),
+            )
+            .await
         }));
         // A caller that gives up (its future dropped) stops the pull too.
         match (&mut task.0).await {
@@ -355,6 +370,7 @@ impl Puller {
         &self,
         reference: &ImageRef,
         blobs: &Arc<BlobStore>,
+        progress: &PullGuard,
     ) -> Result<Pulled, PullError> {
         let name = reference.to_string();
         let auth = match self.settings.credentials.for_registry(reference.registry()) {
@@ -432,7 +448,10 @@ impl Puller {
             }
         }
         let downloaded: Vec<Option<Digest>> = futures::stream::iter(wanted)
-            .map(|blob| self.fetch_blob(reference, &oci_ref, blob, blobs))
+            .map(|blob| {
+                let counted = progress.blob(&blob.digest.to_string(), blob.size);
+                self.fetch_blob(reference, &oci_ref, blob, blobs, counted)
+            })
             .buffer_unordered(self.limits.parallel.max(1))
             .try_collect()
             .await?;
@@ -493,6 +512,7 @@ impl Puller {
         oci_ref: &oci_client::Reference,
         blob: BlobRef,
         blobs: &Arc<BlobStore>,
+        progress: Arc<BlobProgress>,
     ) -> Result<Option<Digest>, PullError> {
         let name = reference.to_string();
         let store_err = |source| PullError::Store {
@@ -500,6 +520,7 @@ impl Puller {
             source,
         };
         if blobs.contains(&blob.digest).map_err(store_err)? {
+            progress.complete();
             return Ok(None);
         }
         let digest_text = blob.digest.to_string();
@@ -544,6 +565,7 @@ impl Puller {
                 match item {
                     Ok(chunk) => {
                         sent = sent.saturating_add(chunk.len() as u64);
+                        progress.add(chunk.len() as u64);
                         if std::time::Instant::now() >= next_report {
                             next_report += PROGRESS_EVERY;
                             tracing::info!(image = %name, blob = %blob.digest, bytes = sent,
@@ -566,11 +588,15 @@ impl Puller {
             drop(tx);
             match writer.await {
                 Ok(Ok(Put::Stored)) => {
+                    progress.complete();
                     tracing::info!(image = %name, blob = %blob.digest, bytes = blob.size,
                         elapsed_ms = started.elapsed().as_millis() as u64, "blob downloaded and verified");
                     Ok(Some(blob.digest.clone()))
                 }
-                Ok(Ok(Put::AlreadyPresent)) => Ok(None),
+                Ok(Ok(Put::AlreadyPresent)) => {
+                    progress.complete();
+                    Ok(None)
+                }
                 Ok(Err(err)) => Err(self.classify_blob(reference, err)),
                 Err(err) => Err(PullError::Task {
                     reference: name.clone(),

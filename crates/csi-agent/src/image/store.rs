@@ -225,6 +225,11 @@ impl ImageStore {
         &self.blobs
     }
 
+    /// The pulls in flight and their bytes per blob (never waits for a pull).
+    pub fn pulls(&self) -> Vec<super::progress::PullSnapshot> {
+        self.puller.progress().snapshot()
+    }
+
     /// The images in the index.
     pub fn list(&self) -> BTreeMap<String, IndexEntry> {
         self.lock_index().images.clone()

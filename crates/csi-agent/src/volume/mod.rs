@@ -1241,8 +1241,7 @@ impl VolumeManager {
             let store = self.inner.store.clone();
             let c = c.clone();
             let id = volume_id.to_owned();
-            blocking(move || store.note_delete(&c.plugin_type, &c.plugin_name, &id, true))
-                .await?;
+            blocking(move || store.note_delete(&c.plugin_type, &c.plugin_name, &id, true)).await?;
         } else {
             // Only a note queued to the writer: no thread hand-off for it.
             self.inner
