@@ -24,11 +24,16 @@ target_dir() {
 }
 
 # Installs, through apt, the commands the tests and the demo need that this machine lacks.
-# Each entry: command:package.
+# Each entry: command:package, or a bare package that has no command of its own (such as
+# python3-venv), looked up in dpkg's database.
 install_missing() {
     local missing=() entry
     for entry in "$@"; do
-        command -v "${entry%%:*}" >/dev/null 2>&1 || missing+=("${entry#*:}")
+        if [[ $entry == *:* ]]; then
+            command -v "${entry%%:*}" >/dev/null 2>&1 || missing+=("${entry#*:}")
+        elif ! dpkg-query -W -f='${Status}' "$entry" 2>/dev/null | grep -q 'ok installed'; then
+            missing+=("$entry")
+        fi
     done
     ((${#missing[@]})) || return 0
     if ! command -v apt-get >/dev/null 2>&1; then
@@ -39,6 +44,9 @@ install_missing() {
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
 }
+
+# What scripts/schemathesis needs: a Python with venv (the schemathesis venv is made by it).
+SCHEMATHESIS_DEPS=(python3:python3 python3-venv)
 
 # What the test suite runs besides cargo.
 TEST_DEPS=(unshare:util-linux mount:mount umount:mount curl:curl pgrep:procps pkill:procps runc:runc docker-registry:docker-registry skopeo:skopeo)

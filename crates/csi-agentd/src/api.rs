@@ -12,12 +12,13 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use csi_agent::client::{RpcErrorKind, code_name};
 use csi_agent::image::pull::PullError;
 use csi_agent::image::store::{ImageStore, PullPolicy, StoreError};
 use csi_agent::metrics::ComponentLabels;
 use csi_agent::server::CsiServer;
 use csi_agent::service_manager::ComponentState;
-use csi_agent::volume::{PublishRequest, VolumeSecrets};
+use csi_agent::volume::{PublishRequest, VolumeError, VolumeSecrets};
 use csi_agent_api as api;
 use serde::de::DeserializeOwned;
 
@@ -718,6 +719,19 @@ async fn volumes(
             "query of GET /v1/volumes is not valid: {e}; use plugin=, state=, workload=, limit=<1..{MAX_PAGE}>, page_token="
         ))
     })?;
+    // An empty filter would match nothing and answer an empty list, silently: a client that
+    // built `?plugin=$P` from an empty variable would take it for "no volumes".
+    for (name, value) in [
+        ("plugin", &query.plugin),
+        ("state", &query.state),
+        ("workload", &query.workload),
+    ] {
+        if value.as_deref() == Some("") {
+            return Err(ApiFailure::invalid(format!(
+                "{name}= is empty: give a value, or leave the {name} filter out to list every volume"
+            )));
+        }
+    }
     let limit = match query.limit {
         None => usize::MAX,
         Some(limit @ 1..=MAX_PAGE) => limit,
@@ -914,7 +928,8 @@ async fn backend_volumes(
     let page = plugin
         .volumes
         .list_backend_volumes(query.max_entries, &query.starting_token)
-        .await?;
+        .await
+        .map_err(|err| list_failure(err, &query.starting_token))?;
     Ok(Json(api::BackendVolumePage {
         volumes: page
             .volumes
@@ -927,6 +942,28 @@ async fn backend_volumes(
             .collect(),
         next_token: page.next_token,
     }))
+}
+
+/// A failed ListVolumes. Its `ABORTED` is the CSI spec's "starting_token is not valid": the
+/// caller's mistake (400, with the plugin's code), not the plugin being unavailable (503),
+/// which ABORTED means for every other RPC.
+fn list_failure(err: VolumeError, starting_token: &str) -> ApiFailure {
+    match &err {
+        VolumeError::Plugin(rpc)
+            if matches!(rpc.kind, RpcErrorKind::Status { .. })
+                && code_name(rpc.code()) == "ABORTED" =>
+        {
+            ApiFailure(api::ErrorBody {
+                code: api::ErrorCode::InvalidRequest,
+                message: format!(
+                    "starting_token {starting_token:?} is not valid ({err}): pass the next_token \
+                     of the previous page unchanged, or none for the first page"
+                ),
+                grpc_code: Some(code_name(rpc.code()).to_owned()),
+            })
+        }
+        _ => err.into(),
+    }
 }
 
 async fn capacity(State(state): State<AppState>, body: Bytes) -> ApiResult<api::CapacityResponse> {
