@@ -17,6 +17,7 @@ import os
 import schemathesis
 from hypothesis import strategies as st
 from schemathesis import DataGenerationMethod
+from schemathesis.serializers import OctetStreamSerializer
 
 PLUGIN = "org.example.test"
 # The test plugin's pre-provisioned volumes (scripts/schemathesis), and one it does not know.
@@ -74,3 +75,9 @@ def before_generate_case(context, strategy):
     return st.tuples(
         strategy, st.booleans(), st.sampled_from(VOLUMES), st.sampled_from(WORKLOADS)
     ).map(_steer)
+
+
+# POST /v1/images/import takes a tar archive as its body (`format: binary`): sent as the bytes
+# generated, like schemathesis sends application/octet-stream. Random bytes are not an image
+# archive, so this exercises the daemon's refusals (a 400 naming what is wrong, never a 5xx).
+schemathesis.serializer("application/x-tar")(OctetStreamSerializer)
