@@ -131,7 +131,7 @@ pub async fn run(env: &Env, args: &ImagesArgs) -> anyhow::Result<ImagesReport> {
         let store_dir = dir.join(format!("store-{run}"));
         let store = ImageStore::open(
             &store_dir,
-            Puller::new(settings.clone(), PullLimits::default())?,
+            Puller::new(settings.clone(), PullLimits::default()),
         )?;
         let started = Instant::now();
         let prepared = store.ensure(&reference, PullPolicy::IfMissing).await?;

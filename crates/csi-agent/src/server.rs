@@ -255,10 +255,7 @@ impl CsiServer {
             options.registry.clone(),
             crate::image::pull::PullLimits::default(),
         );
-        let images = match puller
-            .map_err(crate::image::store::StoreError::from)
-            .and_then(|puller| crate::image::store::ImageStore::open(&images_dir, puller))
-        {
+        let images = match crate::image::store::ImageStore::open(&images_dir, puller) {
             Ok(images) => Some(Arc::new(images)),
             Err(err) => {
                 tracing::error!(dir = %images_dir.display(), "the image store cannot be opened; plugins naming an image will not start: {err}");

@@ -30,7 +30,7 @@ fn open_store(dir: &Path) -> ImageStore {
         manifest_timeout: Duration::from_secs(2),
         ..PullLimits::default()
     };
-    ImageStore::open(dir, Puller::new(settings, limits).unwrap()).unwrap()
+    ImageStore::open(dir, Puller::new(settings, limits)).unwrap()
 }
 
 fn layers() -> Vec<Vec<u8>> {

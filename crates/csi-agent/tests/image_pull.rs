@@ -24,7 +24,7 @@ fn puller(registry: &Registry) -> Puller {
         manifest_timeout: Duration::from_secs(10),
         ..PullLimits::default()
     };
-    Puller::new(settings, limits).unwrap()
+    Puller::new(settings, limits)
 }
 
 fn simple_image(dir: &std::path::Path) -> Image {
@@ -220,7 +220,6 @@ async fn limits_refuse_before_downloading() {
     ] {
         let gets = registry.blob_gets(None);
         let err = Puller::new(settings.clone(), limits)
-            .unwrap()
             .pull(&reference, &store)
             .await
             .unwrap_err();
@@ -241,7 +240,7 @@ async fn https_is_required_for_registries_not_named_insecure() {
     let store = Arc::new(BlobStore::open(&tmp.path().join("store")).unwrap());
     let reference = ImageRef::parse("csi/plugin:v1", &registry.host()).unwrap();
     // Not in the insecure list: TLS to a plain HTTP server fails, nothing is fetched.
-    let puller = Puller::new(RegistrySettings::docker_hub(), PullLimits::default()).unwrap();
+    let puller = Puller::new(RegistrySettings::docker_hub(), PullLimits::default());
     let err = puller.pull(&reference, &store).await.unwrap_err();
     assert!(matches!(err, PullError::Unreachable { .. }), "{err:?}");
     assert_eq!(registry.blob_gets(None), 0);

@@ -25,7 +25,7 @@ fn puller(registry: &Registry) -> Puller {
         manifest_timeout: Duration::from_secs(10),
         ..PullLimits::default()
     };
-    Puller::new(settings, limits).unwrap()
+    Puller::new(settings, limits)
 }
 
 fn base_layer() -> Vec<u8> {
@@ -330,7 +330,7 @@ fn a_hostile_index_is_refused_not_followed() {
     .unwrap();
     let err = ImageStore::open(
         &dir,
-        Puller::new(RegistrySettings::docker_hub(), PullLimits::default()).unwrap(),
+        Puller::new(RegistrySettings::docker_hub(), PullLimits::default()),
     )
     .unwrap_err();
     assert!(matches!(err, StoreError::IndexCorrupt { .. }), "{err:?}");

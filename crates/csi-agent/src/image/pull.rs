@@ -38,7 +38,7 @@
 
 use std::collections::BTreeSet;
 use std::io::{self, Read};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt};
@@ -280,7 +280,9 @@ impl PullError {
 /// by clones).
 #[derive(Clone)]
 pub struct Puller {
-    client: Client,
+    /// Built on the first pull: the HTTP client and its TLS roots cost the daemon a few MiB of
+    /// memory, which a node whose plugins use no image should not pay.
+    client: Arc<Mutex<Option<Client>>>,
     settings: RegistrySettings,
     limits: PullLimits,
     /// Shared by the clones: every pull of the daemon reports here.
@@ -297,24 +299,39 @@ impl std::fmt::Debug for Puller {
 }
 
 impl Puller {
-    /// Fails only when the HTTP client cannot be built (its TLS setup). Not `Client::new`:
-    /// that falls back silently to a default client, without our timeouts or insecure list.
-    pub fn new(settings: RegistrySettings, limits: PullLimits) -> Result<Self, PullError> {
+    /// Nothing is connected, and the HTTP client is built only by the first pull (see
+    /// [`Puller::client`]).
+    pub fn new(settings: RegistrySettings, limits: PullLimits) -> Self {
+        Self {
+            client: Arc::default(),
+            settings,
+            limits,
+            progress: Arc::default(),
+        }
+    }
+
+    /// The HTTP client, built once. Not `Client::new`: that falls back silently to a default
+    /// client, without our timeouts or insecure list; a client that cannot be built (its TLS
+    /// setup) fails the pull instead, and the next pull tries again.
+    fn client(&self) -> Result<Client, PullError> {
+        let mut slot = self
+            .client
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(client) = slot.as_ref() {
+            return Ok(client.clone());
+        }
         let config = ClientConfig {
-            protocol: ClientProtocol::HttpsExcept(settings.insecure.clone()),
-            connect_timeout: Some(limits.connect_timeout),
-            read_timeout: Some(limits.read_timeout),
-            max_concurrent_download: limits.parallel.max(1),
+            protocol: ClientProtocol::HttpsExcept(self.settings.insecure.clone()),
+            connect_timeout: Some(self.limits.connect_timeout),
+            read_timeout: Some(self.limits.read_timeout),
+            max_concurrent_download: self.limits.parallel.max(1),
             // Proxies: reqwest's default, i.e. the daemon's HTTPS_PROXY / HTTP_PROXY / NO_PROXY.
             ..ClientConfig::default()
         };
         let client = Client::try_from(config).map_err(|source| PullError::Client { source })?;
-        Ok(Self {
-            client,
-            settings,
-            limits,
-            progress: Arc::default(),
-        })
+        *slot = Some(client.clone());
+        Ok(client)
     }
 
     /// The pulls in flight, with their bytes per blob.
@@ -380,8 +397,9 @@ impl Puller {
         let oci_ref = reference.to_oci();
         // Explicitly first, so a refused token is reported as such (oci-client otherwise
         // drops the failure and the request goes out without credentials).
+        let client = self.client()?;
         self.bounded(&name, "authenticating", async {
-            self.client
+            client
                 .auth(&oci_ref, &auth, RegistryOperation::Pull)
                 .await
                 .map(|_| ())
@@ -474,9 +492,10 @@ impl Puller {
     ) -> Result<(Vec<u8>, Digest), PullError> {
         let name = reference.to_string();
         let oci_ref = target.to_oci();
+        let client = self.client()?;
         let (body, _) = self
             .bounded(&name, "fetching the manifest", async {
-                self.client
+                client
                     .pull_manifest_raw(&oci_ref, auth, ACCEPTED)
                     .await
                     .map_err(|err| self.classify(reference, err))
@@ -524,9 +543,9 @@ impl Puller {
             return Ok(None);
         }
         let digest_text = blob.digest.to_string();
+        let client = self.client()?;
         let work = async {
-            let sized = self
-                .client
+            let sized = client
                 .pull_blob_stream(oci_ref, digest_text.as_str())
                 .await
                 .map_err(|err| self.classify(reference, err))?;
