@@ -214,6 +214,20 @@ impl ApiClient {
         self
     }
 
+    /// The same client with a pool of its own, empty: its first call opens a new connection.
+    /// For a request that cannot be sent again (a streamed upload): a kept-alive connection
+    /// the daemon has just closed would fail it half-written.
+    fn with_fresh_pool(&self) -> ApiClient {
+        ApiClient {
+            endpoint: self.endpoint.clone(),
+            pool: match &self.endpoint {
+                Endpoint::Unix { socket } => Pool::unix(socket),
+                Endpoint::Tcp { .. } => Pool::tcp(),
+            },
+            timeout: self.timeout,
+        }
+    }
+
     /// The socket path or URL this client talks to, for messages.
     pub fn endpoint(&self) -> String {
         match &self.endpoint {

@@ -28,7 +28,6 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use csi_agent_api as api;
-use http_body_util::{BodyExt, LengthLimitError, Limited};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -772,7 +771,12 @@ async fn guard_request(State(limits): State<Limits>, request: Request, next: Nex
     {
         return guard_upload(upload, body_timeout, declared, request, next).await;
     }
-    if declared.is_some_and(|len| len > MAX_BODY_BYTES as u64) {
+    if let Some(len) = declared
+        && len > MAX_BODY_BYTES as u64
+    {
+        if len <= MAX_BODY_BYTES as u64 + MAX_DRAIN_BYTES {
+            linger(request.into_body().into_data_stream(), body_timeout);
+        }
         return too_large();
     }
     if !is_json(headers) {
@@ -782,13 +786,27 @@ async fn guard_request(State(limits): State<Limits>, request: Request, next: Nex
         );
     }
     let (parts, body) = request.into_parts();
-    let read = tokio::time::timeout(body_timeout, Limited::new(body, MAX_BODY_BYTES).collect());
+    let mut stream = body.into_data_stream();
+    let read = tokio::time::timeout(body_timeout, async {
+        let mut collected: Vec<u8> = Vec::new();
+        while let Some(chunk) = futures::StreamExt::next(&mut stream).await {
+            let chunk = chunk?;
+            if collected.len() + chunk.len() > MAX_BODY_BYTES {
+                return Ok(None);
+            }
+            collected.extend_from_slice(&chunk);
+        }
+        Ok::<_, axum::Error>(Some(collected))
+    });
     match read.await {
-        Ok(Ok(collected)) => {
-            let request = Request::from_parts(parts, Body::from(collected.to_bytes()));
+        Ok(Ok(Some(collected))) => {
+            let request = Request::from_parts(parts, Body::from(collected));
             next.run(request).await
         }
-        Ok(Err(err)) if err.downcast_ref::<LengthLimitError>().is_some() => too_large(),
+        Ok(Ok(None)) => {
+            linger(stream, body_timeout);
+            too_large()
+        }
         Ok(Err(err)) => refusal(
             StatusCode::BAD_REQUEST,
             format!("the request body could not be read: {err}"),
@@ -801,6 +819,27 @@ async fn guard_request(State(limits): State<Limits>, request: Request, next: Nex
             ),
         ),
     }
+}
+
+/// Reads and drops what is left of a refused body in the background, at most
+/// [`MAX_DRAIN_BYTES`] and within `timeout`, while the refusal is answered at once (a lingering
+/// close): a client sends its whole body before it reads the answer, so one whose connection
+/// closed while it still sends would read a broken pipe instead of the refusal. Past the bound
+/// (or the time) the connection is closed on it; nothing read is kept either way, and the
+/// connection cap bounds how many linger.
+fn linger(mut stream: axum::body::BodyDataStream, timeout: Duration) {
+    tokio::spawn(async move {
+        let _ = tokio::time::timeout(timeout, async {
+            let mut dropped: u64 = 0;
+            while dropped <= MAX_DRAIN_BYTES {
+                match futures::StreamExt::next(&mut stream).await {
+                    Some(Ok(chunk)) => dropped += chunk.len() as u64,
+                    _ => break,
+                }
+            }
+        })
+        .await;
+    });
 }
 
 /// The upload route: a body declared too large is refused before a byte of it is read, one of
@@ -817,11 +856,7 @@ async fn guard_upload(
         // is read and dropped first, so that it reads this answer, not a broken pipe. Past
         // that bound the connection is just closed on it (nothing is kept either way).
         if declared.is_some_and(|len| len <= upload.max_bytes.saturating_add(MAX_DRAIN_BYTES)) {
-            let mut stream = request.into_body().into_data_stream();
-            while let Ok(Some(Ok(_))) =
-                tokio::time::timeout(limits_body_timeout, futures::StreamExt::next(&mut stream))
-                    .await
-            {}
+            linger(request.into_body().into_data_stream(), limits_body_timeout);
         }
         return refusal(
             StatusCode::PAYLOAD_TOO_LARGE,

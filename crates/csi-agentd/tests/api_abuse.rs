@@ -660,6 +660,59 @@ fn oversized_bodies_get_413() {
 }
 
 #[test]
+fn a_refused_body_is_still_read_after_the_413_so_its_sender_sees_no_broken_pipe() {
+    // The 413 comes at once; the daemon then goes on reading (and dropping) the body, up to
+    // a bound, before it closes (a lingering close). A client that writes its whole body
+    // before it reads the answer, as hyper's does, thus never writes into a closed socket.
+    let dir = tempfile::tempdir().unwrap();
+    let daemon = Daemon::start(dir.path(), &[]);
+    let body_len = 4 << 20;
+    let mut conn = daemon.unix();
+    let answer = exchange(
+        &mut conn,
+        format!(
+            "POST /v1/volumes/publish HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: {body_len}\r\n\r\n"
+        )
+        .as_bytes(),
+    );
+    assert_eq!(answer.status, 413, "{answer:?}");
+    // Without the lingering read the connection is closed by now and these writes fail
+    // (EPIPE or ECONNRESET) once the socket buffers are full.
+    let chunk = vec![b' '; 64 * 1024];
+    for written in (0..body_len).step_by(chunk.len()) {
+        if let Err(err) = conn.write_all(&chunk) {
+            panic!("the daemon stopped reading the refused body after {written} bytes: {err}");
+        }
+    }
+}
+
+#[test]
+fn a_client_still_sending_a_refused_body_reads_the_413_not_a_broken_pipe() {
+    // On one kept-alive ApiClient, several times: each refusal closes its connection, and the
+    // next call must not trip over it.
+    let dir = tempfile::tempdir().unwrap();
+    let daemon = Daemon::start(dir.path(), &[]);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let client = csi_agent_api::ApiClient::unix(&daemon.socket);
+    runtime.block_on(async {
+        for (what, size) in [("declared 3 MiB", 3 << 20), ("declared 20 MiB", 20 << 20)] {
+            for attempt in 0..3 {
+                let err = client.pull_image(&"x".repeat(size)).await.unwrap_err();
+                assert!(
+                    matches!(&err, csi_agent_api::ApiError::Api { status: 413, .. }),
+                    "{what}, attempt {attempt}: {err:?}"
+                );
+            }
+        }
+        // And the connection pool still serves an ordinary call.
+        client.health().await.unwrap();
+    });
+}
+
+#[test]
 fn bodies_that_are_not_json_get_415() {
     let dir = tempfile::tempdir().unwrap();
     let daemon = Daemon::start(dir.path(), &[]);

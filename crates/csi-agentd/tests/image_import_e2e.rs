@@ -213,9 +213,13 @@ async fn archives_imported_through_the_daemon_run_the_plugin_without_a_registry(
         }
         other => panic!("not a 413: {other:?}"),
     }
-    // Chunked (no length): refused once the limit is read.
+    // Chunked (no length): refused once the limit is read. Over it by less than the daemon
+    // drains (MAX_DRAIN_BYTES), so that the client has sent everything when the answer comes;
+    // far beyond, the daemon closes the connection and the client sees that instead.
+    drop(big);
+    let over = archive_of(&[("padding".to_owned(), vec![0u8; max as usize + (1 << 20)])]);
     let err = api
-        .import_image(std::io::Cursor::new(big), None, None)
+        .import_image(std::io::Cursor::new(over), None, None)
         .await
         .unwrap_err();
     match &err {

@@ -3,8 +3,8 @@
 //! in memory.
 //!
 //! It owns that one request's body, a stream of chunks (the JSON calls buffer whole bodies,
-//! which is right for them and wrong here); the connection, the bound on the answer and the
-//! errors are every call's (`ApiClient::round_trip`). It must not read the archive's
+//! which is right for them and wrong here), sent on a connection of its own; the request, the
+//! bound on the answer and the errors are every call's (`ApiClient::round_trip`). It must not read the archive's
 //! contents: what the archive holds is the daemon's to check.
 
 use std::io::{self, Read};
@@ -77,7 +77,10 @@ impl ApiClient {
         let builder = self
             .request_builder(Method::POST, &path)
             .header(CONTENT_TYPE, routes::TAR_MEDIA_TYPE);
+        // On a new connection: the body streams once and cannot be sent again if a pooled
+        // connection turned out closed (the daemon closes one after refusing an upload).
         let result = self
+            .with_fresh_pool()
             .round_trip(builder, &path, ChannelBody { rx, length }.boxed_unsync())
             .await;
         drop(reader);
