@@ -489,8 +489,10 @@ pub struct ImagePullRequest {
 pub struct ImagePruneResponse {
     /// The references no configured plugin named, now gone from the index.
     pub removed: Vec<String>,
-    /// Prepared root file systems removed.
+    /// Flattened root file systems removed (a store without overlayfs).
     pub rootfs_removed: usize,
+    /// Unpacked layer directories removed (a store with overlayfs).
+    pub layers_removed: usize,
     /// Blobs removed (those still named by a kept image stay).
     pub blobs_removed: usize,
 }

@@ -270,7 +270,8 @@ fn cases() -> Result<Vec<Case>> {
     };
     let pruned = ImagePruneResponse {
         removed: vec!["r/a:1".to_owned()],
-        rootfs_removed: 1,
+        rootfs_removed: 0,
+        layers_removed: 1,
         blobs_removed: 2,
     };
     let pulled = ImagePullResponse {

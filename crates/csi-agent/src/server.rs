@@ -255,7 +255,7 @@ impl CsiServer {
             options.registry.clone(),
             crate::image::pull::PullLimits::default(),
         );
-        let images = match crate::image::store::ImageStore::open(&images_dir, puller) {
+        let images = match crate::image::store::ImageStore::open(&images_dir, puller, None) {
             Ok(images) => Some(Arc::new(images)),
             Err(err) => {
                 tracing::error!(dir = %images_dir.display(), "the image store cannot be opened; plugins naming an image will not start: {err}");
@@ -813,7 +813,7 @@ impl CsiServer {
         let used: std::collections::BTreeSet<String> =
             self.image_users().await.into_keys().collect();
         let pruned = store.prune(&used).await?;
-        tracing::info!(removed = ?pruned.references, rootfs = pruned.rootfs, blobs = pruned.blobs, "images pruned");
+        tracing::info!(removed = ?pruned.references, rootfs = pruned.rootfs, layers = pruned.layers, blobs = pruned.blobs, "images pruned");
         Ok(pruned)
     }
 

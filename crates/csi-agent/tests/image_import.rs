@@ -13,7 +13,7 @@ use std::time::Duration;
 use csi_agent::image::import::{ImportError, ImportLimits};
 use csi_agent::image::pull::{PullLimits, Puller};
 use csi_agent::image::reference::RegistrySettings;
-use csi_agent::image::store::{ImageStore, PullPolicy};
+use csi_agent::image::store::{Composition, ImageStore, PullPolicy};
 use registry_support::*;
 
 /// Nothing listens there: a store that tried to pull would fail.
@@ -30,7 +30,12 @@ fn open_store(dir: &Path) -> ImageStore {
         manifest_timeout: Duration::from_secs(2),
         ..PullLimits::default()
     };
-    ImageStore::open(dir, Puller::new(settings, limits)).unwrap()
+    ImageStore::open(
+        dir,
+        Puller::new(settings, limits),
+        Some(Composition::Flattened),
+    )
+    .unwrap()
 }
 
 fn layers() -> Vec<Vec<u8>> {
@@ -163,10 +168,17 @@ async fn skopeo_archives_import_and_start_without_a_registry() {
             .unwrap();
         assert!(prepared.downloaded.is_empty());
         assert_eq!(
-            std::fs::read(prepared.rootfs.join("etc/motd")).unwrap(),
+            std::fs::read(prepared.flattened().unwrap().to_path_buf().join("etc/motd")).unwrap(),
             b"imported"
         );
-        assert!(prepared.rootfs.join("bin/plugin").is_file());
+        assert!(
+            prepared
+                .flattened()
+                .unwrap()
+                .to_path_buf()
+                .join("bin/plugin")
+                .is_file()
+        );
         assert_eq!(prepared.config.entrypoint, vec!["/bin/plugin".to_owned()]);
         assert_eq!(prepared.config.cmd, vec!["serve".to_owned()]);
         // A pull would have failed: the tag re-check (cached: false) does.

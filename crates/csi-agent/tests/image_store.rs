@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use csi_agent::image::pull::{PullError, PullLimits, Puller};
 use csi_agent::image::reference::{ImageRef, RegistrySettings};
-use csi_agent::image::store::{ImageStore, PullPolicy, StoreError};
+use std::os::unix::fs::MetadataExt;
+
+use csi_agent::image::store::{Composition, ImageStore, PreparedRoot, PullPolicy, StoreError};
 use registry_support::*;
 
 fn puller(registry: &Registry) -> Puller {
@@ -99,17 +101,17 @@ async fn ensure_prepares_the_rootfs_reads_the_config_and_honours_cached() {
     let mut registry = Registry::start(&tmp.path().join("registry")).unwrap();
     let image = push_image(tmp.path(), &registry, "csi/plugin:v1", b"motd v1\n");
     let dir = tmp.path().join("images");
-    let store = ImageStore::open(&dir, puller(&registry)).unwrap();
+    let store = ImageStore::open(&dir, puller(&registry), Some(Composition::Flattened)).unwrap();
     let r = reference(&registry, "csi/plugin:v1");
 
     let prepared = store.ensure(&r, PullPolicy::IfMissing).await.unwrap();
     assert_eq!(prepared.manifest.hex(), image.manifest_hex);
     assert_eq!(
-        prepared.rootfs,
+        prepared.flattened().unwrap().to_path_buf(),
         dir.join("rootfs").join(&image.manifest_hex)
     );
     assert_eq!(prepared.downloaded.len(), 3);
-    let root = &prepared.rootfs;
+    let root = &prepared.flattened().unwrap().to_path_buf();
     assert_eq!(std::fs::read(root.join("etc/motd")).unwrap(), b"motd v1\n");
     assert_eq!(std::fs::read(root.join("etc/keep")).unwrap(), b"kept");
     assert!(!root.join("etc/removed").exists(), "whiteout not applied");
@@ -160,7 +162,7 @@ async fn ensure_prepares_the_rootfs_reads_the_config_and_honours_cached() {
     let updated = store.ensure(&r, PullPolicy::Always).await.unwrap();
     assert_eq!(updated.manifest.hex(), moved.manifest_hex);
     assert_eq!(
-        std::fs::read(updated.rootfs.join("etc/motd")).unwrap(),
+        std::fs::read(updated.flattened().unwrap().to_path_buf().join("etc/motd")).unwrap(),
         b"motd v2\n"
     );
     assert_eq!(registry.blob_gets(Some(&base_hex)), gets);
@@ -176,7 +178,8 @@ async fn crash_leftovers_are_removed_and_the_image_re_prepared() {
     let r = reference(&registry, "csi/plugin:v1");
     let rootfs = dir.join("rootfs").join(&image.manifest_hex);
     {
-        let store = ImageStore::open(&dir, puller(&registry)).unwrap();
+        let store =
+            ImageStore::open(&dir, puller(&registry), Some(Composition::Flattened)).unwrap();
         store.ensure(&r, PullPolicy::IfMissing).await.unwrap();
     }
     // What a SIGKILL at various points leaves: a rootfs being built (its final name not yet
@@ -193,7 +196,7 @@ async fn crash_leftovers_are_removed_and_the_image_re_prepared() {
 
     // No registry: everything must come from the store.
     registry.stop();
-    let store = ImageStore::open(&dir, puller(&registry)).unwrap();
+    let store = ImageStore::open(&dir, puller(&registry), Some(Composition::Flattened)).unwrap();
     assert!(!partial.exists(), "partial rootfs not removed");
     assert!(!blob_temp.exists(), "partial blob not removed");
     assert!(!index_temp.exists(), "index temp file not removed");
@@ -203,7 +206,7 @@ async fn crash_leftovers_are_removed_and_the_image_re_prepared() {
         "only complete rootfs dirs may remain"
     );
     let prepared = store.ensure(&r, PullPolicy::IfMissing).await.unwrap();
-    assert_eq!(prepared.rootfs, rootfs);
+    assert_eq!(prepared.flattened().unwrap().to_path_buf(), rootfs);
     assert_eq!(std::fs::read(rootfs.join("etc/motd")).unwrap(), b"motd\n");
     assert!(prepared.downloaded.is_empty());
 
@@ -212,7 +215,7 @@ async fn crash_leftovers_are_removed_and_the_image_re_prepared() {
     std::fs::remove_dir_all(&rootfs).unwrap();
     std::fs::remove_file(dir.join("blobs/sha256").join(&image.layer_hexes[1])).unwrap();
     registry.restart().unwrap();
-    let store = ImageStore::open(&dir, puller(&registry)).unwrap();
+    let store = ImageStore::open(&dir, puller(&registry), Some(Composition::Flattened)).unwrap();
     let prepared = store.ensure(&r, PullPolicy::IfMissing).await.unwrap();
     assert_eq!(
         prepared
@@ -236,7 +239,7 @@ async fn prune_removes_what_no_used_image_needs() {
         "the base layer is shared"
     );
     let dir = tmp.path().join("images");
-    let store = ImageStore::open(&dir, puller(&registry)).unwrap();
+    let store = ImageStore::open(&dir, puller(&registry), Some(Composition::Flattened)).unwrap();
     let (ra, rb) = (
         reference(&registry, "csi/a:v1"),
         reference(&registry, "csi/b:v1"),
@@ -274,7 +277,7 @@ async fn prune_removes_what_no_used_image_needs() {
     );
     // Durable: a re-opened store agrees.
     drop(store);
-    let store = ImageStore::open(&dir, puller(&registry)).unwrap();
+    let store = ImageStore::open(&dir, puller(&registry), Some(Composition::Flattened)).unwrap();
     assert_eq!(store.list().len(), 1);
     // Nothing used: everything goes.
     let pruned = store.prune(&BTreeSet::new()).await.unwrap();
@@ -301,7 +304,7 @@ async fn a_hostile_layer_is_refused_and_leaves_no_rootfs() {
     let image = oci_layout(&layout, &[hostile], serde_json::json!({})).unwrap();
     push(&layout, &registry, "csi/evil:v1").unwrap();
     let dir = tmp.path().join("images");
-    let store = ImageStore::open(&dir, puller(&registry)).unwrap();
+    let store = ImageStore::open(&dir, puller(&registry), Some(Composition::Flattened)).unwrap();
     let err = store
         .ensure(&reference(&registry, "csi/evil:v1"), PullPolicy::IfMissing)
         .await
@@ -331,7 +334,102 @@ fn a_hostile_index_is_refused_not_followed() {
     let err = ImageStore::open(
         &dir,
         Puller::new(RegistrySettings::docker_hub(), PullLimits::default()),
+        None,
     )
     .unwrap_err();
     assert!(matches!(err, StoreError::IndexCorrupt { .. }), "{err:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_overlayfs_each_layer_is_unpacked_once_shared_stacked_and_pruned() {
+    // Real overlay mounts: as root, in a private mount namespace.
+    csi_agent::mounts::require_private_mount_namespace();
+    let tmp = tempfile::tempdir().unwrap();
+    let registry = Registry::start(&tmp.path().join("registry")).unwrap();
+    let a = push_image(tmp.path(), &registry, "csi/a:v1", b"a\n");
+    let b = push_image(tmp.path(), &registry, "csi/b:v1", b"b\n");
+    let dir = tmp.path().join("images");
+    assert_eq!(Composition::detect(&dir), (Composition::Overlay, None));
+    let store = ImageStore::open(&dir, puller(&registry), None).unwrap();
+    let (ra, rb) = (
+        reference(&registry, "csi/a:v1"),
+        reference(&registry, "csi/b:v1"),
+    );
+    let prepared_a = store.ensure(&ra, PullPolicy::IfMissing).await.unwrap();
+    assert_eq!(store.composition(), Composition::Overlay);
+    let PreparedRoot::Layers(layers_a) = &prepared_a.root else {
+        panic!("{:?}", prepared_a.root);
+    };
+    let layers = dir.join("layers");
+    assert_eq!(names(&layers).len(), 2);
+    // The first layer's dir is named by its digest, the second by its chain id.
+    assert_eq!(layers_a[0], layers.join(&a.layer_hexes[0]));
+    assert_ne!(layers_a[1], layers.join(&a.layer_hexes[1]));
+    assert!(
+        names(&dir.join("rootfs")).is_empty(),
+        "a flattened copy was made"
+    );
+    let base_inode = std::fs::metadata(&layers_a[0]).unwrap().ino();
+
+    // The second image shares the base layer: only its own upper layer is unpacked.
+    let prepared_b = store.ensure(&rb, PullPolicy::IfMissing).await.unwrap();
+    let PreparedRoot::Layers(layers_b) = &prepared_b.root else {
+        panic!("{:?}", prepared_b.root);
+    };
+    assert_eq!(names(&layers).len(), 3);
+    assert_eq!(layers_b[0], layers_a[0]);
+    assert_eq!(std::fs::metadata(&layers_b[0]).unwrap().ino(), base_inode);
+
+    // Stacked, each is exactly its image: the whiteout hides the base's file.
+    for (layers, motd) in [(layers_a, b"a\n"), (layers_b, b"b\n")] {
+        let merged = tmp.path().join("merged");
+        std::fs::create_dir_all(&merged).unwrap();
+        csi_agent::image::overlay::mount(layers, None, &merged).unwrap();
+        let seen = (
+            std::fs::read(merged.join("etc/motd")).unwrap(),
+            merged.join("etc/removed").exists(),
+            std::fs::read(merged.join("etc/keep")).unwrap(),
+            std::fs::read_link(merged.join("bin/sh")).unwrap(),
+        );
+        rustix::mount::unmount(&merged, rustix::mount::UnmountFlags::DETACH).unwrap();
+        assert_eq!(
+            seen,
+            (
+                motd.to_vec(),
+                false,
+                b"kept".to_vec(),
+                PathBuf::from("/bin/plugin")
+            )
+        );
+    }
+
+    // A layer dir half-built when a crash came is removed by the next open.
+    let partial = layers.join(format!(".tmp-{}-0000000000000000", b.layer_hexes[1]));
+    std::fs::create_dir(&partial).unwrap();
+    drop(store);
+    let store = ImageStore::open(&dir, puller(&registry), None).unwrap();
+    assert!(!partial.exists());
+
+    // Pruning b removes only its own layer; the shared base stays for a.
+    let pruned = store
+        .prune(&BTreeSet::from([ra.to_string()]))
+        .await
+        .unwrap();
+    assert_eq!(
+        (pruned.rootfs, pruned.layers, pruned.blobs),
+        (0, 1, 2),
+        "{pruned:?}"
+    );
+    let kept: BTreeSet<String> = layers_a
+        .iter()
+        .map(|l| l.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names(&layers), kept);
+    // A warm ensure of a uses what is there.
+    let again = store.ensure(&ra, PullPolicy::IfMissing).await.unwrap();
+    assert!(again.downloaded.is_empty());
+    assert_eq!(again.root, prepared_a.root);
+    let pruned = store.prune(&BTreeSet::new()).await.unwrap();
+    assert_eq!(pruned.layers, 2, "{pruned:?}");
+    assert!(names(&layers).is_empty());
 }

@@ -11,7 +11,8 @@ use std::path::{Path, PathBuf};
 use csi_agent::beneath::BeneathError;
 use csi_agent::image::blobs::{BlobError, BlobStore, Digest, Put};
 use csi_agent::image::unpack::{
-    Compression, LimitKind, Limits, Refusal, Report, UnpackError, apply_layer,
+    Compression, LimitKind, Limits, OVERLAY_OPAQUE_XATTR, Refusal, Report, UnpackError,
+    apply_layer, apply_overlay_layer,
 };
 use tar::EntryType;
 
@@ -126,7 +127,8 @@ fn tree(root: &Path) -> BTreeMap<PathBuf, Node> {
     fn walk(root: &Path, dir: &Path, out: &mut BTreeMap<PathBuf, Node>) {
         for entry in std::fs::read_dir(dir).unwrap() {
             let path = entry.unwrap().path();
-            let meta = std::fs::symlink_metadata(&path).unwrap();
+            let meta = std::fs::symlink_metadata(&path)
+                .unwrap_or_else(|err| panic!("{}: {err}", path.display()));
             let mode = meta.permissions().mode() & 0o7777;
             let rel = path.strip_prefix(root).unwrap().to_path_buf();
             let node = if meta.file_type().is_symlink() {
@@ -202,11 +204,9 @@ impl Scene {
     }
 }
 
-#[test]
-fn two_layers_with_whiteout_and_opaque_merge_to_exactly_the_expected_tree() {
-    let scene = Scene::new();
-    let root = &scene.root;
-    let lower = LayerTar::new()
+/// The lower layer of the whiteout tests.
+fn whiteout_lower() -> Vec<u8> {
+    LayerTar::new()
         .dir("etc/", 0o755)
         .file("etc/keep", b"k", 0o644)
         .file("etc/gone", b"g", 0o644)
@@ -219,13 +219,15 @@ fn two_layers_with_whiteout_and_opaque_merge_to_exactly_the_expected_tree() {
         .file("bin/tool", b"v1", 0o755)
         .hardlink("bin/tool2", "bin/tool")
         .symlink("link", "bin/tool")
-        .dir("var/", 0o755)
+        .dir("var/", 0o711)
         .dir("var/lib/", 0o700)
         .file("var/lib/db", b"db", 0o600)
-        .bytes();
-    apply(root, &lower).unwrap();
+        .bytes()
+}
 
-    let upper = LayerTar::new()
+/// The upper layer of the whiteout tests: 5 whiteouts (2 of nothing), an opaque dir.
+fn whiteout_upper() -> Vec<u8> {
+    LayerTar::new()
         .whiteout("etc/.wh.gone")
         .dir("opt/old/", 0o750)
         // Same-layer content before the opaque marker is kept; lower content is not.
@@ -240,8 +242,15 @@ fn two_layers_with_whiteout_and_opaque_merge_to_exactly_the_expected_tree() {
         // Whiteouts of what does not exist are no-ops.
         .whiteout("etc/.wh.never")
         .whiteout("nodir/.wh.never")
-        .gzip();
-    let report = apply(root, &upper).unwrap();
+        .gzip()
+}
+
+#[test]
+fn two_layers_with_whiteout_and_opaque_merge_to_exactly_the_expected_tree() {
+    let scene = Scene::new();
+    let root = &scene.root;
+    apply(root, &whiteout_lower()).unwrap();
+    let report = apply(root, &whiteout_upper()).unwrap();
     assert_eq!(report.whiteouts, 5, "{report:?}");
 
     let file = |mode, data: &[u8]| Node::File(mode, data.to_vec());
@@ -258,7 +267,7 @@ fn two_layers_with_whiteout_and_opaque_merge_to_exactly_the_expected_tree() {
         // The hard link keeps the inode the replaced file had.
         ("bin/tool2", file(0o755, b"v1")),
         ("link", Node::Symlink(PathBuf::from("bin/tool"))),
-        ("var", Node::Dir(0o755)),
+        ("var", Node::Dir(0o711)),
         ("newdir", Node::Dir(0o755 & !umask())),
         ("newdir/file", file(0o600, b"f")),
     ]
@@ -278,6 +287,137 @@ fn two_layers_with_whiteout_and_opaque_merge_to_exactly_the_expected_tree() {
             .mtime(),
         MTIME as i64
     );
+}
+
+/// A third layer for the overlay comparison: a hard link to a file two layers down, a file
+/// under a directory this layer does not list (its mode must stay the lower one's), a file
+/// whited out and re-created in the same layer.
+fn third_layer() -> Vec<u8> {
+    LayerTar::new()
+        .hardlink("opt/linked", "etc/keep")
+        .file("var/extra", b"x", 0o640)
+        .whiteout("bin/.wh.tool2")
+        .file("bin/tool2", b"v3", 0o700)
+        .bytes()
+}
+
+/// Owner and group of everything beneath `root`, symlinks not followed.
+fn owners(root: &Path) -> BTreeMap<PathBuf, (u32, u32)> {
+    tree(root)
+        .keys()
+        .map(|rel| {
+            let meta = std::fs::symlink_metadata(root.join(rel)).unwrap();
+            (rel.clone(), (meta.uid(), meta.gid()))
+        })
+        .collect()
+}
+
+#[test]
+fn the_overlay_form_stacks_to_the_same_tree_as_the_flattened_one() {
+    // Real overlayfs mounts and whiteout device nodes: as root, in a private mount namespace.
+    csi_agent::mounts::require_private_mount_namespace();
+    let scene = Scene::new();
+    let layers = [whiteout_lower(), whiteout_upper(), third_layer()];
+    for layer in &layers {
+        apply(&scene.root, layer).unwrap();
+    }
+
+    // Each layer on its own, the ones below handed in nearest first.
+    let mut dirs: Vec<PathBuf> = Vec::new();
+    for (index, layer) in layers.iter().enumerate() {
+        let dir = scene.base.join(format!("layer{index}"));
+        std::fs::create_dir(&dir).unwrap();
+        let lowers: Vec<PathBuf> = dirs.iter().rev().cloned().collect();
+        apply_overlay_layer(
+            &dir,
+            &lowers,
+            layer.as_slice(),
+            Compression::Detect,
+            &Limits::default(),
+        )
+        .unwrap();
+        dirs.push(dir);
+    }
+    // The upper layer records its whiteouts and opaque dir as overlayfs reads them.
+    let whiteout = std::fs::symlink_metadata(dirs[1].join("etc/gone")).unwrap();
+    assert!(
+        std::os::unix::fs::FileTypeExt::is_char_device(&whiteout.file_type())
+            && whiteout.rdev() == 0,
+        "{whiteout:?}"
+    );
+    let mut value = [0u8; 4];
+    let len =
+        rustix::fs::getxattr(dirs[1].join("opt/old"), OVERLAY_OPAQUE_XATTR, &mut value).unwrap();
+    assert_eq!(&value[..len], b"y");
+    // Nothing of a lower layer is copied into an upper one but the hard-linked file.
+    assert!(!dirs[1].join("etc/keep").exists() && !dirs[2].join("etc/keep").exists());
+    assert_eq!(std::fs::read(dirs[2].join("opt/linked")).unwrap(), b"k");
+    // The lower layers were only read.
+    assert_eq!(tree(&dirs[0]).len(), 15, "{:?}", tree(&dirs[0]));
+
+    let merged = scene.base.join("merged");
+    std::fs::create_dir(&merged).unwrap();
+    csi_agent::image::overlay::mount(&dirs, None, &merged).unwrap();
+    let stacked = tree(&merged);
+    let stacked_owners = owners(&merged);
+    rustix::mount::unmount(&merged, rustix::mount::UnmountFlags::DETACH).unwrap();
+    assert_eq!(stacked, tree(&scene.root));
+    assert_eq!(stacked_owners, owners(&scene.root));
+    assert_eq!(stacked.get(Path::new("var")), Some(&Node::Dir(0o711)));
+    assert_eq!(
+        stacked.get(Path::new("opt/linked")),
+        Some(&Node::File(0o644, b"k".to_vec()))
+    );
+}
+
+#[test]
+fn the_overlay_form_refuses_hostile_entries_like_the_flattened_one() {
+    let scene = Scene::new();
+    let lower = scene.base.join("lower");
+    std::fs::create_dir(&lower).unwrap();
+    std::os::unix::fs::symlink(&scene.outside, lower.join("escape")).unwrap();
+    let outside = scene.outside_str();
+    let cases: Vec<(Vec<u8>, &str)> = vec![
+        (LayerTar::new().file("../x", b"x", 0o644).bytes(), "../x"),
+        (
+            LayerTar::new()
+                .hardlink("stolen", &format!("{outside}/secret")[1..])
+                .bytes(),
+            "stolen",
+        ),
+        // A hard link to the outside through a lower layer's symlink is not copied up.
+        (
+            LayerTar::new().hardlink("stolen", "escape/secret").bytes(),
+            "stolen",
+        ),
+        (
+            LayerTar::new().whiteout("../.wh.secret").bytes(),
+            "../.wh.secret",
+        ),
+    ];
+    for (layer, entry) in cases {
+        let dir = scene.base.join("layer");
+        std::fs::create_dir(&dir).unwrap();
+        let result = apply_overlay_layer(
+            &dir,
+            std::slice::from_ref(&lower),
+            layer.as_slice(),
+            Compression::Detect,
+            &Limits::default(),
+        );
+        assert!(result.is_err(), "{entry}: {result:?}");
+        assert!(!dir.join("stolen").exists(), "{entry}");
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(
+            std::fs::read(scene.outside.join("secret")).unwrap(),
+            b"sentinel"
+        );
+        assert_eq!(
+            scene.base_names(),
+            vec!["lower", "outside", "root"],
+            "{entry}"
+        );
+    }
 }
 
 #[test]

@@ -463,6 +463,7 @@ async fn prune_images(State(state): State<AppState>) -> ApiResult<api::ImagePrun
     Ok(Json(api::ImagePruneResponse {
         removed: pruned.references,
         rootfs_removed: pruned.rootfs,
+        layers_removed: pruned.layers,
         blobs_removed: pruned.blobs,
     }))
 }

@@ -34,7 +34,11 @@ const BIND_ONLY: &[&str] = &[
 
 /// Points of the oci runtime's launch, hit only by a plugin in a container (this matrix runs
 /// the process runtime): killed and restarted by `oci_runtime.rs`, left out of this matrix.
-const OCI_ONLY: &[&str] = &["oci.launch.after_create", "oci.launch.after_start"];
+const OCI_ONLY: &[&str] = &[
+    "oci.launch.after_overlay",
+    "oci.launch.after_create",
+    "oci.launch.after_start",
+];
 
 /// Points of the store's migration, hit while a daemon opens a work dir of the first release,
 /// not by a publish/unpublish cycle: killed and restarted by

@@ -107,16 +107,22 @@ async fn a_mesos_config_naming_an_image_runs_the_plugin_from_the_registry() {
     );
     let err = std::fs::write(root.join("probe"), b"x").unwrap_err();
     assert_eq!(err.raw_os_error(), Some(30), "{err}");
-    // The image is in the store, prepared under its manifest digest (skopeo compresses the
-    // plain layer when pushing, so that is the registry's manifest, not the layout's).
-    let prepared: Vec<String> = std::fs::read_dir(daemon.work.join("images/rootfs"))
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
+    // The image's one layer is unpacked once in the store, under its chain id (for a first
+    // layer, the digest of the blob skopeo pushed: it compresses the plain layer, so that is
+    // not the layout's), and the container's root is an overlay of it under an upper dir of
+    // its own; no flattened copy is made.
+    let prepared = dir_names(&daemon.work.join("images/layers"));
     assert_eq!(prepared.len(), 1, "{prepared:?}");
     assert_eq!(prepared[0].len(), 64, "{prepared:?}");
-    let rootfs = daemon.work.join("images/rootfs").join(&prepared[0]);
-    assert!(rootfs.join("bin/csi-testplugin").is_file());
+    let layer = daemon.work.join("images/layers").join(&prepared[0]);
+    assert!(layer.join("bin/csi-testplugin").is_file());
+    assert!(dir_names(&daemon.work.join("images/rootfs")).is_empty());
+    assert_eq!(
+        overlays_under(&daemon.work).len(),
+        1,
+        "{:?}",
+        overlays_under(&daemon.work)
+    );
     let _ = image;
     let first_gets = registry.blob_gets(None) - pushed_gets;
     assert_eq!(first_gets, 2, "the layer and the config, once each");
@@ -149,6 +155,8 @@ async fn a_mesos_config_naming_an_image_runs_the_plugin_from_the_registry() {
                               "docker": {"image": format!("{host}/csi/testplugin:v1")},
                               "volumes": [volume(&second_dir)]}
             }],
+            // Its root writable: what it writes lands in its own upper dir.
+            "runtime": {"kind": "oci", "readonly_rootfs": false},
             "startup_timeout_ms": 20000,
         }),
     );
@@ -174,6 +182,30 @@ async fn a_mesos_config_naming_an_image_runs_the_plugin_from_the_registry() {
         registry.blob_gets(None) - pushed_gets,
         first_gets,
         "the second plugin downloaded a blob"
+    );
+    // The same layer dir under both containers, each with its own overlay; nothing unpacked
+    // again.
+    assert_eq!(dir_names(&daemon.work.join("images/layers")), prepared);
+    assert_eq!(
+        overlays_under(&daemon.work).len(),
+        2,
+        "{:?}",
+        overlays_under(&daemon.work)
+    );
+    let second_info = wait_plugin(&daemon, SECOND, "the second plugin ready", |i| {
+        ready_pid(i).is_some()
+    })
+    .await;
+    let second_root = PathBuf::from(format!("/proc/{}/root", ready_pid(&second_info).unwrap()));
+    std::fs::write(second_root.join("written-by-second"), b"upper").unwrap();
+    assert!(second_root.join("bin/csi-testplugin").is_file());
+    assert!(
+        !root.join("written-by-second").exists(),
+        "the first plugin sees the second's write"
+    );
+    assert!(
+        !layer.join("written-by-second").exists(),
+        "a write reached the shared layer"
     );
 
     let mut request = publish("vol1", "w1");
@@ -201,7 +233,7 @@ async fn a_mesos_config_naming_an_image_runs_the_plugin_from_the_registry() {
     assert_eq!(images.images.len(), 1, "{images:?}");
     let listed = &images.images[0];
     assert_eq!(listed.reference, format!("{host}/csi/testplugin:v1"));
-    assert_eq!(listed.manifest, format!("sha256:{}", prepared[0]));
+    assert_eq!(listed.manifest.len(), "sha256:".len() + 64, "{listed:?}");
     // Sorted by plugin type.
     assert_eq!(listed.used_by, vec![SECOND.to_owned(), PLUGIN.to_owned()]);
     let gets = registry.blob_gets(None);
@@ -248,13 +280,22 @@ async fn a_mesos_config_naming_an_image_runs_the_plugin_from_the_registry() {
         "{pruned:?}"
     );
     assert_eq!(
-        (pruned.rootfs_removed, pruned.blobs_removed),
-        (1, 2),
+        (
+            pruned.rootfs_removed,
+            pruned.layers_removed,
+            pruned.blobs_removed
+        ),
+        (0, 1, 2),
         "{pruned:?}"
+    );
+    assert!(
+        overlays_under(&daemon.work).is_empty(),
+        "{:?}",
+        overlays_under(&daemon.work)
     );
     assert!(api.images().await.unwrap().images.is_empty());
     let images = daemon.work.join("images");
-    for dir in ["rootfs", "blobs/sha256"] {
+    for dir in ["rootfs", "layers", "blobs/sha256"] {
         let left: Vec<_> = std::fs::read_dir(images.join(dir)).unwrap().collect();
         assert!(left.is_empty(), "{dir} keeps {left:?}");
     }
@@ -303,9 +344,10 @@ async fn a_daemon_killed_mid_pull_finishes_on_restart_and_keeps_no_partial_blob(
     );
     daemon.start();
     let blobs = daemon.work.join("images/blobs/sha256");
-    let rootfs = daemon.work.join("images/rootfs");
+    // With overlayfs (this host has it) the image's layers are unpacked under `layers/`.
+    let rootfs = daemon.work.join("images/layers");
     // A publish makes the plugin start, which pulls; the daemon is SIGKILLed as soon as a
-    // blob is being written or the root file system being built.
+    // blob is being written or a layer being unpacked.
     let api = daemon.api();
     let attempt = tokio::spawn(async move { api.publish(&publish("vol1", "w1")).await });
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -480,4 +522,146 @@ async fn a_registry_down_is_reported_on_the_plugin_and_the_pull_retried_once_it_
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+fn dir_names(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+/// The overlay mounts under `dir` in this mount namespace.
+fn overlays_under(dir: &Path) -> Vec<PathBuf> {
+    csi_agent::mounts::MountTable::read()
+        .unwrap()
+        .entries()
+        .iter()
+        .filter(|m| m.fs_type == "overlay" && m.mount_point.starts_with(dir))
+        .map(|m| m.mount_point.clone())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemon_killed_while_starting_a_container_from_an_image_leaves_one_and_no_overlay() {
+    csi_agent::mounts::require_private_mount_namespace();
+    let dir = tempfile::Builder::new()
+        .prefix("csi-image-fp-")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let registry = Registry::start(&dir.path().join("registry")).unwrap();
+    let layout = dir.path().join("layout");
+    oci_layout(
+        &layout,
+        &[plugin_layer()],
+        json!({"Entrypoint": ["/bin/csi-testplugin"]}),
+    )
+    .unwrap();
+    push(&layout, &registry, "csi/testplugin:v1").unwrap();
+    let host = registry.host();
+    for point in [
+        csi_agent::runtime::oci::FP_AFTER_OVERLAY,
+        csi_agent::runtime::oci::FP_AFTER_CREATE,
+        csi_agent::runtime::oci::FP_AFTER_START,
+    ] {
+        let run = dir.path().join(point);
+        let plugin_dir = run.join("plugin");
+        std::fs::create_dir_all(&plugin_dir).unwrap();
+        let containers = Containers(run.join("sockets/runc"));
+        let mut daemon = Daemon::new(
+            &run,
+            &["--docker-registry", &host, "--insecure-registry", &host],
+        );
+        daemon.add_config(
+            "test.json",
+            &json!({
+                "type": PLUGIN,
+                "containers": [{
+                    "services": ["CONTROLLER_SERVICE", "NODE_SERVICE"],
+                    "command": {"shell": false, "arguments": [
+                        "--volumes", "vol1:1M", "--node-id", "node-1"],
+                        "environment": {"variables": [
+                            {"name": "CSI_TESTPLUGIN_WORK_DIR", "value": plugin_dir}]}},
+                    "container": {"type": "MESOS",
+                        "mesos": {"image": {"type": "DOCKER", "docker": {"name": "csi/testplugin:v1"}}},
+                        "volumes": [volume(&plugin_dir)]}
+                }],
+                "startup_timeout_ms": 20000,
+                "restart_backoff": {"initial_ms": 100, "max_ms": 500},
+            }),
+        );
+        daemon.env.push((
+            csi_agent::failpoint::ENV_VAR.to_owned(),
+            format!("{point}=exit"),
+        ));
+        daemon.start();
+        let failed = daemon.api().publish(&publish("vol1", "w1")).await;
+        assert!(failed.is_err(), "{point}: the publish succeeded");
+        daemon.wait_exit();
+        // What the kill left: the overlay mounted, and a container from the second point on.
+        assert_eq!(overlays_under(&run).len(), 1, "{point}");
+
+        daemon.env.clear();
+        daemon.start();
+        let api = daemon.api();
+        let published = api.publish(&publish("vol1", "w1")).await.unwrap();
+        assert!(is_mounted(Path::new(&published.target_path)), "{point}");
+        let info = wait_plugin(&daemon, PLUGIN, "the plugin ready", |i| {
+            ready_pid(i).is_some()
+        })
+        .await;
+        let pid = ready_pid(&info).unwrap();
+        assert!(Path::new(&format!("/proc/{pid}/root/bin/csi-testplugin")).is_file());
+        assert_eq!(
+            containers.list().len(),
+            1,
+            "{point}: {:?}",
+            containers.list()
+        );
+        // One overlay: the leftover was unmounted before the relaunch mounted afresh.
+        assert_eq!(
+            overlays_under(&run).len(),
+            1,
+            "{point}: {:?}",
+            overlays_under(&run)
+        );
+
+        api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+        std::fs::remove_file(daemon.configs.join("test.json")).unwrap();
+        api.reload().await.unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !containers.list().is_empty() || !overlays_under(&run).is_empty() {
+            assert!(
+                Instant::now() < deadline,
+                "{point}: left {:?} {:?}",
+                containers.list(),
+                overlays_under(&run)
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // No upper dir is left either.
+        let uppers: Vec<PathBuf> = walk_dirs(&daemon.work)
+            .into_iter()
+            .filter(|p| p.ends_with(csi_agent::runtime::oci::OVERLAY_DIR))
+            .collect();
+        assert_eq!(uppers, Vec::<PathBuf>::new(), "{point}");
+        drop(daemon);
+    }
+}
+
+/// Every directory beneath `dir`, symlinks not followed.
+fn walk_dirs(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return out;
+    };
+    for entry in entries.flatten() {
+        if entry.file_type().is_ok_and(|t| t.is_dir()) {
+            out.push(entry.path());
+            out.extend(walk_dirs(&entry.path()));
+        }
+    }
+    out
 }

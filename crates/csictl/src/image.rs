@@ -199,6 +199,7 @@ fn pruned(answer: &ImagePruneResponse) -> String {
             "root file systems removed",
             answer.rootfs_removed.to_string(),
         ),
+        ("layers removed", answer.layers_removed.to_string()),
         ("blobs removed", answer.blobs_removed.to_string()),
     ])
 }

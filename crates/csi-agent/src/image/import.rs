@@ -364,7 +364,7 @@ impl ImageStore {
         let prepared = self.prepare_and_record(images).await?;
         for image in &prepared {
             tracing::info!(image = %image.reference, manifest = %image.manifest,
-                rootfs = %image.rootfs.display(), "image imported");
+                root = ?image.root, "image imported");
         }
         Ok(keys
             .into_iter()

@@ -7,13 +7,16 @@
 //! - [`pull`]: the registry conversation (oci-client), every blob verified into [`blobs`],
 //!   every size and wait bounded, typed errors that say which ones are transient.
 //! - [`store`]: the image store of the daemon (`<work_dir>/images`): the blob store, a
-//!   durable index, a prepared rootfs per image, garbage collection, Mesos `cached`.
+//!   durable index, each layer unpacked once (overlayfs) or a flattened rootfs per image,
+//!   garbage collection, Mesos `cached`.
 //! - [`progress`]: the pulls in flight and their bytes, per blob, for the API and csictl.
 //! - [`blobs`]: `blobs/sha256/<hex>` under a directory the caller chooses. A blob enters only
 //!   whole and verified (digest and size checked while streaming, fsynced, renamed into place,
 //!   the directory fsynced); a partial or mismatching blob is never visible under its name.
 //! - [`import`]: an OCI layout or `docker save` archive read as a hostile stream, every blob
 //!   verified into [`blobs`], the images indexed through the same path as a pull.
+//! - [`overlay`]: the overlayfs mount of an image's layer directories under a container's
+//!   own upper directory, and the probe that says whether this host can make one.
 //! - [`unpack`]: applying a layer tar (plain or gzip) to a root directory in the OCI layer
 //!   semantics (whiteouts, opaque directories), creating every entry with `*at` syscalls
 //!   relative to a parent fd reached beneath the root without following symlinks
@@ -26,6 +29,7 @@
 
 pub mod blobs;
 pub mod import;
+pub mod overlay;
 pub mod progress;
 pub mod pull;
 pub mod reference;

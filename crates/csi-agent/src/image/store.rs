@@ -5,14 +5,23 @@
 //! - `blobs/sha256/<hex>`: the [`BlobStore`], shared by every image;
 //! - `index.json`: reference → manifest digest, config digest, layers, size, pulled at;
 //!   rewritten whole, atomically (temp file, fsync, rename, directory fsync);
-//! - `rootfs/<manifest hex>/`: the image's layers applied in order (a flattened copy, shared
-//!   read-only by every container of the image), built in `rootfs/.tmp-<hex>-<random>/`, the
-//!   file system synced, and renamed into place only when complete.
+//! - [`Composition::Overlay`] (where the host can, [`Composition::detect`]):
+//!   `layers/<chain hex>/`, each layer unpacked once, on its own, in the overlay form
+//!   ([`unpack::apply_overlay_layer`]), shared by every image that has the same layers
+//!   below it and stacked by [`super::overlay`] under each container's own upper dir. The
+//!   name is the layer's chain id, as Docker's overlay2 keys its layers: the first layer's
+//!   digest, then `sha256(<chain id below> + " " + <layer digest>)` (of the compressed blob
+//!   digests), because a layer's directory depends on the layers below it (inherited
+//!   directory modes, hard links copied up);
+//! - [`Composition::Flattened`] (the fallback): `rootfs/<manifest hex>/`, the image's layers
+//!   applied in order into one tree, shared read-only by every container of the image.
 //!
-//! So a SIGKILL at any point leaves at worst temp files and temp dirs (names starting with
-//! `.`, never a digest) which [`ImageStore::open`] removes, an index that is the old or the
-//! new one, and possibly a complete rootfs the index does not name yet (used by the next
-//! [`ImageStore::ensure`] of that image, or removed by [`ImageStore::prune`]).
+//! Either is built in a `.tmp-<hex>-<random>/` dir beside its final name, the file system
+//! synced, and renamed into place only when complete. So a SIGKILL at any point leaves at
+//! worst temp files and temp dirs (names starting with `.`, never a digest) which
+//! [`ImageStore::open`] removes, an index that is the old or the new one, and possibly
+//! complete layers or rootfs the index does not name yet (used by the next
+//! [`ImageStore::ensure`], or removed by [`ImageStore::prune`]).
 //!
 //! It owns when to pull (Mesos `cached` semantics), the index, the rootfs dirs and which blobs
 //! are garbage. It must not decide which images are in use (the caller says, from the plugin
@@ -35,8 +44,36 @@ use super::unpack::{self, Compression, Limits, UnpackError};
 
 /// The index's file name.
 pub const INDEX_FILE: &str = "index.json";
-/// The directory of prepared root file systems.
+/// The directory of prepared (flattened) root file systems.
 pub const ROOTFS_DIR: &str = "rootfs";
+/// The directory of unpacked layers (overlay form).
+pub const LAYERS_DIR: &str = "layers";
+
+/// How the store makes an image's root file system.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Composition {
+    /// Each layer unpacked once into `layers/`; a container's root is an overlay of them.
+    Overlay,
+    /// The layers applied into one `rootfs/<manifest>/` tree per image.
+    Flattened,
+}
+
+impl Composition {
+    /// Overlay when [`super::overlay::probe`] succeeds in `dir` (created if missing), else
+    /// flattened, with the probe's reason.
+    pub fn detect(dir: &Path) -> (Self, Option<String>) {
+        if let Err(err) = std::fs::create_dir_all(dir) {
+            return (
+                Self::Flattened,
+                Some(format!("mkdir {}: {err}", dir.display())),
+            );
+        }
+        match super::overlay::probe(dir) {
+            Ok(()) => (Self::Overlay, None),
+            Err(reason) => (Self::Flattened, Some(reason)),
+        }
+    }
+}
 const TEMP_PREFIX: &str = ".tmp-";
 const INDEX_VERSION: u32 = 1;
 /// An index larger than this is refused (an entry is a few hundred bytes).
@@ -87,16 +124,35 @@ pub struct ImageConfig {
     pub user: Option<String>,
 }
 
+/// Where a prepared image's root file system is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PreparedRoot {
+    /// The complete tree (`rootfs/<manifest hex>`), to be used read-only.
+    Flattened(PathBuf),
+    /// The layer directories (`layers/<chain hex>`), bottom first, to be stacked with
+    /// [`super::overlay::mount`].
+    Layers(Vec<PathBuf>),
+}
+
 /// A pulled and prepared image.
 #[derive(Clone, Debug)]
 pub struct Prepared {
     pub reference: String,
     pub manifest: Digest,
-    /// The complete root file system (`rootfs/<manifest hex>`).
-    pub rootfs: PathBuf,
+    pub root: PreparedRoot,
     pub config: ImageConfig,
     /// Blobs this call downloaded (empty when everything was in the store).
     pub downloaded: Vec<Digest>,
+}
+
+impl Prepared {
+    /// The flattened tree, when the store made one.
+    pub fn flattened(&self) -> Option<&Path> {
+        match &self.root {
+            PreparedRoot::Flattened(path) => Some(path),
+            PreparedRoot::Layers(_) => None,
+        }
+    }
 }
 
 /// What [`ImageStore::prune`] removed.
@@ -104,6 +160,7 @@ pub struct Prepared {
 pub struct Pruned {
     pub references: Vec<String>,
     pub rootfs: usize,
+    pub layers: usize,
     pub blobs: usize,
 }
 
@@ -160,6 +217,9 @@ pub struct ImageStore {
     blobs: Arc<BlobStore>,
     puller: Puller,
     limits: Limits,
+    /// Given to [`ImageStore::open`], or detected by the first image prepared (the probe
+    /// mounts, which a daemon that never runs an image need not do).
+    composition: std::sync::OnceLock<Composition>,
     index: Mutex<IndexFile>,
     /// One ensure or prune at a time: a prune must never remove what an ensure is about to
     /// use, and two ensures of one image must not build its rootfs twice.
@@ -175,30 +235,45 @@ fn io_err<'a>(op: &'static str, at: &'a Path) -> impl FnOnce(io::Error) -> Store
 }
 
 impl ImageStore {
-    /// Opens (creating) the store in `dir`, removing what a crash left half-done.
-    pub fn open(dir: &Path, puller: Puller) -> Result<Self, StoreError> {
+    /// Opens (creating) the store in `dir`, removing what a crash left half-done. Images are
+    /// prepared per `composition` from now on (`None`: [`Composition::detect`] when the
+    /// first is); what the other form prepared earlier stays until [`ImageStore::prune`]
+    /// finds no image needing it.
+    pub fn open(
+        dir: &Path,
+        puller: Puller,
+        composition: Option<Composition>,
+    ) -> Result<Self, StoreError> {
         let blobs = Arc::new(BlobStore::open(dir)?);
-        let rootfs = dir.join(ROOTFS_DIR);
-        {
-            use std::os::unix::fs::DirBuilderExt;
-            std::fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o700)
-                .create(&rootfs)
-                .map_err(io_err("mkdir", &rootfs))?;
-        }
-        for entry in std::fs::read_dir(&rootfs).map_err(io_err("list", &rootfs))? {
-            let entry = entry.map_err(io_err("list", &rootfs))?;
-            if entry.file_name().to_string_lossy().starts_with(TEMP_PREFIX) {
-                let path = entry.path();
-                remove_tree(&path)?;
-                tracing::info!(path = %path.display(), "partial root file system left by a crash removed");
+        for sub in [ROOTFS_DIR, LAYERS_DIR] {
+            let prepared = dir.join(sub);
+            {
+                use std::os::unix::fs::DirBuilderExt;
+                std::fs::DirBuilder::new()
+                    .recursive(true)
+                    .mode(0o700)
+                    .create(&prepared)
+                    .map_err(io_err("mkdir", &prepared))?;
+            }
+            for entry in std::fs::read_dir(&prepared).map_err(io_err("list", &prepared))? {
+                let entry = entry.map_err(io_err("list", &prepared))?;
+                if entry.file_name().to_string_lossy().starts_with(TEMP_PREFIX) {
+                    let path = entry.path();
+                    remove_tree(&path)?;
+                    tracing::info!(path = %path.display(), "partial root file system or layer left by a crash removed");
+                }
             }
         }
         for entry in std::fs::read_dir(dir).map_err(io_err("list", dir))? {
             let entry = entry.map_err(io_err("list", dir))?;
             if entry.file_name().to_string_lossy().starts_with(TEMP_PREFIX) {
-                std::fs::remove_file(entry.path()).map_err(io_err("remove", &entry.path()))?;
+                // Temp index files; and an overlay probe's dir a crash left.
+                let path = entry.path();
+                if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                    remove_tree(&path)?;
+                } else {
+                    std::fs::remove_file(&path).map_err(io_err("remove", &path))?;
+                }
             }
         }
         let index = read_index(&dir.join(INDEX_FILE))?;
@@ -207,6 +282,11 @@ impl ImageStore {
             blobs,
             puller,
             limits: Limits::default(),
+            composition: composition.map_or_else(std::sync::OnceLock::new, |c| {
+                let cell = std::sync::OnceLock::new();
+                let _ = cell.set(c);
+                cell
+            }),
             index: Mutex::new(index),
             busy: tokio::sync::Mutex::new(()),
         })
@@ -214,6 +294,18 @@ impl ImageStore {
 
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// How images are prepared (detected now if it was not given and is not known yet).
+    pub fn composition(&self) -> Composition {
+        *self.composition.get_or_init(|| {
+            let (composition, reason) = Composition::detect(&self.dir);
+            match reason {
+                None => tracing::info!(dir = %self.dir.display(), "image layers are unpacked once each and stacked with overlayfs"),
+                Some(reason) => tracing::warn!(dir = %self.dir.display(), %reason, "overlayfs is not usable here; each image is unpacked into a flattened root file system"),
+            }
+            composition
+        })
     }
 
     /// Resolves an image name against the daemon's default registry.
@@ -245,6 +337,33 @@ impl ImageStore {
     /// Where a prepared rootfs of `manifest` is.
     pub fn rootfs_path(&self, manifest: &Digest) -> PathBuf {
         self.dir.join(ROOTFS_DIR).join(manifest.hex())
+    }
+
+    /// Where the unpacked layers of `entry` are, bottom first (see [`chain_ids`]).
+    fn layer_paths(&self, entry: &IndexEntry) -> Result<Vec<PathBuf>, StoreError> {
+        let digests = layer_digests(&self.index_path(), entry)?;
+        Ok(chain_ids(&digests)
+            .iter()
+            .map(|chain| self.dir.join(LAYERS_DIR).join(chain.hex()))
+            .collect())
+    }
+
+    /// The prepared root of `entry` in this store's composition, when complete.
+    fn prepared_root(&self, entry: &IndexEntry) -> Result<Option<PreparedRoot>, StoreError> {
+        Ok(match self.composition() {
+            Composition::Flattened => {
+                let manifest = parse_digest(&self.index_path(), &entry.manifest)?;
+                let rootfs = self.rootfs_path(&manifest);
+                rootfs.is_dir().then_some(PreparedRoot::Flattened(rootfs))
+            }
+            Composition::Overlay => {
+                let layers = self.layer_paths(entry)?;
+                layers
+                    .iter()
+                    .all(|layer| layer.is_dir())
+                    .then_some(PreparedRoot::Layers(layers))
+            }
+        })
     }
 
     /// Makes `reference` ready: pulled (per `policy`), its rootfs prepared, its config read.
@@ -310,23 +429,32 @@ impl ImageStore {
         let mut entries = Vec::with_capacity(images.len());
         for (key, entry, downloaded) in images {
             let manifest = parse_digest(&self.index_path(), &entry.manifest)?;
-            let rootfs = self.rootfs_path(&manifest);
-            if !rootfs.is_dir() {
-                let store = BlobsAndDir {
-                    blobs: Arc::clone(&self.blobs),
-                    dir: self.dir.clone(),
-                    limits: self.limits.clone(),
-                };
-                let (key2, entry2, manifest2) = (key.clone(), entry.clone(), manifest.clone());
-                tokio::task::spawn_blocking(move || store.prepare(&key2, &entry2, &manifest2))
+            let root = match self.prepared_root(&entry)? {
+                Some(root) => root,
+                None => {
+                    let store = BlobsAndDir {
+                        blobs: Arc::clone(&self.blobs),
+                        dir: self.dir.clone(),
+                        limits: self.limits.clone(),
+                    };
+                    let (key2, entry2, manifest2) = (key.clone(), entry.clone(), manifest.clone());
+                    let composition = self.composition();
+                    tokio::task::spawn_blocking(move || match composition {
+                        Composition::Flattened => store.prepare(&key2, &entry2, &manifest2),
+                        Composition::Overlay => store.prepare_layers(&key2, &entry2),
+                    })
                     .await
                     .map_err(|err| StoreError::Task(err.to_string()))??;
-            }
+                    self.prepared_root(&entry)?.ok_or_else(|| {
+                        StoreError::Task(format!("{key}: prepared, then not found complete"))
+                    })?
+                }
+            };
             let config = self.read_config(&key, &entry)?;
             prepared.push(Prepared {
                 reference: key.clone(),
                 manifest,
-                rootfs,
+                root,
                 config,
                 downloaded,
             });
@@ -384,8 +512,7 @@ impl ImageStore {
         if !self.blobs.contains(&config)? {
             return Ok(None);
         }
-        let manifest = parse_digest(&path, &entry.manifest)?;
-        if self.rootfs_path(&manifest).is_dir() {
+        if self.prepared_root(entry)?.is_some() {
             return Ok(Some(entry.clone()));
         }
         for layer in &entry.layers {
@@ -461,24 +588,19 @@ impl ImageStore {
             })?;
         }
         pruned.references = removed;
-        let (mut keep_rootfs, mut keep_blobs) = (BTreeSet::new(), BTreeSet::new());
+        let (mut keep_rootfs, mut keep_layers, mut keep_blobs) =
+            (BTreeSet::new(), BTreeSet::new(), BTreeSet::new());
         for entry in self.lock_index().images.values() {
             keep_rootfs.insert(parse_digest(&path, &entry.manifest)?.hex().to_owned());
             keep_blobs.insert(parse_digest(&path, &entry.config)?);
-            for layer in &entry.layers {
-                keep_blobs.insert(parse_digest(&path, &layer.digest)?);
+            let layers = layer_digests(&path, entry)?;
+            for chain in chain_ids(&layers) {
+                keep_layers.insert(chain.hex().to_owned());
             }
+            keep_blobs.extend(layers);
         }
-        let rootfs_dir = self.dir.join(ROOTFS_DIR);
-        for dir_entry in std::fs::read_dir(&rootfs_dir).map_err(io_err("list", &rootfs_dir))? {
-            let dir_entry = dir_entry.map_err(io_err("list", &rootfs_dir))?;
-            let name = dir_entry.file_name().to_string_lossy().into_owned();
-            // Only names this store makes: a digest's hex (temp dirs are open's to remove).
-            if Digest::parse(&format!("sha256:{name}")).is_ok() && !keep_rootfs.contains(&name) {
-                remove_tree(&dir_entry.path())?;
-                pruned.rootfs += 1;
-            }
-        }
+        pruned.rootfs = self.remove_unkept(ROOTFS_DIR, &keep_rootfs)?;
+        pruned.layers = self.remove_unkept(LAYERS_DIR, &keep_layers)?;
         for digest in self.blobs.list()? {
             if !keep_blobs.contains(&digest) {
                 self.blobs.remove(&digest)?;
@@ -486,6 +608,22 @@ impl ImageStore {
             }
         }
         Ok(pruned)
+    }
+
+    /// Removes the dirs of `sub` whose names are digests' hex not in `keep` (temp dirs are
+    /// open's to remove); how many.
+    fn remove_unkept(&self, sub: &str, keep: &BTreeSet<String>) -> Result<usize, StoreError> {
+        let dir = self.dir.join(sub);
+        let mut removed = 0;
+        for dir_entry in std::fs::read_dir(&dir).map_err(io_err("list", &dir))? {
+            let dir_entry = dir_entry.map_err(io_err("list", &dir))?;
+            let name = dir_entry.file_name().to_string_lossy().into_owned();
+            if Digest::parse(&format!("sha256:{name}")).is_ok() && !keep.contains(&name) {
+                remove_tree(&dir_entry.path())?;
+                removed += 1;
+            }
+        }
+        Ok(removed)
     }
 
     fn index_path(&self) -> PathBuf {
@@ -547,31 +685,7 @@ impl BlobsAndDir {
                         source: Box::new(source),
                     })?;
             }
-            // Everything written reaches the disk before the name says it is complete.
-            let fd = std::fs::File::open(&temp).map_err(io_err("open", &temp))?;
-            rustix::fs::syncfs(&fd).map_err(|e| StoreError::Io {
-                op: "syncfs",
-                at: temp.clone(),
-                source: e.into(),
-            })?;
-            let target = parent.join(manifest.hex());
-            match rustix::fs::renameat_with(
-                rustix::fs::CWD,
-                &temp,
-                rustix::fs::CWD,
-                &target,
-                rustix::fs::RenameFlags::NOREPLACE,
-            ) {
-                // Another process's complete copy: as good as ours.
-                Ok(()) | Err(rustix::io::Errno::EXIST) => {}
-                Err(e) => {
-                    return Err(StoreError::Io {
-                        op: "rename",
-                        at: target,
-                        source: e.into(),
-                    });
-                }
-            }
+            sync_and_rename(&temp, &parent.join(manifest.hex()))?;
             fsync_dir(&parent)
         })();
         if temp.exists() {
@@ -582,6 +696,118 @@ impl BlobsAndDir {
         }
         result
     }
+}
+
+impl BlobsAndDir {
+    /// Unpacks each layer of `entry` not yet in `layers/` (overlay form), bottom first, each
+    /// into a temp dir that is synced and renamed to its chain id only when complete.
+    fn prepare_layers(&self, key: &str, entry: &IndexEntry) -> Result<(), StoreError> {
+        use std::os::unix::fs::DirBuilderExt;
+        let index_path = self.dir.join(INDEX_FILE);
+        let parent = self.dir.join(LAYERS_DIR);
+        let digests = layer_digests(&index_path, entry)?;
+        let chains = chain_ids(&digests);
+        let mut below: Vec<PathBuf> = Vec::with_capacity(chains.len());
+        for ((digest, chain), layer) in digests.iter().zip(&chains).zip(&entry.layers) {
+            let target = parent.join(chain.hex());
+            if !target.is_dir() {
+                let temp = parent.join(format!(
+                    "{TEMP_PREFIX}{}-{:016x}",
+                    chain.hex(),
+                    rand::random::<u64>()
+                ));
+                std::fs::DirBuilder::new()
+                    .mode(0o755)
+                    .create(&temp)
+                    .map_err(io_err("mkdir", &temp))?;
+                let result = (|| {
+                    let blob = self.blobs.open_blob(digest)?;
+                    let compression = if layer.gzip {
+                        Compression::Gzip
+                    } else {
+                        Compression::None
+                    };
+                    let lowers: Vec<PathBuf> = below.iter().rev().cloned().collect();
+                    unpack::apply_overlay_layer(
+                        &temp,
+                        &lowers,
+                        io::BufReader::new(blob),
+                        compression,
+                        &self.limits,
+                    )
+                    .map_err(|source| StoreError::Unpack {
+                        reference: key.to_owned(),
+                        layer: digest.to_string(),
+                        source: Box::new(source),
+                    })?;
+                    sync_and_rename(&temp, &target)?;
+                    fsync_dir(&parent)
+                })();
+                if temp.exists()
+                    && let Err(err) = remove_tree(&temp)
+                {
+                    tracing::warn!(path = %temp.display(), %err, "partial layer not removed");
+                }
+                result?;
+            }
+            below.push(target);
+        }
+        Ok(())
+    }
+}
+
+/// Syncs the file system of `temp` (everything written reaches the disk before the name
+/// says it is complete), then renames it to `target` unless a complete one is there.
+fn sync_and_rename(temp: &Path, target: &Path) -> Result<(), StoreError> {
+    let fd = std::fs::File::open(temp).map_err(io_err("open", temp))?;
+    rustix::fs::syncfs(&fd).map_err(|e| StoreError::Io {
+        op: "syncfs",
+        at: temp.to_path_buf(),
+        source: e.into(),
+    })?;
+    match rustix::fs::renameat_with(
+        rustix::fs::CWD,
+        temp,
+        rustix::fs::CWD,
+        target,
+        rustix::fs::RenameFlags::NOREPLACE,
+    ) {
+        // Another process's complete copy: as good as ours.
+        Ok(()) | Err(rustix::io::Errno::EXIST) => Ok(()),
+        Err(e) => Err(StoreError::Io {
+            op: "rename",
+            at: target.to_path_buf(),
+            source: e.into(),
+        }),
+    }
+}
+
+/// The layer digests of an index entry, parsed.
+fn layer_digests(index: &Path, entry: &IndexEntry) -> Result<Vec<Digest>, StoreError> {
+    entry
+        .layers
+        .iter()
+        .map(|layer| parse_digest(index, &layer.digest))
+        .collect()
+}
+
+/// Each layer's chain id (module doc): the first layer's digest, then
+/// `sha256(<chain id below> + " " + <digest>)`.
+pub fn chain_ids(layers: &[Digest]) -> Vec<Digest> {
+    use sha2::Digest as _;
+    let mut chains: Vec<Digest> = Vec::with_capacity(layers.len());
+    for layer in layers {
+        let chain = match chains.last() {
+            None => layer.clone(),
+            Some(below) => {
+                let hash = sha2::Sha256::digest(format!("{below} {layer}").as_bytes());
+                let hex: String = hash.iter().map(|b| format!("{b:02x}")).collect();
+                Digest::parse(&format!("sha256:{hex}")).unwrap_or_else(|_| layer.clone())
+            }
+        };
+        chains.push(chain);
+    }
+    chains
 }
 
 /// Seconds since the epoch (0 if the clock is before it).

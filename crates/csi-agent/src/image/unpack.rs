@@ -47,6 +47,22 @@
 //!   here, with their own bound (GNU sparse files and PAX `size` would then need handling
 //!   here too).
 //!
+//!
+//! Two forms ([`apply_layer`] and [`apply_overlay_layer`]):
+//! - **flattened**: every layer of an image applied in order to one root, whiteouts carried
+//!   out (what they hide is removed);
+//! - **overlay**: each layer into a directory of its own, to be stacked as an overlayfs
+//!   lower layer (docs/operations.md, "Image store"). Whiteouts are then recorded the way
+//!   overlayfs reads them (Documentation/filesystems/overlayfs.rst in the kernel tree): `.wh.<name>`
+//!   becomes a character device 0/0 at `<name>`, `.wh..wh..opq` the xattr
+//!   `trusted.overlay.opaque=y` on its directory. A parent directory the layer does not
+//!   list is created with the owner and mode it has in the nearest lower layer (as
+//!   containerd does), so stacking does not change it. A hard link to a file of a lower
+//!   layer (allowed by the OCI image spec's changeset rules) cannot cross directories of
+//!   different layers: the file is copied up into this layer instead (link identity with
+//!   the lower file is lost, as with containerd's overlay applier). A literal 0/0 character
+//!   device in a layer reads as a whiteout in this form, as under Docker's overlay2.
+//!
 //! On any error the root is left partly written: the caller must discard it (unpack into a
 //! fresh directory and rename it into place only when every layer applied). Nothing is
 //! fsynced here; the caller syncs before that rename.
@@ -75,6 +91,8 @@ const WHITEOUT_PREFIX: &[u8] = b".wh.";
 const OPAQUE: &[u8] = b".wh..wh..opq";
 /// Whiteout-prefixed names that are aufs bookkeeping, not whiteouts.
 const AUFS_META_PREFIX: &[u8] = b".wh..wh.";
+/// What overlayfs reads as "this directory hides the lower layers' content".
+pub const OVERLAY_OPAQUE_XATTR: &str = "trusted.overlay.opaque";
 /// Bytes copied at a time.
 const CHUNK: usize = 64 * 1024;
 /// Linux's limits on one extended attribute.
@@ -238,6 +256,39 @@ pub fn apply_layer<R: Read>(
     compression: Compression,
     limits: &Limits,
 ) -> Result<Report, UnpackError> {
+    apply(root, None, layer, compression, limits)
+}
+
+/// Unpacks one layer tar into `dir` (an empty directory the caller owns) in the overlay
+/// form (module doc). `lowers` are the directories of the layers below it, nearest first,
+/// each unpacked the same way: they are only read (parent directory metadata, hard link
+/// targets), never written.
+pub fn apply_overlay_layer<R: Read>(
+    dir: &Path,
+    lowers: &[PathBuf],
+    layer: R,
+    compression: Compression,
+    limits: &Limits,
+) -> Result<Report, UnpackError> {
+    let mut fds = Vec::with_capacity(lowers.len());
+    for lower in lowers {
+        fds.push(
+            beneath::open_root(lower).map_err(|source| UnpackError::Root {
+                root: lower.clone(),
+                source,
+            })?,
+        );
+    }
+    apply(dir, Some(fds), layer, compression, limits)
+}
+
+fn apply<R: Read>(
+    root: &Path,
+    lowers: Option<Vec<OwnedFd>>,
+    layer: R,
+    compression: Compression,
+    limits: &Limits,
+) -> Result<Report, UnpackError> {
     let root_fd = beneath::open_root(root).map_err(|source| UnpackError::Root {
         root: root.to_path_buf(),
         source,
@@ -279,6 +330,7 @@ pub fn apply_layer<R: Read>(
         report: Report::default(),
         ours: HashSet::new(),
         dirs: Vec::new(),
+        lowers,
     };
     let entries = archive.entries().map_err(read_error)?;
     for entry in entries {
@@ -316,6 +368,8 @@ struct Layer<'a> {
     ours: HashSet<Vec<u8>>,
     /// Directory metadata, applied by [`Layer::finish`].
     dirs: Vec<DirMeta>,
+    /// The overlay form: the lower layers' directories, nearest first (`None`: flattened).
+    lowers: Option<Vec<OwnedFd>>,
 }
 
 type ReadError<'f> = &'f dyn Fn(io::Error) -> UnpackError;
@@ -416,16 +470,41 @@ impl Layer<'_> {
             if target == components {
                 return Err(refused(&shown, Refusal::LinkToSelf));
             }
-            let target_dir = self
-                .open_existing_parent(target_parent, &shown)?
-                .ok_or_else(|| UnpackError::Io {
-                    entry: shown.clone(),
-                    op: "link",
-                    source: io::Error::new(
-                        io::ErrorKind::NotFound,
-                        format!("hard link target {:?} does not exist", show(&raw_target)),
-                    ),
-                })?;
+            let not_found = || UnpackError::Io {
+                entry: shown.clone(),
+                op: "link",
+                source: io::Error::new(
+                    io::ErrorKind::NotFound,
+                    format!("hard link target {:?} does not exist", show(&raw_target)),
+                ),
+            };
+            let in_this_layer = match self.open_existing_parent(target_parent, &shown)? {
+                Some(dir) => match rustix::fs::statat(
+                    &dir,
+                    target_name.as_slice(),
+                    AtFlags::SYMLINK_NOFOLLOW,
+                ) {
+                    Ok(_) => Some(dir),
+                    Err(Errno::NOENT) => None,
+                    Err(errno) => return Err(io_error(&shown, "stat", errno)),
+                },
+                None => None,
+            };
+            let Some(target_dir) = in_this_layer else {
+                if self.lowers.is_none() {
+                    return Err(not_found());
+                }
+                // The overlay form: the target is a lower layer's; copy it up.
+                if !self.lower_shows(&target, &shown)? {
+                    return Err(not_found());
+                }
+                self.remove_existing(parent_fd, name, depth, &shown)?;
+                if !self.copy_up(target_parent, target_name, parent_fd, name, &shown)? {
+                    return Err(not_found());
+                }
+                self.record(&components);
+                return Ok(());
+            };
             self.remove_existing(parent_fd, name, depth, &shown)?;
             // No AT_SYMLINK_FOLLOW: a target that is a symlink is linked itself.
             rustix::fs::linkat(
@@ -658,14 +737,20 @@ impl Layer<'_> {
             let next = match beneath::open_dir(fd.as_fd(), &at, name, None) {
                 Ok(opened) => opened.fd,
                 Err(BeneathError::NotFound { .. }) => {
-                    match rustix::fs::mkdirat(&fd, name, Mode::from_raw_mode(0o755)) {
-                        Ok(()) | Err(Errno::EXIST) => {}
+                    let made = match rustix::fs::mkdirat(&fd, name, Mode::from_raw_mode(0o755)) {
+                        Ok(()) => true,
+                        Err(Errno::EXIST) => false,
                         Err(errno) => return Err(io_error(shown, "mkdir", errno)),
-                    }
-                    self.record(parent.get(..=index).unwrap_or_default());
-                    beneath::open_dir(fd.as_fd(), &at, name, None)
+                    };
+                    let path = parent.get(..=index).unwrap_or_default();
+                    self.record(path);
+                    let opened = beneath::open_dir(fd.as_fd(), &at, name, None)
                         .map_err(|source| beneath_error(shown, source))?
-                        .fd
+                        .fd;
+                    if made {
+                        self.inherit_lower_dir(opened.as_fd(), path, shown)?;
+                    }
+                    opened
                 }
                 Err(source) => return Err(beneath_error(shown, source)),
             };
@@ -706,7 +791,11 @@ impl Layer<'_> {
         shown: &str,
     ) -> Result<(), UnpackError> {
         self.report.whiteouts += 1;
+        let overlay = self.lowers.is_some();
         if name == OPAQUE {
+            if overlay {
+                return self.mark_opaque(parent, shown);
+            }
             // A directory that does not exist has no lower content to hide.
             let Some(dir) = self.open_existing_parent(parent, shown)? else {
                 return Ok(());
@@ -725,10 +814,286 @@ impl Layer<'_> {
         if self.ours.contains(&join(&path)) {
             return Ok(());
         }
+        if overlay {
+            // overlayfs's whiteout: a character device 0/0 at the name it hides; nothing
+            // when no lower layer shows that name (as in the flattened form).
+            if !self.lower_shows(&path, shown)? {
+                return Ok(());
+            }
+            let dir = self.create_parent(parent, shown)?;
+            rustix::fs::mknodat(
+                &dir,
+                target,
+                FileType::CharacterDevice,
+                Mode::empty(),
+                rustix::fs::makedev(0, 0),
+            )
+            .map_err(|errno| io_error(shown, "mknod (whiteout)", errno))?;
+            return Ok(());
+        }
         let Some(dir) = self.open_existing_parent(parent, shown)? else {
             return Ok(());
         };
         self.remove_existing(dir.as_fd(), target, path.len(), shown)
+    }
+
+    /// The overlay form of `.wh..wh..opq`: the directory (made if this layer has not yet)
+    /// gets overlayfs's opaque xattr, hiding the lower layers' content of it, not this
+    /// layer's.
+    fn mark_opaque(&mut self, dir: &[Vec<u8>], shown: &str) -> Result<(), UnpackError> {
+        // A directory neither this layer nor a lower one has hides nothing.
+        if !self.ours.contains(&join(dir)) && !dir.is_empty() && !self.lower_shows(dir, shown)? {
+            return Ok(());
+        }
+        let opened = if let Some((name, parent)) = dir.split_last() {
+            let parent_fd = self.create_parent(parent, shown)?;
+            match rustix::fs::statat(&parent_fd, name.as_slice(), AtFlags::SYMLINK_NOFOLLOW) {
+                Ok(stat) if FileType::from_raw_mode(stat.st_mode) == FileType::Directory => {}
+                Ok(_) => {
+                    self.remove_existing(parent_fd.as_fd(), name, dir.len(), shown)?;
+                    self.mkdir(parent_fd.as_fd(), name, shown)?;
+                    self.inherit_lower_dir_at(parent_fd.as_fd(), name, dir, shown)?;
+                }
+                Err(Errno::NOENT) => {
+                    self.mkdir(parent_fd.as_fd(), name, shown)?;
+                    self.inherit_lower_dir_at(parent_fd.as_fd(), name, dir, shown)?;
+                }
+                Err(errno) => return Err(io_error(shown, "stat", errno)),
+            }
+            self.record(dir);
+            open_child_dir(parent_fd.as_fd(), name, OFlags::PATH)
+                .map_err(|errno| io_error(shown, "open", errno))?
+        } else {
+            self.dup_root(shown)?
+        };
+        let fd = rustix::fs::openat(
+            &opened,
+            ".",
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|errno| io_error(shown, "open", errno))?;
+        rustix::fs::fsetxattr(&fd, OVERLAY_OPAQUE_XATTR, b"y", XattrFlags::empty())
+            .map_err(|errno| io_error(shown, "set the opaque xattr", errno))
+    }
+
+    /// Whether the stack of lower layers shows something at `path`, walked as overlayfs
+    /// looks it up: component by component from the nearest layer down, a missing name
+    /// going on to the next layer unless its directory is opaque there, a whiteout or a
+    /// non-directory (a symlink included) on the way hiding everything below.
+    fn lower_shows(&self, path: &[Vec<u8>], shown: &str) -> Result<bool, UnpackError> {
+        let Some(lowers) = &self.lowers else {
+            return Ok(false);
+        };
+        'layers: for lower in lowers {
+            let mut dir = lower.try_clone().map_err(|source| UnpackError::Io {
+                entry: shown.to_owned(),
+                op: "dup a lower layer's fd",
+                source,
+            })?;
+            // An opaque directory anywhere on the way hides the layers below it.
+            let mut hides_below = false;
+            for (index, component) in path.iter().enumerate() {
+                let last = index + 1 == path.len();
+                match rustix::fs::statat(&dir, component.as_slice(), AtFlags::SYMLINK_NOFOLLOW) {
+                    Ok(stat) => {
+                        let file_type = FileType::from_raw_mode(stat.st_mode);
+                        if file_type == FileType::CharacterDevice && stat.st_rdev == 0 {
+                            return Ok(false);
+                        }
+                        if last {
+                            return Ok(true);
+                        }
+                        if file_type != FileType::Directory {
+                            return Ok(false);
+                        }
+                        dir = open_child_dir(dir.as_fd(), component, OFlags::PATH)
+                            .map_err(|errno| io_error(shown, "open", errno))?;
+                        hides_below |= is_opaque(dir.as_fd());
+                    }
+                    Err(Errno::NOENT) => {
+                        if hides_below || is_opaque(dir.as_fd()) {
+                            return Ok(false);
+                        }
+                        continue 'layers;
+                    }
+                    Err(errno) => return Err(io_error(shown, "stat", errno)),
+                }
+            }
+        }
+        Ok(false)
+    }
+
+    /// `inherit_lower_dir` for `name` in `parent`, a directory just made.
+    fn inherit_lower_dir_at(
+        &mut self,
+        parent: BorrowedFd<'_>,
+        name: &[u8],
+        path: &[Vec<u8>],
+        shown: &str,
+    ) -> Result<(), UnpackError> {
+        if self.lowers.is_none() {
+            return Ok(());
+        }
+        let fd = open_child_dir(parent, name, OFlags::PATH)
+            .map_err(|errno| io_error(shown, "open", errno))?;
+        self.inherit_lower_dir(fd.as_fd(), path, shown)
+    }
+
+    /// In the overlay form, a directory this layer made without an entry of its own takes
+    /// the owner, mode and times of the same directory in the nearest lower layer that has
+    /// one (the topmost layer's attributes are what the stack shows).
+    fn inherit_lower_dir(
+        &mut self,
+        dir: BorrowedFd<'_>,
+        path: &[Vec<u8>],
+        shown: &str,
+    ) -> Result<(), UnpackError> {
+        let Some(lowers) = &self.lowers else {
+            return Ok(());
+        };
+        let relative = relative(path);
+        let mut found = None;
+        for lower in lowers {
+            match beneath::open_dir(lower.as_fd(), self.root, &relative, None) {
+                Ok(opened) => {
+                    found = Some(opened.fd);
+                    break;
+                }
+                Err(BeneathError::NotFound { .. }) => {}
+                // A symlink or a file there: nothing below it shows through, keep defaults.
+                Err(_) => return Ok(()),
+            }
+        }
+        let Some(lower) = found else {
+            return Ok(());
+        };
+        let stat = rustix::fs::fstat(&lower).map_err(|errno| io_error(shown, "stat", errno))?;
+        let meta = Meta {
+            mode: stat.st_mode & 0o7777,
+            uid: stat.st_uid,
+            gid: stat.st_gid,
+            mtime: stat.st_mtime,
+            xattrs: Vec::new(),
+        };
+        let fd = rustix::fs::openat(
+            dir,
+            ".",
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|errno| io_error(shown, "open", errno))?;
+        self.set_meta_fd(fd.as_fd(), &meta, shown)
+    }
+
+    /// The overlay form's hard link to a lower layer's file: the nearest lower layer that
+    /// has `target_parent/target_name` (and does not white it out or hide it behind an
+    /// opaque directory) gives a copy of it (a regular file's data, owner, mode and times;
+    /// a symlink as it is) at `name` in `parent`. False when no lower layer has it.
+    fn copy_up(
+        &mut self,
+        target_parent: &[Vec<u8>],
+        target_name: &[u8],
+        parent: BorrowedFd<'_>,
+        name: &[u8],
+        shown: &str,
+    ) -> Result<bool, UnpackError> {
+        let Some(lowers) = self.lowers.take() else {
+            return Ok(false);
+        };
+        let result = (|| {
+            for lower in &lowers {
+                let dir = if target_parent.is_empty() {
+                    lower.try_clone().map_err(|source| UnpackError::Io {
+                        entry: shown.to_owned(),
+                        op: "dup a lower layer's fd",
+                        source,
+                    })?
+                } else {
+                    match beneath::open_dir(
+                        lower.as_fd(),
+                        self.root,
+                        &relative(target_parent),
+                        None,
+                    ) {
+                        Ok(opened) => opened.fd,
+                        Err(BeneathError::NotFound { .. }) => continue,
+                        Err(_) => return Ok(false),
+                    }
+                };
+                let stat = match rustix::fs::statat(&dir, target_name, AtFlags::SYMLINK_NOFOLLOW) {
+                    Ok(stat) => stat,
+                    Err(Errno::NOENT) => {
+                        if is_opaque(dir.as_fd()) {
+                            return Ok(false);
+                        }
+                        continue;
+                    }
+                    Err(errno) => return Err(io_error(shown, "stat", errno)),
+                };
+                let meta = Meta {
+                    mode: stat.st_mode & 0o7777,
+                    uid: stat.st_uid,
+                    gid: stat.st_gid,
+                    mtime: stat.st_mtime,
+                    xattrs: Vec::new(),
+                };
+                return match FileType::from_raw_mode(stat.st_mode) {
+                    FileType::RegularFile => {
+                        let source = rustix::fs::openat(
+                            &dir,
+                            target_name,
+                            OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                            Mode::empty(),
+                        )
+                        .map_err(|errno| io_error(shown, "open the link target", errno))?;
+                        let fd = rustix::fs::openat(
+                            parent,
+                            name,
+                            OFlags::WRONLY
+                                | OFlags::CREATE
+                                | OFlags::EXCL
+                                | OFlags::NOFOLLOW
+                                | OFlags::CLOEXEC,
+                            Mode::from_raw_mode(0o600),
+                        )
+                        .map_err(|errno| io_error(shown, "create", errno))?;
+                        let mut file = File::from(fd);
+                        let copied =
+                            io::copy(&mut File::from(source), &mut file).map_err(|source| {
+                                UnpackError::Io {
+                                    entry: shown.to_owned(),
+                                    op: "copy up the link target",
+                                    source,
+                                }
+                            })?;
+                        self.report.bytes_written =
+                            self.report.bytes_written.saturating_add(copied);
+                        if self.report.bytes_written > self.limits.max_file_bytes {
+                            return Err(limit(
+                                shown,
+                                LimitKind::FileBytes,
+                                self.limits.max_file_bytes,
+                            ));
+                        }
+                        self.set_meta_fd(file.as_fd(), &meta, shown)?;
+                        Ok(true)
+                    }
+                    FileType::Symlink => {
+                        let target = rustix::fs::readlinkat(&dir, target_name, Vec::new())
+                            .map_err(|errno| io_error(shown, "read the link target", errno))?;
+                        rustix::fs::symlinkat(target.as_bytes(), parent, name)
+                            .map_err(|errno| io_error(shown, "symlink", errno))?;
+                        Ok(true)
+                    }
+                    // A whiteout (0/0) or anything else: no file to link to.
+                    _ => Ok(false),
+                };
+            }
+            Ok(false)
+        })();
+        self.lowers = Some(lowers);
+        result
     }
 
     /// Removes what lower layers left in `dir`: everything not created by this layer, and
@@ -942,6 +1307,20 @@ fn list(dir: BorrowedFd<'_>) -> Result<Vec<Vec<u8>>, Errno> {
     Ok(names)
 }
 
+/// True when `dir` carries overlayfs's opaque xattr.
+fn is_opaque(dir: BorrowedFd<'_>) -> bool {
+    let Ok(fd) = rustix::fs::openat(
+        dir,
+        ".",
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    ) else {
+        return false;
+    };
+    let mut value = [0u8; 8];
+    matches!(rustix::fs::fgetxattr(&fd, OVERLAY_OPAQUE_XATTR, &mut value), Ok(1) if value[0] == b'y')
+}
+
 fn detect<R: Read>(input: &mut BufReader<R>) -> Result<Compression, UnpackError> {
     let head = input
         .fill_buf()
@@ -1125,6 +1504,7 @@ mod tests {
             report: Report::default(),
             ours: HashSet::new(),
             dirs: Vec::new(),
+            lowers: None,
         }
     }
 

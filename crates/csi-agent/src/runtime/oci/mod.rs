@@ -21,8 +21,12 @@
 //! - **Images**: a component whose `container` names an image (`mesos.image` or
 //!   `docker.image`) is pulled and prepared through the daemon's
 //!   [`crate::image::store::ImageStore`] before `runc create` (a failure is a failed launch:
-//!   reported on the plugin and retried with the restart backoff). Its prepared rootfs is
-//!   the container's root, always read-only (every container of the image shares it); the
+//!   reported on the plugin and retried with the restart backoff). With overlayfs, the
+//!   container's root is an overlay of the image's shared layer dirs under an upper dir of
+//!   its own (`bundle/overlay/`), mounted at `bundle/rootfs` before `runc create` and
+//!   unmounted (its upper removed) whenever the bundle is; `readonly_rootfs` applies.
+//!   Without, the image's flattened rootfs is the root, always read-only (every container of
+//!   the image shares it). The
 //!   image's Entrypoint/Cmd apply unless the config's `command` overrides them
 //!   ([`image_argv`]), its Env replaces the daemon's environment, its WorkingDir and numeric
 //!   User apply.
@@ -55,7 +59,7 @@ use super::{
 };
 use crate::config::{CommandConfig, OciConfig, RuntimeConfig, Service};
 use crate::image::reference::ContainerImage;
-use crate::image::store::{ImageConfig, ImageStore, Prepared, StoreError};
+use crate::image::store::{ImageConfig, ImageStore, Prepared, PreparedRoot, StoreError};
 use crate::mounts::MountTable;
 
 pub mod bundle;
@@ -69,8 +73,12 @@ pub const DEFAULT_OCI_RUNTIME: &str = "runc";
 pub const BUNDLE_DIR: &str = "bundle";
 /// The state root's name inside the socket root.
 pub const STATE_ROOT_DIR: &str = "runc";
-/// Failpoints of a launch: after `runc create` (a created, never started container) and
-/// after `runc start` (running, but no component record yet).
+/// The dir of a container's overlay upper and work dirs, inside its bundle.
+pub const OVERLAY_DIR: &str = "overlay";
+/// Failpoints of a launch: after the image's overlay is mounted (before the bundle), after
+/// `runc create` (a created, never started container) and after `runc start` (running, but
+/// no component record yet).
+pub const FP_AFTER_OVERLAY: &str = "oci.launch.after_overlay";
 pub const FP_AFTER_CREATE: &str = "oci.launch.after_create";
 pub const FP_AFTER_START: &str = "oci.launch.after_start";
 
@@ -580,24 +588,44 @@ impl OciRuntime {
             Some(image) => Some(self.prepare_image(image).await?),
             None => None,
         };
+        let id = container_id(&spec.container_id);
+        let bundle_dir = context.container_dir.join(BUNDLE_DIR);
         let with_image;
         let settings = match &prepared {
             Some(prepared) => {
-                with_image = OciConfig {
-                    rootfs: Some(prepared.rootfs.clone()),
-                    readonly_rootfs: Some(true),
-                    ..settings.clone()
+                with_image = match &prepared.root {
+                    // Shared by every container of the image: never writable.
+                    PreparedRoot::Flattened(rootfs) => OciConfig {
+                        rootfs: Some(rootfs.clone()),
+                        readonly_rootfs: Some(true),
+                        ..settings.clone()
+                    },
+                    // The container's own overlay: writable if the config says so.
+                    PreparedRoot::Layers(_) => OciConfig {
+                        rootfs: Some(bundle_dir.join(bundle::ROOTFS_DIR)),
+                        ..settings.clone()
+                    },
                 };
                 &with_image
             }
             None => settings,
         };
-        let id = container_id(&spec.container_id);
-        let bundle_dir = context.container_dir.join(BUNDLE_DIR);
         // A container left by a crash or an earlier run of this component (stopped, or
         // never started) would make `create` fail: it is ours, and outdated.
         self.runc.delete(&id).await?;
         remove_bundle(&bundle_dir);
+        if let Some(PreparedRoot::Layers(layers)) = prepared.as_ref().map(|p| &p.root) {
+            if let Err(err) =
+                crate::sys::blocking("overlay mount", || mount_image_root(layers, &bundle_dir))
+            {
+                remove_bundle(&bundle_dir);
+                return Err(err);
+            }
+            if let Err(err) = crate::failpoint::hit(FP_AFTER_OVERLAY) {
+                self.discard(&id, &bundle_dir).await;
+                return Err(err.into());
+            }
+        }
 
         let root = match &settings.rootfs {
             Some(rootfs) => {
@@ -1003,10 +1031,42 @@ fn open_log(path: &Path) -> Result<std::fs::File, OciError> {
         .map_err(io("cannot open log file", path))
 }
 
+/// The container's root from an image's layers: `bundle/overlay/{upper,work}` made afresh
+/// (a relaunched container starts from the image, as a new Mesos container does) and the
+/// overlay of the layers under them mounted at `bundle/rootfs`.
+fn mount_image_root(layers: &[PathBuf], bundle_dir: &Path) -> Result<(), OciError> {
+    let rootfs = bundle_dir.join(bundle::ROOTFS_DIR);
+    let upper = bundle_dir.join(OVERLAY_DIR).join("upper");
+    let work = bundle_dir.join(OVERLAY_DIR).join("work");
+    for dir in [&rootfs, &upper, &work] {
+        std::fs::create_dir_all(dir).map_err(io("cannot create", dir))?;
+    }
+    crate::image::overlay::mount(layers, Some((&upper, &work)), &rootfs).map_err(|err| {
+        OciError::Io {
+            what: "cannot mount the image's layers at",
+            path: rootfs.clone(),
+            source: std::io::Error::other(err.to_string()),
+        }
+    })
+}
+
 /// Removes the files csi-agent writes into a bundle, then the bundle dir; never
-/// recursively (the `rootfs/` mount point is empty on the host: the container's mounts live
-/// in its own mount namespace).
+/// recursively (the `rootfs/` mount point is empty on the host once its overlay, if any, is
+/// unmounted: the container's mounts live in its own mount namespace). The overlay's
+/// upper and work dirs go only after the overlay is unmounted.
 fn remove_bundle(bundle_dir: &Path) {
+    let rootfs = bundle_dir.join(bundle::ROOTFS_DIR);
+    let overlay = bundle_dir.join(OVERLAY_DIR);
+    match crate::image::overlay::unmount_if_mounted(&rootfs) {
+        Ok(_) => {
+            if let Err(err) = std::fs::remove_dir_all(&overlay)
+                && err.kind() != std::io::ErrorKind::NotFound
+            {
+                tracing::warn!(path = %overlay.display(), "cannot remove: {err}");
+            }
+        }
+        Err(err) => tracing::warn!(path = %rootfs.display(), "{err}; its upper dir is kept"),
+    }
     for name in [bundle::CONFIG_FILE, "init.pid", "runc.log"] {
         let path = bundle_dir.join(name);
         if let Err(err) = std::fs::remove_file(&path)
