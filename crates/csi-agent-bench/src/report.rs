@@ -387,19 +387,21 @@ pub fn restart_table(r: &RestartReport) -> String {
     );
     let _ = writeln!(
         out,
-        "| VmRSS with {} published (after publishing them; peak {:.1}) | {:.1} MiB | ≤ 64 MiB | {} |",
+        "| VmRSS with {} published (after publishing them; peak {:.1}) | {:.1} MiB | ≤ {:.0} MiB | {} |",
         r.volumes,
         r.hwm_loaded_mib,
         r.rss_loaded_mib,
-        pass(r.rss_loaded_mib <= restart::MAX_LOADED_MIB)
+        r.loaded_bound_mib,
+        pass(r.rss_loaded_mib <= r.loaded_bound_mib)
     );
     let _ = writeln!(
         out,
-        "| VmRSS with {} published (after the restart; peak {:.1}) | {:.1} MiB | ≤ 64 MiB | {} |",
+        "| VmRSS with {} published (after the restart; peak {:.1}) | {:.1} MiB | ≤ {:.0} MiB | {} |",
         r.volumes,
         r.hwm_after_restart_mib,
         r.rss_after_restart_mib,
-        pass(r.rss_after_restart_mib <= restart::MAX_LOADED_MIB)
+        r.loaded_bound_mib,
+        pass(r.rss_after_restart_mib <= r.loaded_bound_mib)
     );
     let _ = writeln!(
         out,
@@ -582,8 +584,9 @@ pub fn all_markdown(all: &AllReport) -> String {
     );
     let _ = writeln!(
         out,
-        "| resident memory at {} volumes ≤ 64 MiB | {:.1} MiB (after restart {:.1}) | {} |",
+        "| resident memory at {} volumes ≤ {:.0} MiB | {:.1} MiB (after restart {:.1}) | {} |",
         r.volumes,
+        r.loaded_bound_mib,
         r.rss_loaded_mib,
         r.rss_after_restart_mib,
         pass(r.loaded_pass)

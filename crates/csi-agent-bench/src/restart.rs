@@ -9,6 +9,11 @@
 //!    from the spawn: `GET /v1/health` answering, a first publish answering (an idempotent
 //!    re-publish of a published volume), and `GET /v1/volumes` listing all N volumes as
 //!    PUBLISHED. Check the plugin was adopted (same pid), and measure VmRSS again.
+//!
+//! The plugin runs with `--volatile-state`: it rewrites its whole `state.json` per commit, so
+//! at 100,000 volumes its own bookkeeping, not csi-agent, would make the set-up quadratic (a
+//! run was still publishing after 32 minutes). It is never restarted here, so what it would
+//! have kept on disk is never needed; csi-agent's store is the real, durable one.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -26,6 +31,17 @@ use crate::throughput::volume_flags;
 pub const MAX_SERVE_MS: f64 = 1000.0;
 pub const MAX_IDLE_MIB: f64 = 16.0;
 pub const MAX_LOADED_MIB: f64 = 64.0;
+/// Issue #10's bound for 100,000 records, applied above 10,000.
+pub const MAX_LOADED_MIB_LARGE: f64 = 128.0;
+
+/// The resident-memory bound for `volumes` published volumes.
+pub fn max_loaded_mib(volumes: usize) -> f64 {
+    if volumes <= 10_000 {
+        MAX_LOADED_MIB
+    } else {
+        MAX_LOADED_MIB_LARGE
+    }
+}
 
 #[derive(Clone, Debug, clap::Args)]
 pub struct RestartArgs {
@@ -77,6 +93,8 @@ pub struct RestartReport {
     pub serve_pass: bool,
     pub recovered_pass: bool,
     pub idle_pass: bool,
+    /// The bound `loaded_pass` was judged against ([`max_loaded_mib`]).
+    pub loaded_bound_mib: f64,
     pub loaded_pass: bool,
 }
 
@@ -98,7 +116,12 @@ pub async fn run(env: &Env, args: &RestartArgs) -> anyhow::Result<RestartReport>
     let mut spec = PluginSpec::new(
         &plugin_type,
         scratch.join("plugin"),
-        &["--mount-mode", "none", "--no-controller-publish"],
+        &[
+            "--mount-mode",
+            "none",
+            "--no-controller-publish",
+            "--volatile-state",
+        ],
     );
     spec.flags.extend(volume_flags(args.volumes, volume_name));
     dirs.add_plugin(env, &spec)?;
@@ -203,7 +226,8 @@ pub async fn run(env: &Env, args: &RestartArgs) -> anyhow::Result<RestartReport>
         serve_pass: ms(health).max(ms(first_publish)) <= MAX_SERVE_MS,
         recovered_pass: published_listed >= args.volumes && ms(all_listed) <= MAX_SERVE_MS,
         idle_pass: idle.rss_mib().max(idle_used.rss_mib()) <= MAX_IDLE_MIB,
-        loaded_pass: loaded.rss_mib().max(after.rss_mib()) <= MAX_LOADED_MIB,
+        loaded_bound_mib: max_loaded_mib(args.volumes),
+        loaded_pass: loaded.rss_mib().max(after.rss_mib()) <= max_loaded_mib(args.volumes),
     })
 }
 

@@ -103,6 +103,12 @@ pub struct Args {
     #[arg(long)]
     pub leave_socket: bool,
 
+    /// Keep the bookkeeping in memory only: `state.json` is neither read nor
+    /// written (benchmarks at 100,000 volumes, where rewriting the whole file
+    /// per commit would dominate). A restarted plugin forgets its records.
+    #[arg(long)]
+    pub volatile_state: bool,
+
     /// Quirk: answer `ready=false` to the first N probes.
     #[arg(long, default_value_t = 0)]
     pub probe_not_ready: u64,
@@ -147,6 +153,7 @@ pub struct Config {
     pub exit_delay: Duration,
     pub startup_delay: Duration,
     pub leave_socket: bool,
+    pub volatile_state: bool,
     pub quirks: Quirks,
 }
 
@@ -257,6 +264,7 @@ impl Args {
             exit_delay: Duration::from_millis(self.exit_delay_ms),
             startup_delay: Duration::from_millis(self.startup_delay_ms),
             leave_socket: self.leave_socket,
+            volatile_state: self.volatile_state,
             quirks: Quirks {
                 probe_not_ready: self.probe_not_ready,
                 empty_probe: self.empty_probe,

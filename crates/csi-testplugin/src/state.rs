@@ -6,6 +6,9 @@
 //! fsync, rename, fsync of the directory) with group commit so that concurrent
 //! RPCs share one write. A caller is answered only after its change is
 //! durable, so a plugin killed at any moment and restarted keeps its truth.
+//! [`Durability::Volatile`] (`--volatile-state`) keeps it in memory only, for
+//! benchmarks of csi-agent at a scale where rewriting the whole file per
+//! commit would measure this plugin instead (the file is O(volumes)).
 //!
 //! Must not: mount, create volume directories or decide CSI semantics; the
 //! closures passed to [`Store::update`] (in `plugin.rs`) do that.
@@ -104,8 +107,20 @@ struct Inner {
     generation: u64,
 }
 
+/// Whether the store writes `state.json` at all.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Durability {
+    /// Every change durable before its caller is answered (the default).
+    Durable,
+    /// Memory only: `state.json` is neither read nor written, so a restart of
+    /// the plugin forgets every record (its volume directories are re-adopted
+    /// with unknown size). Only for benchmarks that never restart the plugin.
+    Volatile,
+}
+
 /// The durable store. Cheap to share behind the plugin's `Arc`.
 pub struct Store {
+    durability: Durability,
     path: PathBuf,
     tmp_path: PathBuf,
     inner: Mutex<Inner>,
@@ -126,8 +141,12 @@ impl Store {
     /// be parsed is moved aside (`state.json.corrupt-<ns>`) and reported, so
     /// that the plugin still starts; its volume directories are re-adopted by
     /// the caller.
-    pub fn open(path: &Path) -> anyhow::Result<Self> {
-        let data = match fs::read(path) {
+    pub fn open(path: &Path, durability: Durability) -> anyhow::Result<Self> {
+        let existing = match durability {
+            Durability::Durable => fs::read(path),
+            Durability::Volatile => Err(std::io::ErrorKind::NotFound.into()),
+        };
+        let data = match existing {
             Ok(bytes) => match serde_json::from_slice::<StateFile>(&bytes) {
                 Ok(d) if d.schema_version == SCHEMA_VERSION => d,
                 Ok(d) => move_aside(
@@ -145,6 +164,7 @@ impl Store {
         let mut tmp = path.as_os_str().to_owned();
         tmp.push(".tmp");
         Ok(Self {
+            durability,
             path: path.to_owned(),
             tmp_path: PathBuf::from(tmp),
             inner: Mutex::new(Inner {
@@ -199,6 +219,9 @@ impl Store {
             }
             inner.generation += 1;
             self.durable.store(inner.generation, Ordering::SeqCst);
+            if self.durability == Durability::Volatile {
+                return Ok(());
+            }
             serde_json::to_vec_pretty(&inner.data)?
         };
         write_atomic(&self.path, &self.tmp_path, &bytes)
@@ -208,6 +231,9 @@ impl Store {
     /// made `generation` durable meanwhile, there is nothing left to do,
     /// otherwise writes a snapshot of everything changed so far.
     async fn commit(&self, generation: u64) -> anyhow::Result<()> {
+        if self.durability == Durability::Volatile {
+            return Ok(());
+        }
         let _slot = self.writer.lock().await;
         if self.durable.load(Ordering::SeqCst) >= generation {
             return Ok(());
@@ -272,7 +298,7 @@ mod tests {
     async fn update_persists_and_reloads() -> anyhow::Result<()> {
         let dir = tempfile::tempdir()?;
         let path = dir.path().join("state.json");
-        let store = Store::open(&path)?;
+        let store = Store::open(&path, Durability::Durable)?;
         store
             .update(|s| {
                 s.volumes.insert(
@@ -286,8 +312,27 @@ mod tests {
             })
             .await
             .map_err(|s| anyhow::anyhow!("{s}"))?;
-        let again = Store::open(&path)?;
+        let again = Store::open(&path, Durability::Durable)?;
         assert_eq!(again.read(|s| s.volumes["a"].capacity_bytes), 5);
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn a_volatile_store_neither_reads_nor_writes_the_file() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("state.json");
+        fs::write(&path, b"{not json")?;
+        let store = Store::open(&path, Durability::Volatile)?;
+        assert!(store.read(|s| s.volumes.is_empty()));
+        store
+            .update(|s| {
+                s.volumes.insert("a".into(), VolumeRecord::default());
+                Ok(((), true))
+            })
+            .await
+            .map_err(|s| anyhow::anyhow!("{s}"))?;
+        assert!(store.read(|s| s.volumes.contains_key("a")));
+        assert_eq!(fs::read(&path)?, b"{not json", "the file is left as it was");
         Ok(())
     }
 
@@ -296,7 +341,7 @@ mod tests {
         let dir = tempfile::tempdir()?;
         let path = dir.path().join("state.json");
         fs::write(&path, b"{not json")?;
-        let store = Store::open(&path)?;
+        let store = Store::open(&path, Durability::Durable)?;
         assert!(store.read(|s| s.volumes.is_empty()));
         assert!(!path.exists());
         let moved = fs::read_dir(dir.path())?
