@@ -13,7 +13,9 @@
 //! The plugin runs with `--volatile-state`: it rewrites its whole `state.json` per commit, so
 //! at 100,000 volumes its own bookkeeping, not csi-agent, would make the set-up quadratic (a
 //! run was still publishing after 32 minutes). It is never restarted here, so what it would
-//! have kept on disk is never needed; csi-agent's store is the real, durable one.
+//! have kept on disk is never needed; csi-agent's store is the real, durable one. The
+//! plugin's NodeStage/NodePublish still scan every volume for a path in use, so a 100,000
+//! set-up stays slow (docs/benchmarks.md, "100,000 records").
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -204,6 +206,7 @@ pub async fn run(env: &Env, args: &RestartArgs) -> anyhow::Result<RestartReport>
     daemon.stop().await?;
 
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let loaded_bound = max_loaded_mib(args.volumes);
     Ok(RestartReport {
         machine,
         volumes: args.volumes,
@@ -226,8 +229,8 @@ pub async fn run(env: &Env, args: &RestartArgs) -> anyhow::Result<RestartReport>
         serve_pass: ms(health).max(ms(first_publish)) <= MAX_SERVE_MS,
         recovered_pass: published_listed >= args.volumes && ms(all_listed) <= MAX_SERVE_MS,
         idle_pass: idle.rss_mib().max(idle_used.rss_mib()) <= MAX_IDLE_MIB,
-        loaded_bound_mib: max_loaded_mib(args.volumes),
-        loaded_pass: loaded.rss_mib().max(after.rss_mib()) <= max_loaded_mib(args.volumes),
+        loaded_bound_mib: loaded_bound,
+        loaded_pass: loaded.rss_mib().max(after.rss_mib()) <= loaded_bound,
     })
 }
 

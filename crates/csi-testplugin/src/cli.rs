@@ -15,6 +15,7 @@ use clap::{Parser, ValueEnum};
 use crate::faults::Quirks;
 use crate::model::{ApiVersion, validate_volume_name};
 use crate::mounts::MountMode;
+use crate::state::Durability;
 
 /// A real CSI plugin for tests, demos and benchmarks: volumes are
 /// directories, node publication is a bind mount, and faults can be injected
@@ -153,7 +154,7 @@ pub struct Config {
     pub exit_delay: Duration,
     pub startup_delay: Duration,
     pub leave_socket: bool,
-    pub volatile_state: bool,
+    pub state_durability: Durability,
     pub quirks: Quirks,
 }
 
@@ -264,7 +265,11 @@ impl Args {
             exit_delay: Duration::from_millis(self.exit_delay_ms),
             startup_delay: Duration::from_millis(self.startup_delay_ms),
             leave_socket: self.leave_socket,
-            volatile_state: self.volatile_state,
+            state_durability: if self.volatile_state {
+                Durability::Volatile
+            } else {
+                Durability::Durable
+            },
             quirks: Quirks {
                 probe_not_ready: self.probe_not_ready,
                 empty_probe: self.empty_probe,

@@ -28,7 +28,7 @@ use crate::faults::Faults;
 use crate::model::{ApiVersion, CapArg, Capability, validate_volume_name};
 use crate::mounts::{self, MountMode};
 use crate::rpc::Inflight;
-use crate::state::{ControllerPublication, Durability, Publication, Staging, Store, VolumeRecord};
+use crate::state::{ControllerPublication, Publication, Staging, Store, VolumeRecord};
 
 /// Size of a volume created without a capacity range (capped by
 /// `limit_bytes` when only that is given).
@@ -207,12 +207,7 @@ impl Plugin {
             }
         }
 
-        let durability = if cfg.volatile_state {
-            Durability::Volatile
-        } else {
-            Durability::Durable
-        };
-        let store = Store::open(&cfg.work_dir.join("state.json"), durability)?;
+        let store = Store::open(&cfg.work_dir.join("state.json"), cfg.state_durability)?;
         let boot_id = read_boot_id();
         let preprovisioned: HashMap<&str, i64> =
             cfg.volumes.iter().map(|(n, s)| (n.as_str(), *s)).collect();
