@@ -603,8 +603,8 @@ impl Plugin {
             self.volume_dir(id).display().to_string(),
         )]);
         self.store
-            .update(|s| {
-                let v = s.volumes.get_mut(id).ok_or_else(|| Self::not_found(id))?;
+            .update_volume(id, |v| {
+                let v = v.ok_or_else(|| Self::not_found(id))?;
                 let wanted = ControllerPublication {
                     capability: cap,
                     readonly,
@@ -648,12 +648,12 @@ impl Plugin {
         }
         let me = self.cfg.node_id.clone();
         self.store
-            .update(|s| {
+            .update_volume(id, |v| {
                 // "If the volume corresponding to the volume_id or the node
                 // corresponding to node_id cannot be found by the Plugin and
                 // the volume can be safely regarded as ControllerUnpublished
                 // from the node, the plugin SHOULD return 0 OK."
-                let Some(v) = s.volumes.get_mut(id) else {
+                let Some(v) = v else {
                     return Ok(((), false));
                 };
                 // "If the value is unset, the SP MUST unpublish the volume
@@ -855,14 +855,7 @@ impl Plugin {
             }
             return Ok(());
         }
-        let taken = self.store.read(|s| {
-            s.volumes
-                .iter()
-                .find(|(other, v)| {
-                    *other != id && v.staged.as_ref().is_some_and(|st| st.path == staging)
-                })
-                .map(|(other, _)| other.clone())
-        });
+        let taken = self.store.staging_user(staging, Some(id));
         if let Some(other) = taken {
             return Err(precondition(format!(
                 "staging_target_path {staging:?} is in use by volume {other:?}"
@@ -894,8 +887,8 @@ impl Plugin {
             capability: cap,
         };
         self.store
-            .update(|s| {
-                let v = s.volumes.get_mut(id).ok_or_else(|| Self::not_found(id))?;
+            .update_volume(id, |v| {
+                let v = v.ok_or_else(|| Self::not_found(id))?;
                 v.staged = Some(staged);
                 Ok(((), true))
             })
@@ -904,8 +897,8 @@ impl Plugin {
             && let Err(e) = mounts::bind(&dir, staging_path, false)
         {
             self.store
-                .update(|s| {
-                    if let Some(v) = s.volumes.get_mut(id) {
+                .update_volume(id, |v| {
+                    if let Some(v) = v {
                         v.staged = None;
                     }
                     Ok(((), true))
@@ -948,8 +941,8 @@ impl Plugin {
                 .map_err(|e| internal(&format!("unmounting {staging}"), e))?;
         }
         self.store
-            .update(|s| {
-                if let Some(v) = s.volumes.get_mut(id) {
+            .update_volume(id, |v| {
+                if let Some(v) = v {
                     v.staged = None;
                 }
                 Ok(((), true))
@@ -1073,12 +1066,7 @@ impl Plugin {
                 "volume {id:?} is already published at {t:?} and its access mode is not MULTI_NODE"
             )));
         }
-        let taken = self.store.read(|s| {
-            s.volumes
-                .iter()
-                .find(|(other, v)| *other != id && v.published.contains_key(&a.target_path))
-                .map(|(other, _)| other.clone())
-        });
+        let taken = self.store.target_user(&a.target_path, Some(id));
         if let Some(other) = taken {
             return Err(precondition(format!(
                 "target_path {:?} is in use by volume {other:?}",
@@ -1107,8 +1095,8 @@ impl Plugin {
         };
         if let Err(e) = self
             .store
-            .update(|s| {
-                let v = s.volumes.get_mut(id).ok_or_else(|| Self::not_found(id))?;
+            .update_volume(id, |v| {
+                let v = v.ok_or_else(|| Self::not_found(id))?;
                 v.published.insert(a.target_path.clone(), publication);
                 Ok(((), true))
             })
@@ -1122,8 +1110,8 @@ impl Plugin {
         {
             undo_mkdir(created);
             self.store
-                .update(|s| {
-                    if let Some(v) = s.volumes.get_mut(id) {
+                .update_volume(id, |v| {
+                    if let Some(v) = v {
                         v.published.remove(&a.target_path);
                     }
                     Ok(((), true))
@@ -1155,9 +1143,7 @@ impl Plugin {
             // CSI v1 a leftover empty target no volume claims (e.g. a crash
             // between unmount and rmdir) is removed, as the SP owns it.
             if version == ApiVersion::V1 && target_path.is_dir() {
-                let claimed = self
-                    .store
-                    .read(|s| s.volumes.values().any(|v| v.published.contains_key(target)));
+                let claimed = self.store.target_user(target, None).is_some();
                 let mounted = self.bind_mode() && is_mount_point(target_path)?;
                 if !claimed && !mounted {
                     // Best effort: a non-empty directory is not ours to judge.
@@ -1177,8 +1163,8 @@ impl Plugin {
             remove_target_dir(target_path)?;
         }
         self.store
-            .update(|s| {
-                if let Some(v) = s.volumes.get_mut(id) {
+            .update_volume(id, |v| {
+                if let Some(v) = v {
                     v.published.remove(target);
                 }
                 Ok(((), true))
