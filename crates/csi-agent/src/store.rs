@@ -36,6 +36,7 @@ pub use files::{
 use crate::layout::{Layout, decode_id, encode_id};
 use crate::metrics::Metrics;
 use db::{Database, Key, Op};
+use rusqlite::types::ValueRef;
 
 /// Durable volume records and secrets of every plugin under one work dir.
 #[derive(Clone, Debug)]
@@ -213,53 +214,88 @@ impl Store {
         plugin_type: &str,
         plugin_name: &str,
     ) -> Result<LoadAll<T>, StoreError> {
-        let rows: Vec<(String, u32, String)> = self
-            .db
+        // Each row is decoded as it is read, so that recovery never holds every record's
+        // JSON and its decoded form at once (at 100,000 records, tens of MiB of peak).
+        let mut records = Vec::new();
+        let mut bad = Vec::new();
+        let key_of = |volume_key: String| Key {
+            plugin_type: plugin_type.to_owned(),
+            plugin_name: plugin_name.to_owned(),
+            volume_key,
+        };
+        self.db
             .read(|conn| {
                 let mut stmt = conn.prepare_cached(
                     "SELECT volume_key, schema_version, record FROM volumes
                      WHERE plugin_type = ?1 AND plugin_name = ?2",
                 )?;
-                stmt.query_map(rusqlite::params![plugin_type, plugin_name], |row| {
-                    Ok((row.get(0)?, row.get(1)?, row.get(2)?))
-                })?
-                .collect::<rusqlite::Result<Vec<_>>>()
+                let mut rows = stmt.query(rusqlite::params![plugin_type, plugin_name])?;
+                while let Some(row) = rows.next()? {
+                    let volume_key: String = row.get(0)?;
+                    let version: u32 = row.get(1)?;
+                    // A hand-edited row may hold a blob or text that is not UTF-8: quarantined
+                    // like any other unreadable record, never a failed recovery.
+                    let bytes = match row.get_ref(2)? {
+                        ValueRef::Text(bytes) | ValueRef::Blob(bytes) => bytes,
+                        _ => &[],
+                    };
+                    let Some(volume_id) = decode_id(&volume_key) else {
+                        bad.push((
+                            key_of(volume_key),
+                            bytes.to_vec(),
+                            ProblemKind::UndecodableName,
+                            None,
+                        ));
+                        continue;
+                    };
+                    let json = match std::str::from_utf8(bytes) {
+                        Ok(json) => json,
+                        Err(err) => {
+                            bad.push((
+                                key_of(volume_key),
+                                bytes.to_vec(),
+                                ProblemKind::Unreadable(Unreadable::Corrupt(format!(
+                                    "the record is not UTF-8 text: {err}"
+                                ))),
+                                Some(volume_id),
+                            ));
+                            continue;
+                        }
+                    };
+                    if json.len() as u64 > files::MAX_FILE_BYTES {
+                        let reason = Unreadable::Corrupt(format!(
+                            "the record is {} bytes, more than the {} a record may have",
+                            json.len(),
+                            files::MAX_FILE_BYTES
+                        ));
+                        bad.push((
+                            key_of(volume_key),
+                            bytes.to_vec(),
+                            ProblemKind::Unreadable(reason),
+                            Some(volume_id),
+                        ));
+                        continue;
+                    }
+                    match decode_row::<T>(version, json) {
+                        Ok(record) => records.push(Loaded { volume_id, record }),
+                        Err(reason) => bad.push((
+                            key_of(volume_key),
+                            bytes.to_vec(),
+                            ProblemKind::Unreadable(reason),
+                            Some(volume_id),
+                        )),
+                    }
+                }
+                Ok(())
             })
             .map_err(|source| self.read_error(source))?;
         let mut out = LoadAll {
-            records: Vec::with_capacity(rows.len()),
+            records,
             problems: Vec::new(),
         };
-        let mut bad = Vec::new();
-        for (volume_key, version, json) in rows {
-            let key = Key {
-                plugin_type: plugin_type.to_owned(),
-                plugin_name: plugin_name.to_owned(),
-                volume_key,
-            };
-            let Some(volume_id) = decode_id(&key.volume_key) else {
-                bad.push((key, json, ProblemKind::UndecodableName, None));
-                continue;
-            };
-            if json.len() as u64 > files::MAX_FILE_BYTES {
-                let reason = Unreadable::Corrupt(format!(
-                    "the record is {} bytes, more than the {} a record may have",
-                    json.len(),
-                    files::MAX_FILE_BYTES
-                ));
-                bad.push((key, json, ProblemKind::Unreadable(reason), Some(volume_id)));
-                continue;
-            }
-            match decode_row::<T>(version, &json) {
-                Ok(record) => out.records.push(Loaded { volume_id, record }),
-                Err(reason) => {
-                    bad.push((key, json, ProblemKind::Unreadable(reason), Some(volume_id)))
-                }
-            }
-        }
-        for (key, json, kind, volume_id) in bad {
+        for (key, record, kind, volume_id) in bad {
             let path = self.row_path(&key);
-            let moved = self.quarantine_row(&key, &json, &kind);
+            let moved = self.quarantine_row(&key, &record, &kind);
             out.problems.push(Problem {
                 path,
                 volume_id,
@@ -325,7 +361,7 @@ impl Store {
 
     /// Moves an unreadable row into the `quarantine` table (kept for an operator, never read
     /// again by the daemon).
-    fn quarantine_row(&self, key: &Key, json: &str, kind: &ProblemKind) -> rusqlite::Result<()> {
+    fn quarantine_row(&self, key: &Key, record: &[u8], kind: &ProblemKind) -> rusqlite::Result<()> {
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs() as i64)
@@ -336,7 +372,7 @@ impl Store {
                 .execute(
                     "INSERT INTO quarantine (plugin_type, plugin_name, volume_key, record, reason, quarantined_at)
                      VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-                    rusqlite::params![key.plugin_type, key.plugin_name, key.volume_key, json.as_bytes(), kind.to_string(), now],
+                    rusqlite::params![key.plugin_type, key.plugin_name, key.volume_key, record, kind.to_string(), now],
                 )
                 .and_then(|_| {
                     conn.execute(

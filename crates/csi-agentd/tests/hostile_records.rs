@@ -349,6 +349,24 @@ async fn hostile_rows_in_the_state_database_are_quarantined_or_refused() {
     let mut big = real.clone();
     big["volume_context"] = json!({ "k": "x".repeat(9 << 20) });
     put("big", big.to_string());
+    // A record that is not UTF-8 text (stored as text, and as a blob), as a hand edit with
+    // `sqlite3` can leave it.
+    {
+        let db = rusqlite::Connection::open(work.join("state.db")).unwrap();
+        for (key, value) in [
+            ("binary", "CAST(X'7BFF22' AS TEXT)"),
+            ("blob", "X'7B22737461746522FF7D'"),
+        ] {
+            db.execute(
+                &format!(
+                    "INSERT INTO volumes (plugin_type, plugin_name, volume_key, schema_version, record)
+                     VALUES (?1, 'default', ?2, 1, {value})"
+                ),
+                rusqlite::params![PLUGIN, key],
+            )
+            .unwrap();
+        }
+    }
     // Binds outside the root: onto the victim with its mount id, through `..`, at the root
     // itself, and into the work dir.
     let victim = scene.victim.to_str().unwrap().to_owned();
@@ -371,6 +389,8 @@ async fn hostile_rows_in_the_state_database_are_quarantined_or_refused() {
     scene.assert_problem("garbage", "corrupt");
     scene.assert_problem("ghost", "unknown variant `EXPLODED`");
     scene.assert_problem("big", "more than the 8388608 a record may have");
+    scene.assert_problem("binary", "not UTF-8");
+    scene.assert_problem("blob", "not UTF-8");
     assert_eq!(db_keys(&work), vec!["vol1", "vol2", "vol3"]);
     let db = rusqlite::Connection::open_with_flags(
         work.join("state.db"),
@@ -386,7 +406,10 @@ async fn hostile_rows_in_the_state_database_are_quarantined_or_refused() {
         .unwrap();
     quarantined.sort();
     let keys: Vec<&str> = quarantined.iter().map(|(k, _)| k.as_str()).collect();
-    assert_eq!(keys, vec!["bad%zz", "big", "garbage", "ghost"]);
+    assert_eq!(
+        keys,
+        vec!["bad%zz", "big", "binary", "blob", "garbage", "ghost"]
+    );
     drop(db);
 
     let vol1 = scene.node.api().volume(PLUGIN, "vol1").await.unwrap();
