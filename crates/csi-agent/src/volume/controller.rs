@@ -131,7 +131,8 @@ impl VolumeManager {
         let mut guard = slot.lock().await;
         let mut record = guard
             .record
-            .clone()
+            .as_deref()
+            .cloned()
             .unwrap_or_else(|| VolumeRecord::new(&created.volume_id, Origin::Created));
         record.origin = Origin::Created;
         record.capacity_bytes = created.capacity_bytes;

@@ -193,7 +193,9 @@ impl From<failpoint::FailpointError> for VolumeError {
 /// One volume's lock and cached record (`None`: no record on disk).
 #[derive(Debug, Default)]
 struct Slot {
-    record: Option<VolumeRecord>,
+    /// The record as last written, shared with the read snapshot (one copy per volume: at
+    /// 100,000 volumes a second copy costs about 70 MiB).
+    record: Option<Arc<VolumeRecord>>,
     /// Secrets cached after a publish or first read, so that steps need not re-read the file.
     secrets: Option<VolumeSecrets>,
     /// The record was loaded at recovery below the state its claims want, and no operation
@@ -424,6 +426,7 @@ impl VolumeManager {
     /// Makes `record` the slot's copy and the snapshot's (`None`: forgotten), keeping the
     /// state gauge in step.
     fn set_record(&self, slot: &mut Slot, record: Option<VolumeRecord>) {
+        let record = record.map(Arc::new);
         self.count_state(
             slot.record.as_ref().map(|r| r.state),
             record.as_ref().map(|r| r.state),
@@ -436,7 +439,7 @@ impl VolumeManager {
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
             match &record {
                 Some(r) => {
-                    snapshot.insert(r.volume_id.clone(), Arc::new(r.clone()));
+                    snapshot.insert(r.volume_id.clone(), Arc::clone(r));
                 }
                 None => {
                     if let Some(old) = &slot.record {
@@ -491,7 +494,7 @@ impl VolumeManager {
         let slot = self.slot(&request.volume_id);
         let mut guard = slot.lock().await;
         let _running = self.inner.progress.begin(&request.volume_id, "publish");
-        let mut record = match guard.record.clone() {
+        let mut record = match guard.record.as_deref().cloned() {
             Some(record) => record,
             None => VolumeRecord::new(&request.volume_id, Origin::PreProvisioned),
         };
@@ -584,7 +587,7 @@ impl VolumeManager {
                 })
             }
             Err(err) => {
-                if added_claim && let Some(mut record) = guard.record.clone() {
+                if added_claim && let Some(mut record) = guard.record.as_deref().cloned() {
                     record.claims.remove(&request.workload);
                     let mut bind_kept = false;
                     if let Some(bind) = record.bind_mounts.get(&request.workload).cloned() {
@@ -634,7 +637,7 @@ impl VolumeManager {
         validate_id("workload", workload)?;
         let slot = self.slot(volume_id);
         let mut guard = slot.lock().await;
-        let Some(mut record) = guard.record.clone() else {
+        let Some(mut record) = guard.record.as_deref().cloned() else {
             return Ok(());
         };
         let _running = self.inner.progress.begin(volume_id, "unpublish");
@@ -714,7 +717,7 @@ impl VolumeManager {
     pub async fn reconcile(&self, volume_id: &str) -> Result<(), VolumeError> {
         let slot = self.slot(volume_id);
         let mut guard = slot.lock().await;
-        let Some(record) = guard.record.clone() else {
+        let Some(record) = guard.record.as_deref().cloned() else {
             return Ok(());
         };
         let _running = self.inner.progress.begin(volume_id, "reconcile");
@@ -799,7 +802,7 @@ impl VolumeManager {
             self.persist(slot, record.clone()).await?;
             failpoint::hit("volume.desire.after_write")?;
         }
-        let mut dirty = slot.record.as_ref() != Some(&record);
+        let mut dirty = slot.record.as_deref() != Some(&record);
         loop {
             let caps = if next_step(record.state, up, ALL_CAPS) == Step::Done {
                 // No step needed whatever the plugin can do: don't ask it.
