@@ -23,6 +23,7 @@ use csi_agent_api as api;
 use serde::de::DeserializeOwned;
 
 use crate::convert::{self, ApiFailure};
+use crate::volume_list::{PluginPart, VolumePage};
 
 #[derive(Clone, Debug)]
 pub struct AppState {
@@ -714,7 +715,7 @@ const MAX_PAGE: usize = 10_000;
 async fn volumes(
     State(state): State<AppState>,
     query: Result<Query<api::VolumeQuery>, axum::extract::rejection::QueryRejection>,
-) -> ApiResult<api::VolumeList> {
+) -> ApiResult<VolumePage> {
     let Query(query) = query.map_err(|e| {
         ApiFailure::invalid(format!(
             "query of GET /v1/volumes is not valid: {e}; use plugin=, state=, workload=, limit=<1..{MAX_PAGE}>, page_token="
@@ -758,12 +759,19 @@ async fn volumes(
         .filter(|t| query.plugin.as_ref().is_none_or(|p| p == t))
         .collect();
     plugins.sort();
-    let mut volumes = Vec::new();
-    let mut next_page_token = None;
+    let mut page = VolumePage {
+        parts: Vec::new(),
+        next_page_token: None,
+        recovering,
+        work_dir: state.server.work_dir().to_path_buf(),
+    };
+    let mut taken = 0;
     'plugins: for plugin_type in &plugins {
         let Some(plugin) = state.server.plugin_if_loaded(plugin_type).await else {
             continue;
         };
+        let mut records = Vec::new();
+        let mut full = false;
         for record in plugin.volumes.list_snapshot() {
             if after.as_ref().is_some_and(|(after_plugin, after_volume)| {
                 (plugin_type.as_str(), record.volume_id.as_str())
@@ -779,27 +787,27 @@ async fn volumes(
             {
                 continue;
             }
-            if volumes.len() == limit {
-                next_page_token = volumes
-                    .last()
-                    .map(|v: &api::VolumeInfo| page_token(&v.plugin, &v.volume_id));
-                break 'plugins;
+            if taken == limit {
+                full = true;
+                break;
             }
-            let target = plugin.volumes.target_path(&record.volume_id);
-            volumes.push(convert::volume_info(
-                plugin_type,
-                &record,
-                plugin.volumes.progress(&record.volume_id),
-                &target,
-                state.server.work_dir(),
-            ));
+            taken += 1;
+            records.push(record);
+        }
+        page.parts.push(PluginPart {
+            plugin_type: plugin_type.clone(),
+            plugin,
+            records,
+        });
+        if full {
+            page.next_page_token = page
+                .last()
+                .map(|(plugin, volume_id)| page_token(plugin, volume_id));
+            break 'plugins;
         }
     }
-    Ok(Json(api::VolumeList {
-        volumes,
-        next_page_token,
-        recovering,
-    }))
+    debug_assert_eq!(page.len(), taken);
+    Ok(Json(page))
 }
 
 /// A position in the list, ordered as the list is (plugin, then volume id): each part is

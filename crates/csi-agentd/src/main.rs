@@ -6,6 +6,7 @@ mod convert;
 mod listener;
 mod probe;
 mod serve;
+mod volume_list;
 
 use std::process::ExitCode;
 
