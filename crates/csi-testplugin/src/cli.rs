@@ -47,6 +47,14 @@ pub struct Args {
     #[arg(long, value_delimiter = ',')]
     pub volumes: Vec<String>,
 
+    /// A numbered series of pre-provisioned volumes: `PREFIX:COUNT:SIZE`
+    /// makes `PREFIX00000` … up to COUNT volumes, numbered from 0 with at
+    /// least five digits (`v:3:1M` is `v00000`, `v00001`, `v00002`). For
+    /// benchmarks with many volumes, whose names would otherwise fill the
+    /// plugin's command line (and the config csi-agent keeps of it).
+    #[arg(long)]
+    pub volume_series: Option<String>,
+
     /// Total capacity of the pool in bytes (suffixes as for --volumes).
     #[arg(long, default_value = "1T")]
     pub capacity: String,
@@ -229,6 +237,9 @@ impl Args {
             validate_volume_name(name).map_err(|e| anyhow::anyhow!("--volumes {v:?}: {e}"))?;
             volumes.push((name.to_owned(), parse_size(size)?));
         }
+        if let Some(series) = &self.volume_series {
+            volumes.extend(volume_series(series)?);
+        }
         let capacity = parse_size(&self.capacity)?;
 
         let work_dir = if self.work_dir.is_absolute() {
@@ -279,6 +290,29 @@ impl Args {
             work_dir,
         })
     }
+}
+
+/// The volumes of `--volume-series PREFIX:COUNT:SIZE`.
+fn volume_series(series: &str) -> anyhow::Result<Vec<(String, i64)>> {
+    let fields: Vec<&str> = series.split(':').collect();
+    let [prefix, count, size] = fields[..] else {
+        bail!("--volume-series {series:?} is not PREFIX:COUNT:SIZE");
+    };
+    let count: usize = count
+        .parse()
+        .with_context(|| format!("--volume-series {series:?}: COUNT {count:?} is not a number"))?;
+    if count > 10_000_000 {
+        bail!("--volume-series {series:?}: at most 10000000 volumes");
+    }
+    let size = parse_size(size)?;
+    (0..count)
+        .map(|i| {
+            let name = format!("{prefix}{i:05}");
+            validate_volume_name(&name)
+                .map_err(|e| anyhow::anyhow!("--volume-series {series:?}: {e}"))?;
+            Ok((name, size))
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -344,6 +378,13 @@ mod tests {
         let c = cfg(&["--volumes", "a:1Gi,b:10"])?;
         assert_eq!(c.volumes, vec![("a".into(), 1 << 30), ("b".into(), 10)]);
         assert!(cfg(&["--volumes", "a/b:1"]).is_err());
+        let c = cfg(&["--volumes", "a:1", "--volume-series", "v:3:1M"])?;
+        let names: Vec<&str> = c.volumes.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["a", "v00000", "v00001", "v00002"]);
+        assert_eq!(c.volumes[3].1, 1_000_000);
+        assert!(cfg(&["--volume-series", "v:3"]).is_err());
+        assert!(cfg(&["--volume-series", "v/x:3:1M"]).is_err());
+        assert!(cfg(&["--volume-series", "v:many:1M"]).is_err());
         assert_eq!(c.faults_path, PathBuf::from("/tmp/w/faults.json"));
         Ok(())
     }
