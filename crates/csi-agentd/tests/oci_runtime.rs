@@ -163,9 +163,34 @@ async fn the_plugin_runs_in_a_container_and_its_mounts_reach_the_host() {
     let (memory, cpu) = cgroup_limits(&daemon.socket_root);
     assert_eq!(memory, 256 * 1024 * 1024);
     assert_eq!(cpu, (50_000, 100_000));
-    // A read-only root; the state dir given as a volume is writable.
+    // The host's root, entry by entry: its top-level names, symlinks as symlinks, files
+    // as they are; read-only, the root and its entries alike.
+    let root = PathBuf::from(format!("/proc/{pid}/root"));
+    let names = |dir: &Path| -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    };
+    assert_eq!(names(&root), names(Path::new("/")));
+    for entry in std::fs::read_dir("/").unwrap() {
+        let path = entry.unwrap().path();
+        if let Ok(target) = std::fs::read_link(&path) {
+            let inside = root.join(path.strip_prefix("/").unwrap());
+            assert_eq!(std::fs::read_link(&inside).unwrap(), target, "{inside:?}");
+        }
+    }
+    assert_eq!(
+        std::fs::read(root.join("etc/os-release")).unwrap(),
+        std::fs::read("/etc/os-release").unwrap()
+    );
     let err = std::fs::write(format!("/proc/{pid}/root/csi-oci-probe"), b"x").unwrap_err();
     assert_eq!(err.raw_os_error(), Some(30), "{err}");
+    let err = std::fs::write(format!("/proc/{pid}/root/etc/csi-oci-probe"), b"x").unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(30), "{err}");
+    // The state dir given as a volume is writable.
     let inside = format!("/proc/{pid}/root{}/probe", plugin_dir.display());
     std::fs::write(&inside, b"x").unwrap();
     assert!(plugin_dir.join("probe").exists());
