@@ -4,13 +4,18 @@
 //! `unshare -m --propagation private`.
 //!
 //! `CSI_TEST_OCI_RUNTIME=crun` runs the same tests with crun as the daemon's `--oci-runtime`
-//! (`.ci/run` does both): the runtime speaks only the CLI the two share.
+//! (`.ci/run` does both): the runtime speaks only the CLI the two share. crun refuses every
+//! container on a hybrid cgroup hierarchy whose cgroup v2 part has controllers: on such a
+//! host `crun_on_a_hybrid_cgroup_host_is_refused_saying_why` checks that the daemon says so,
+//! and the other tests hide the v2 hierarchy in this binary's private mount namespace, so
+//! that crun sees (and is tested on) the host's cgroup v1 hierarchies.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use csi_agent::mounts::MountTable;
@@ -37,6 +42,69 @@ fn oci_config(plugin_dir: &Path, runtime: Value) -> Value {
 /// The OCI runtime under test: `runc` unless `CSI_TEST_OCI_RUNTIME` names another.
 fn oci_runtime() -> String {
     std::env::var("CSI_TEST_OCI_RUNTIME").unwrap_or_else(|_| "runc".to_owned())
+}
+
+fn testing_crun() -> bool {
+    Path::new(&oci_runtime())
+        .file_name()
+        .is_some_and(|name| name.to_string_lossy().contains("crun"))
+}
+
+/// The cgroup v2 hierarchy of a hybrid host, which crun refuses to run anything beside
+/// when it has controllers.
+const UNIFIED: &str = "/sys/fs/cgroup/unified";
+
+/// A shell function: `cgroup_view v1` puts a tmpfs of this mount namespace's own over
+/// /sys/fs/cgroup holding the host's v1 hierarchies (moved there) and no `unified` (crun
+/// enters every hierarchy dir it finds, and would make plain dirs in an empty one);
+/// `cgroup_view hybrid` does the same and mounts cgroup v2 at `unified` again. Nothing is
+/// written to the host's /sys/fs/cgroup.
+const CGROUP_VIEW: &str = r#"
+cgroup_view() {
+    old=$(mktemp -d /tmp/csi-oci-cgroup-XXXXXX)
+    mount --rbind /sys/fs/cgroup "$old"
+    mount -t tmpfs -o mode=755 cgroup /sys/fs/cgroup
+    for dir in "$old"/*; do
+        name=${dir##*/}
+        if [ "$name" != unified ] && mountpoint -q "$dir"; then
+            mkdir "/sys/fs/cgroup/$name"
+            mount --move "$dir" "/sys/fs/cgroup/$name"
+        fi
+    done
+    if [ "$1" = hybrid ]; then
+        mkdir /sys/fs/cgroup/unified
+        mount -t cgroup2 cgroup2 /sys/fs/cgroup/unified
+    fi
+    umount -R "$old"
+    rmdir "$old"
+}
+"#;
+
+/// Every test's first step (after checking the private mount namespace): with crun on a
+/// hybrid cgroup host whose v2 part has controllers, the v2 hierarchy is hidden in this
+/// test binary's own mount namespace (the host keeps it), so that crun sees the host's
+/// cgroup v1 hierarchies only and runs containers; what crun says on the hybrid host itself is
+/// `crun_on_a_hybrid_cgroup_host_is_refused_saying_why`'s. Returns the controllers it
+/// hid the hierarchy for.
+fn prepare_runtime() -> Option<&'static [String]> {
+    csi_agent::mounts::require_private_mount_namespace();
+    static HIDDEN: OnceLock<Option<Vec<String>>> = OnceLock::new();
+    HIDDEN
+        .get_or_init(|| {
+            let controllers = csi_agent::runtime::oci::hybrid_cgroup_v2_controllers()
+                .filter(|_| testing_crun())?;
+            let status = Command::new("sh")
+                .args(["-euc", &format!("{CGROUP_VIEW}\ncgroup_view v1")])
+                .status()
+                .unwrap();
+            assert!(status.success(), "hiding {UNIFIED}: {status}");
+            eprintln!(
+                "crun on a hybrid cgroup host (v2 controllers: {controllers:?}): {UNIFIED} \
+                 hidden in this test's mount namespace; crun runs on cgroup v1"
+            );
+            Some(controllers)
+        })
+        .as_deref()
 }
 
 /// The daemon flags that select it.
@@ -106,7 +174,7 @@ fn is_mounted(path: &Path) -> bool {
 
 #[tokio::test]
 async fn the_plugin_runs_in_a_container_and_its_mounts_reach_the_host() {
-    csi_agent::mounts::require_private_mount_namespace();
+    prepare_runtime();
     let dir = tempfile::Builder::new()
         .prefix("csi-oci-")
         .tempdir_in("/tmp")
@@ -308,7 +376,7 @@ fn cgroups_of(socket_root: &Path) -> Vec<PathBuf> {
 
 #[tokio::test]
 async fn launch_errors_are_reported_on_the_plugin_naming_the_field() {
-    csi_agent::mounts::require_private_mount_namespace();
+    prepare_runtime();
     let dir = tempfile::Builder::new()
         .prefix("csi-oci-err-")
         .tempdir_in("/tmp")
@@ -423,7 +491,7 @@ async fn launch_errors_are_reported_on_the_plugin_naming_the_field() {
 
 #[tokio::test]
 async fn a_container_stopped_while_the_daemon_was_down_is_replaced_and_a_changed_config_too() {
-    csi_agent::mounts::require_private_mount_namespace();
+    prepare_runtime();
     let dir = tempfile::Builder::new()
         .prefix("csi-oci-re-")
         .tempdir_in("/tmp")
@@ -552,7 +620,7 @@ fn plugin_processes(dir: &Path) -> Vec<u32> {
 
 #[tokio::test]
 async fn a_daemon_killed_while_starting_a_container_leaves_exactly_one_after_restart() {
-    csi_agent::mounts::require_private_mount_namespace();
+    prepare_runtime();
     for point in [
         csi_agent::runtime::oci::FP_AFTER_CREATE,
         csi_agent::runtime::oci::FP_AFTER_START,
@@ -611,4 +679,65 @@ async fn a_daemon_killed_while_starting_a_container_leaves_exactly_one_after_res
             "{point}"
         );
     }
+}
+
+#[tokio::test]
+async fn crun_on_a_hybrid_cgroup_host_is_refused_saying_why() {
+    let Some(controllers) = prepare_runtime() else {
+        eprintln!(
+            "skipped: {} on this host's cgroups is not refused (only crun on a hybrid \
+             hierarchy whose cgroup v2 part has controllers is)",
+            oci_runtime()
+        );
+        return;
+    };
+    let dir = tempfile::Builder::new()
+        .prefix("csi-oci-hybrid-")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let plugin_dir = dir.path().join("plugin");
+    std::fs::create_dir_all(&plugin_dir).unwrap();
+    let mut daemon = Daemon::new(dir.path(), &oci_flags());
+    // The daemon sees the host's cgroups as they are: the v1 hierarchies and the v2 one
+    // mounted again, in a mount namespace of its own (nothing it mounts needs to reach this
+    // test, whose /sys/fs/cgroup stays as it is).
+    daemon.wrapper = [
+        "unshare",
+        "-m",
+        "--propagation",
+        "unchanged",
+        "sh",
+        "-euc",
+        &format!("{CGROUP_VIEW}\ncgroup_view hybrid\nexec \"$0\" \"$@\""),
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    daemon.add_config(
+        "test.json",
+        &oci_config(&plugin_dir, json!({"kind": "oci"})),
+    );
+    daemon.start();
+    let api = daemon.api();
+    let publishing = {
+        let api = api.clone();
+        tokio::spawn(async move { api.publish(&publish("vol1", "w1")).await })
+    };
+    let info = wait_plugin(&daemon, "the refusal", Duration::from_secs(20), |i| {
+        i.error.is_some()
+    })
+    .await;
+    publishing.abort();
+    let error = info.error.clone().unwrap();
+    assert_eq!(info.state, "restarting", "{info:?}");
+    // It names the cause (the hybrid hierarchy and its v2 controllers) and the ways out.
+    for wanted in [
+        "hybrid hierarchy",
+        "/sys/fs/cgroup/unified",
+        &controllers.join(" "),
+        "use runc (the daemon's --oci-runtime)",
+        "cgroups in hybrid mode not supported",
+    ] {
+        assert!(error.contains(wanted), "{wanted:?} not in {error}");
+    }
+    assert_eq!(runc_list(&daemon.socket_root), Vec::<Value>::new());
 }

@@ -372,6 +372,40 @@ pub fn limits(resources: &[Value]) -> Result<Limits, (String, String)> {
     Ok(limits)
 }
 
+/// The controllers of the cgroup v2 part of a hybrid cgroup hierarchy (v1 hierarchies under
+/// `/sys/fs/cgroup`, cgroup v2 at `/sys/fs/cgroup/unified`), as its `cgroup.controllers`
+/// lists them; `None` on a pure v1 or v2 host, or when the v2 part has none.
+pub fn hybrid_cgroup_v2_controllers() -> Option<Vec<String>> {
+    let root = Path::new("/sys/fs/cgroup");
+    if root.join("cgroup.controllers").exists() {
+        return None;
+    }
+    let listed = std::fs::read_to_string(root.join("unified/cgroup.controllers")).ok()?;
+    let controllers: Vec<String> = listed.split_whitespace().map(str::to_owned).collect();
+    (!controllers.is_empty()).then_some(controllers)
+}
+
+/// What crun answers, at `create`, for every container on a hybrid cgroup hierarchy whose
+/// cgroup v2 part has controllers (its libcrun checks `unified/cgroup.controllers`).
+const CRUN_HYBRID_REFUSAL: &str = "cgroups in hybrid mode not supported";
+
+/// A failed `create`, said plainly when the runtime refused this host's cgroup layout rather
+/// than the container (crun on a hybrid hierarchy with v2 controllers; see
+/// [`OciError::HybridCgroups`]).
+fn explain_create_failure(runc: &Runc, err: RuncError) -> OciError {
+    if let RuncError::Failed { message, .. } = &err
+        && message.contains(CRUN_HYBRID_REFUSAL)
+        && let Some(controllers) = hybrid_cgroup_v2_controllers()
+    {
+        return OciError::HybridCgroups {
+            binary: runc.binary().to_path_buf(),
+            controllers: controllers.join(" "),
+            message: message.clone(),
+        };
+    }
+    err.into()
+}
+
 /// Whether this host's cgroups can enforce a controller (`cpu`, `memory`): a v1 hierarchy
 /// of that name, or the controller listed in the v2 root's `cgroup.controllers`.
 pub fn cgroup_controller_available(controller: &str) -> bool {
@@ -388,6 +422,17 @@ pub fn cgroup_controller_available(controller: &str) -> bool {
 pub enum OciError {
     #[error(transparent)]
     Runc(#[from] RuncError),
+    /// The runtime refuses every container on this host's cgroups, whatever the config: crun
+    /// on a hybrid hierarchy whose cgroup v2 part (`/sys/fs/cgroup/unified`) has controllers.
+    #[error(
+        "the OCI runtime `{}` refuses every container on this host's cgroups: a hybrid hierarchy (cgroup v1 under /sys/fs/cgroup, cgroup v2 at /sys/fs/cgroup/unified) whose cgroup v2 part has controllers ({controllers}), which crun does not support whatever the container's resources; use runc (the daemon's --oci-runtime), mount those controllers as cgroup v1 hierarchies, or boot with the unified cgroup v2 hierarchy (systemd.unified_cgroup_hierarchy=1) (the runtime said: {message})",
+        binary.display()
+    )]
+    HybridCgroups {
+        binary: PathBuf,
+        controllers: String,
+        message: String,
+    },
     #[error(
         "runtime.rootfs: {} does not exist or is not a directory: unpack the image there or fix the path",
         path.display()
@@ -797,7 +842,7 @@ impl OciRuntime {
             .await
         {
             self.discard(&id, &bundle_dir).await;
-            return Err(err.into());
+            return Err(explain_create_failure(&self.runc, err));
         }
         if let Err(err) = crate::failpoint::hit(FP_AFTER_CREATE) {
             self.discard(&id, &bundle_dir).await;
