@@ -643,7 +643,7 @@ async fn a_daemon_killed_while_starting_a_container_leaves_exactly_one_after_res
         daemon.start();
         let failed = daemon.api().publish(&publish("vol1", "w1")).await;
         assert!(failed.is_err(), "{point}: the publish succeeded");
-        daemon.wait_exit();
+        daemon.wait_exit_within(Duration::from_secs(60));
         // The container is left behind, created or running, with no record of it.
         let left = runc_list(&daemon.socket_root);
         assert_eq!(left.len(), 1, "{point}: {left:?}");

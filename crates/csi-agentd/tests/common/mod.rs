@@ -133,6 +133,23 @@ impl Daemon {
         }
     }
 
+    /// Waits for the daemon to exit on its own (a failpoint's `exit`), failing the test
+    /// (the daemon killed) if it still runs after `limit`.
+    pub fn wait_exit_within(&mut self, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        while let Some(child) = self.child.as_mut() {
+            if child.try_wait().unwrap().is_some() {
+                self.child = None;
+                return;
+            }
+            if Instant::now() >= deadline {
+                self.kill9();
+                panic!("the daemon did not exit within {limit:?}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     pub fn kill9(&mut self) {
         if let Some(mut child) = self.child.take() {
             child.kill().unwrap();
