@@ -1,6 +1,7 @@
 //! The `oci` runtime end to end: the real `csi-agentd` runs the real `csi-testplugin` inside a
 //! runc container (runc must be installed: `scripts/test` and `.ci/run` install it), and the
-//! mounts the plugin makes inside the container reach the host. Real mounts: run under
+//! mounts the plugin makes inside the container reach the host; of `container.volumes`, only
+//! a BIDIRECTIONAL one carries mounts made inside out to the host. Real mounts: run under
 //! `unshare -m --propagation private`.
 //!
 //! `CSI_TEST_OCI_RUNTIME=crun` runs the same tests with crun as the daemon's `--oci-runtime`
@@ -740,4 +741,169 @@ async fn crun_on_a_hybrid_cgroup_host_is_refused_saying_why() {
         assert!(error.contains(wanted), "{wanted:?} not in {error}");
     }
     assert_eq!(runc_list(&daemon.socket_root), Vec::<Value>::new());
+}
+
+/// Runs `argv` inside the test plugin's container (`runc exec`, or crun's).
+fn exec_in_container(socket_root: &Path, argv: &[&str]) -> std::process::Output {
+    Command::new(oci_runtime())
+        .arg("--root")
+        .arg(socket_root.join("runc"))
+        .args(["exec", ID])
+        .args(argv)
+        .output()
+        .unwrap()
+}
+
+fn exec_ok(socket_root: &Path, argv: &[&str]) {
+    let out = exec_in_container(socket_root, argv);
+    assert!(
+        out.status.success(),
+        "{argv:?} in the container: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The source (`tmpfs` device name) of what is mounted at `path` in `table`, if anything.
+fn mounted_source(table: &MountTable, path: &Path) -> Option<String> {
+    table.mount_at(path).map(|m| m.source.clone())
+}
+
+/// Makes `dir` a shared mount of its own in the test's namespace (a bind onto itself), as
+/// systemd makes every mount of a host shared.
+fn share(dir: &Path) {
+    rustix::mount::mount_bind(dir, dir).unwrap();
+    rustix::mount::mount_change(dir, rustix::mount::MountPropagationFlags::SHARED).unwrap();
+}
+
+#[tokio::test]
+async fn only_bidirectional_volumes_carry_mounts_made_inside_out_to_the_host() {
+    prepare_runtime();
+    let dir = tempfile::Builder::new()
+        .prefix("csi-oci-prop-")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let plugin_dir = dir.path().join("plugin");
+    std::fs::create_dir_all(&plugin_dir).unwrap();
+    // Four volumes, each a shared mount on the host so that only its propagation mode
+    // decides: BIDIRECTIONAL, HOST_TO_CONTAINER, a `source.host_path` without a mode and the
+    // plain `host_path` field. Each is bound at another path in the container (under its
+    // own /tmp), so what appears on the host can only have come through the volume.
+    let modes = ["bidirectional", "host-to-container", "no-mode", "plain"];
+    let host = |mode: &str| dir.path().join(format!("host-{mode}"));
+    let inside = |mode: &str| PathBuf::from(format!("/tmp/csi-prop-{mode}"));
+    for mode in modes {
+        std::fs::create_dir_all(host(mode).join("m")).unwrap();
+        std::fs::create_dir_all(host(mode).join("n")).unwrap();
+        share(&host(mode));
+    }
+    let mut config = oci_config(&plugin_dir, json!({"kind": "oci"}));
+    let volumes = config["containers"][0]["container"]["volumes"]
+        .as_array_mut()
+        .unwrap();
+    volumes.push(json!({"container_path": inside(modes[0]), "mode": "RW",
+        "source": {"type": "HOST_PATH", "host_path": {"path": host(modes[0]),
+                   "mount_propagation": {"mode": "BIDIRECTIONAL"}}}}));
+    volumes.push(json!({"container_path": inside(modes[1]), "mode": "RW",
+        "source": {"type": "HOST_PATH", "host_path": {"path": host(modes[1]),
+                   "mount_propagation": {"mode": "HOST_TO_CONTAINER"}}}}));
+    volumes.push(json!({"container_path": inside(modes[2]), "mode": "RW",
+        "source": {"type": "HOST_PATH", "host_path": {"path": host(modes[2])}}}));
+    volumes.push(
+        json!({"container_path": inside(modes[3]), "host_path": host(modes[3]),
+        "mode": "RW"}),
+    );
+    let mut daemon = Daemon::new(dir.path(), &oci_flags());
+    daemon.add_config("test.json", &config);
+    daemon.start();
+    let api = daemon.api();
+    api.publish(&publish("vol1", "w1")).await.unwrap();
+    let info = wait_plugin(&daemon, "the plugin ready", Duration::from_secs(20), |i| {
+        ready_pid(i).is_some()
+    })
+    .await;
+    let pid = ready_pid(&info).unwrap();
+    let container_table = || MountTable::read_from(Path::new(&format!("/proc/{pid}/mountinfo")));
+
+    // A tmpfs mounted inside beneath each container_path, named after its volume.
+    for mode in modes {
+        let target = inside(mode).join("m");
+        let target = target.to_str().unwrap();
+        let source = format!("csi-prop-{mode}");
+        exec_ok(
+            &daemon.socket_root,
+            &["mount", "-t", "tmpfs", "-o", "size=1m", &source, target],
+        );
+        let table = container_table().unwrap();
+        assert_eq!(
+            mounted_source(&table, Path::new(target)).as_deref(),
+            Some(source.as_str()),
+            "not mounted inside the container"
+        );
+    }
+    // BIDIRECTIONAL: it is on the host at host_path, the same file system.
+    let table = MountTable::read().unwrap();
+    assert_eq!(
+        mounted_source(&table, &host(modes[0]).join("m")).as_deref(),
+        Some("csi-prop-bidirectional"),
+        "a mount made inside a BIDIRECTIONAL volume did not reach the host"
+    );
+    exec_ok(
+        &daemon.socket_root,
+        &[
+            "sh",
+            "-c",
+            "echo inside > /tmp/csi-prop-bidirectional/m/file",
+        ],
+    );
+    assert_eq!(
+        std::fs::read_to_string(host(modes[0]).join("m/file")).unwrap(),
+        "inside\n"
+    );
+    // The others: the host never sees it.
+    for mode in &modes[1..] {
+        assert_eq!(
+            mounted_source(&table, &host(mode).join("m")),
+            None,
+            "a mount made inside a {mode} volume reached the host"
+        );
+    }
+    // Host to container, every mode: a mount made on the host afterwards is seen inside.
+    for mode in modes {
+        let source = format!("csi-prop-host-{mode}");
+        rustix::mount::mount(
+            source.as_str(),
+            host(mode).join("n"),
+            "tmpfs",
+            rustix::mount::MountFlags::empty(),
+            None,
+        )
+        .unwrap();
+        assert_eq!(
+            mounted_source(&container_table().unwrap(), &inside(mode).join("n")).as_deref(),
+            Some(source.as_str()),
+            "a mount made on the host under a {mode} volume is not seen inside"
+        );
+    }
+
+    // Its unmount inside disappears on the host.
+    exec_ok(
+        &daemon.socket_root,
+        &["umount", "/tmp/csi-prop-bidirectional/m"],
+    );
+    assert_eq!(
+        mounted_source(&MountTable::read().unwrap(), &host(modes[0]).join("m")),
+        None,
+        "unmounted inside, still mounted on the host"
+    );
+
+    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    std::fs::remove_file(daemon.configs.join("test.json")).unwrap();
+    api.reload().await.unwrap();
+    assert_eq!(runc_list(&daemon.socket_root), Vec::<Value>::new());
+    for mode in modes {
+        for path in [host(mode).join("n"), host(mode)] {
+            rustix::mount::unmount(&path, rustix::mount::UnmountFlags::empty()).unwrap();
+        }
+    }
+    assert_eq!(mounts_under(dir.path()), Vec::<PathBuf>::new());
 }
