@@ -907,3 +907,61 @@ async fn only_bidirectional_volumes_carry_mounts_made_inside_out_to_the_host() {
     }
     assert_eq!(mounts_under(dir.path()), Vec::<PathBuf>::new());
 }
+
+#[tokio::test]
+async fn a_bidirectional_volume_on_a_mount_that_is_not_shared_is_refused_naming_it() {
+    prepare_runtime();
+    let dir = tempfile::Builder::new()
+        .prefix("csi-oci-noshare-")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let plugin_dir = dir.path().join("plugin");
+    std::fs::create_dir_all(&plugin_dir).unwrap();
+    // /tmp is a private mount in the test's namespace (`unshare --propagation private`).
+    let bidirectional = dir.path().join("host-bidirectional");
+    std::fs::create_dir_all(&bidirectional).unwrap();
+    let mut config = oci_config(&plugin_dir, json!({"kind": "oci"}));
+    config["containers"][0]["container"]["volumes"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"container_path": "/tmp/csi-prop-bidirectional",
+            "source": {"type": "HOST_PATH", "host_path": {"path": bidirectional,
+                       "mount_propagation": {"mode": "BIDIRECTIONAL"}}}}));
+    let mut daemon = Daemon::new(dir.path(), &oci_flags());
+    daemon.add_config("test.json", &config);
+    daemon.start();
+    let api = daemon.api();
+    let publishing = {
+        let api = api.clone();
+        tokio::spawn(async move { api.publish(&publish("vol1", "w1")).await })
+    };
+    let info = wait_plugin(&daemon, "the refusal", Duration::from_secs(20), |i| {
+        i.error.is_some()
+    })
+    .await;
+    let error = info.error.clone().unwrap();
+    assert_eq!(info.state, "restarting", "{info:?}");
+    for wanted in [
+        "container.volumes[1].source.host_path.mount_propagation.mode",
+        &format!("host_path {}", bidirectional.display()),
+        "is not shared",
+        "HOST_TO_CONTAINER",
+    ] {
+        assert!(error.contains(wanted), "{wanted:?} not in {error}");
+    }
+    assert_eq!(runc_list(&daemon.socket_root), Vec::<Value>::new());
+
+    // Made shared as the message says, the next launch (restart backoff) succeeds.
+    share(&bidirectional);
+    publishing.await.unwrap().unwrap();
+    wait_plugin(&daemon, "the plugin ready", Duration::from_secs(20), |i| {
+        ready_pid(i).is_some()
+    })
+    .await;
+    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    std::fs::remove_file(daemon.configs.join("test.json")).unwrap();
+    api.reload().await.unwrap();
+    assert_eq!(runc_list(&daemon.socket_root), Vec::<Value>::new());
+    rustix::mount::unmount(&bidirectional, rustix::mount::UnmountFlags::empty()).unwrap();
+    assert_eq!(mounts_under(dir.path()), Vec::<PathBuf>::new());
+}

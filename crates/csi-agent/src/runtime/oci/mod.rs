@@ -446,6 +446,15 @@ pub enum OciError {
     #[error("container: {0}")]
     Volumes(String),
     #[error(
+        "container.volumes[{index}].source.host_path.mount_propagation.mode: BIDIRECTIONAL needs host_path {} on a shared mount, and the mount at {} is not shared: mounts made in the container would never reach the host. Make it shared (mount --make-rshared {}, or give the path a shared mount of its own: mount --bind {} {} && mount --make-shared {}) or use HOST_TO_CONTAINER",
+        path.display(), mount.display(), mount.display(), path.display(), path.display(), path.display()
+    )]
+    NotShared {
+        index: usize,
+        path: PathBuf,
+        mount: PathBuf,
+    },
+    #[error(
         "runtime.capabilities: {name} is not in csi-agent's own capability bounding set, so no container of it can have it: remove it"
     )]
     Capability { name: String },
@@ -559,6 +568,42 @@ impl Runtime for OciRuntime {
         }
         .boxed()
     }
+}
+
+/// A BIDIRECTIONAL volume's bind is a peer of the host mount its `host_path` is on only when
+/// that mount is shared: on a private one, the mounts the plugin makes inside never reach the
+/// host, silently. Such a volume is refused (as containerd refuses Kubernetes'
+/// `Bidirectional` there), naming it and the mount; csi-agent does not change the mount
+/// propagation of the operator's paths itself.
+fn check_bidirectional_volumes(volumes: &[VolumeBind]) -> Result<(), OciError> {
+    if !volumes.iter().any(|v| v.bidirectional) {
+        return Ok(());
+    }
+    let table = MountTable::read().map_err(|err| OciError::Io {
+        what: "cannot read the mount table for",
+        path: PathBuf::from("container.volumes"),
+        source: std::io::Error::other(err.to_string()),
+    })?;
+    for (index, volume) in volumes.iter().enumerate() {
+        if !volume.bidirectional {
+            continue;
+        }
+        let path = std::fs::canonicalize(&volume.host_path).map_err(io(
+            "cannot resolve the volume's host_path",
+            &volume.host_path,
+        ))?;
+        let mount = path.ancestors().find_map(|dir| table.mount_at(dir));
+        if !mount.is_some_and(|m| m.is_shared()) {
+            return Err(OciError::NotShared {
+                index,
+                path,
+                mount: mount
+                    .map(|m| m.mount_point.clone())
+                    .unwrap_or_else(|| PathBuf::from("/")),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Makes `dir` a shared mount (a bind onto itself when it is not a mount point yet), so that
@@ -711,6 +756,7 @@ impl OciRuntime {
                 });
             }
         }
+        check_bidirectional_volumes(&volumes)?;
         for dir in &context.mount_roots {
             share_mount_root(dir)?;
         }
