@@ -48,5 +48,6 @@ install_missing() {
 # What scripts/schemathesis needs: a Python with venv (the schemathesis venv is made by it).
 SCHEMATHESIS_DEPS=(python3:python3 python3-venv)
 
-# What the test suite runs besides cargo.
-TEST_DEPS=(unshare:util-linux mount:mount umount:mount curl:curl pgrep:procps pkill:procps runc:runc docker-registry:docker-registry skopeo:skopeo)
+# What the test suite runs besides cargo. crun: the oci runtime's tests run again with it
+# (.ci/run, CSI_TEST_OCI_RUNTIME=crun).
+TEST_DEPS=(unshare:util-linux mount:mount umount:mount curl:curl pgrep:procps pkill:procps runc:runc crun:crun docker-registry:docker-registry skopeo:skopeo)

@@ -13,7 +13,7 @@ use std::time::Duration;
 use csi_agent::image::import::{ImportError, ImportLimits};
 use csi_agent::image::pull::{PullLimits, Puller};
 use csi_agent::image::reference::RegistrySettings;
-use csi_agent::image::store::{Composition, ImageStore, PullPolicy};
+use csi_agent::image::store::{Composition, ImageStore, PreparedRoot, PullPolicy};
 use registry_support::*;
 
 /// Nothing listens there: a store that tried to pull would fail.
@@ -478,4 +478,207 @@ async fn hostile_archives_are_refused_without_a_trace() {
         .await
         .unwrap();
     assert_eq!(store.list().len(), 1);
+}
+
+/// An image whose upper layer writes `etc/motd` = `motd` over the shared base of [`layers`].
+fn image_layers(motd: &[u8]) -> Vec<Vec<u8>> {
+    let mut layers = layers();
+    layers[1] = layer_tar_gz(&[Entry::File {
+        path: "etc/motd",
+        data: motd,
+        mode: 0o644,
+    }]);
+    layers
+}
+
+/// Every image the store indexes is complete: each blob it names is in `blobs/` and hashes
+/// to its name, and its prepared root (rootfs dir, or every layer dir) is there.
+fn assert_indexed_images_complete(store: &ImageStore, dir: &Path, composition: Composition) {
+    use csi_agent::image::blobs::Digest;
+    for (reference, entry) in store.list() {
+        let mut blobs = vec![entry.config.clone()];
+        blobs.extend(entry.layers.iter().map(|l| l.digest.clone()));
+        for digest in &blobs {
+            let hex = digest.strip_prefix("sha256:").unwrap();
+            let bytes = std::fs::read(dir.join("blobs/sha256").join(hex))
+                .unwrap_or_else(|err| panic!("{reference}: blob {digest}: {err}"));
+            assert_eq!(
+                sha256_hex(&bytes),
+                hex,
+                "{reference}: blob {digest} damaged"
+            );
+        }
+        let manifest = entry.manifest.strip_prefix("sha256:").unwrap();
+        match composition {
+            Composition::Flattened => assert!(
+                dir.join("rootfs").join(manifest).is_dir(),
+                "{reference}: its rootfs is missing"
+            ),
+            Composition::Overlay => {
+                let digests: Vec<Digest> = entry
+                    .layers
+                    .iter()
+                    .map(|l| Digest::parse(&l.digest).unwrap())
+                    .collect();
+                for chain in csi_agent::image::store::chain_ids(&digests) {
+                    assert!(
+                        dir.join("layers").join(chain.hex()).is_dir(),
+                        "{reference}: layer dir {chain} is missing"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// What a fresh container of a prepared image sees at `etc/motd`.
+fn motd_of(root: &PreparedRoot, scratch: &Path) -> Vec<u8> {
+    match root {
+        PreparedRoot::Flattened(rootfs) => std::fs::read(rootfs.join("etc/motd")).unwrap(),
+        PreparedRoot::Layers(layers) => {
+            let merged = scratch.join("merged");
+            std::fs::create_dir_all(&merged).unwrap();
+            csi_agent::image::overlay::mount(layers, None, &merged).unwrap();
+            let motd = std::fs::read(merged.join("etc/motd"));
+            rustix::mount::unmount(&merged, rustix::mount::UnmountFlags::DETACH).unwrap();
+            motd.unwrap()
+        }
+    }
+}
+
+/// Issue #13: `prune` takes the store's busy lock, but an import stores its blobs while it
+/// reads the archive, before it takes the lock. Many rounds of prunes racing imports of the
+/// same image (under two names: its blobs then already present), of another one sharing its
+/// base layer (a docker-archive, whose blobs are stored under computed digests) and a pull:
+/// every import and pull must succeed, every image indexed after each round must be complete,
+/// and in the end a fresh root prepared from each must be the image.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn prunes_racing_imports_and_a_pull_never_leave_an_indexed_image_incomplete() {
+    // Real overlay mounts for the overlay form: as root, in a private mount namespace.
+    csi_agent::mounts::require_private_mount_namespace();
+    let tmp = tempfile::tempdir().unwrap();
+    let registry = Registry::start(&tmp.path().join("registry")).unwrap();
+    let host = registry.host();
+    let layout_a = tmp.path().join("layout-a");
+    oci_layout(&layout_a, &image_layers(b"a\n"), serde_json::json!({})).unwrap();
+    name_layout(&layout_a, "csi/a:v1").unwrap();
+    let archive_a = archive_of(&layout_files(&layout_a));
+    let layout_b = tmp.path().join("layout-b");
+    oci_layout(&layout_b, &image_layers(b"b\n"), serde_json::json!({})).unwrap();
+    let file_b = tmp.path().join("b.tar");
+    export(&layout_b, "docker-archive", &file_b, "csi/b:v1").unwrap();
+    let archive_b = std::fs::read(&file_b).unwrap();
+    let layout_c = tmp.path().join("layout-c");
+    oci_layout(&layout_c, &image_layers(b"c\n"), serde_json::json!({})).unwrap();
+    push(&layout_c, &registry, "csi/c:v1").unwrap();
+    let expected = [
+        (format!("{host}/csi/a:v1"), b"a\n"),
+        (format!("{host}/csi/a:v2"), b"a\n"),
+        (format!("{host}/csi/b:v1"), b"b\n"),
+        (format!("{host}/csi/c:v1"), b"c\n"),
+    ];
+
+    for composition in [Composition::Flattened, Composition::Overlay] {
+        let dir = tmp.path().join(format!("store-{composition:?}"));
+        let settings = RegistrySettings {
+            default_registry: host.clone(),
+            insecure: vec![host.clone()],
+            ..RegistrySettings::default()
+        };
+        let limits = PullLimits {
+            connect_timeout: Duration::from_secs(2),
+            manifest_timeout: Duration::from_secs(10),
+            ..PullLimits::default()
+        };
+        let store = std::sync::Arc::new(
+            ImageStore::open(&dir, Puller::new(settings, limits), Some(composition)).unwrap(),
+        );
+        let c = store.resolve("csi/c:v1").unwrap();
+        for round in 0..25 {
+            let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            // Prunes all along the round; every other round keeps a:v1.
+            let pruner = {
+                let (store, done) = (std::sync::Arc::clone(&store), std::sync::Arc::clone(&done));
+                let used: std::collections::BTreeSet<String> = if round % 2 == 0 {
+                    std::collections::BTreeSet::new()
+                } else {
+                    [format!("{host}/csi/a:v1")].into()
+                };
+                tokio::spawn(async move {
+                    let mut prunes = 0;
+                    while !done.load(std::sync::atomic::Ordering::SeqCst) {
+                        store.prune(&used).await.unwrap();
+                        prunes += 1;
+                        tokio::task::yield_now().await;
+                    }
+                    prunes
+                })
+            };
+            let import = |bytes: Vec<u8>, name: Option<&'static str>| {
+                let store = std::sync::Arc::clone(&store);
+                tokio::spawn(async move {
+                    store
+                        .import(std::io::Cursor::new(bytes), name, &ImportLimits::default())
+                        .await
+                })
+            };
+            let imports = [
+                import(archive_a.clone(), None),
+                import(archive_a.clone(), Some("csi/a:v2")),
+                import(archive_b.clone(), Some("csi/b:v1")),
+            ];
+            let pull = {
+                let (store, c) = (std::sync::Arc::clone(&store), c.clone());
+                tokio::spawn(async move { store.ensure(&c, PullPolicy::Always).await })
+            };
+            for (i, import) in imports.into_iter().enumerate() {
+                if let Err(err) = import.await.unwrap() {
+                    panic!("{composition:?} round {round}: import {i} failed: {err}");
+                }
+            }
+            if let Err(err) = pull.await.unwrap() {
+                panic!("{composition:?} round {round}: the pull failed: {err}");
+            }
+            done.store(true, std::sync::atomic::Ordering::SeqCst);
+            let prunes = pruner.await.unwrap();
+            assert!(prunes > 0);
+            assert_indexed_images_complete(&store, &dir, composition);
+        }
+
+        // In the end, with no prune: each image indexed once more, then, its prepared root
+        // removed, prepared again from the store alone (the imported ones without a
+        // registry): a fresh root that is the image.
+        for (name, motd) in [
+            ("csi/a:v1", archive_a.as_slice()),
+            ("csi/a:v2", archive_a.as_slice()),
+            ("csi/b:v1", archive_b.as_slice()),
+        ] {
+            store
+                .import(
+                    std::io::Cursor::new(motd.to_vec()),
+                    Some(name),
+                    &ImportLimits::default(),
+                )
+                .await
+                .unwrap();
+        }
+        store.ensure(&c, PullPolicy::IfMissing).await.unwrap();
+        assert_indexed_images_complete(&store, &dir, composition);
+        for sub in ["rootfs", "layers"] {
+            std::fs::remove_dir_all(dir.join(sub)).unwrap();
+            std::fs::create_dir(dir.join(sub)).unwrap();
+        }
+        let gets = registry.blob_gets(None);
+        for (reference, motd) in &expected {
+            let image = store.resolve(reference).unwrap();
+            let prepared = store.ensure(&image, PullPolicy::IfMissing).await.unwrap();
+            assert!(prepared.downloaded.is_empty(), "{reference}: pulled again");
+            assert_eq!(
+                &motd_of(&prepared.root, &tmp.path().join("scratch")),
+                motd,
+                "{reference}"
+            );
+        }
+        assert_eq!(registry.blob_gets(None), gets, "a blob was fetched again");
+    }
 }

@@ -245,3 +245,256 @@ async fn https_is_required_for_registries_not_named_insecure() {
     assert!(matches!(err, PullError::Unreachable { .. }), "{err:?}");
     assert_eq!(registry.blob_gets(None), 0);
 }
+
+/// What the stalling registry does when asked for the layer blob.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum LayerAnswer {
+    /// Headers (the whole length announced) and the first half of the body, then nothing,
+    /// the connection kept open.
+    StallMidBody,
+    /// Reads the request and never answers, the connection kept open.
+    StallBeforeHeaders,
+    /// The whole blob.
+    Whole,
+}
+
+/// A registry on loopback (plain HTTP, so an insecure one) serving one image,
+/// `csi/plugin:v1`, from the OCI layout `layout`: `/v2/`, the manifest and the config as a
+/// registry does, the layer as `answer` says. Counts the layer's requests.
+struct StallingRegistry {
+    port: u16,
+    answer: Arc<std::sync::Mutex<LayerAnswer>>,
+    layer_requests: Arc<std::sync::atomic::AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl StallingRegistry {
+    async fn start(layout: &std::path::Path, image: &Image) -> Self {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let blob = |hex: &str| std::fs::read(layout.join("blobs/sha256").join(hex)).unwrap();
+        let manifest = blob(&image.manifest_hex);
+        let config = blob(&image.config_hex);
+        assert_eq!(image.layer_hexes.len(), 1, "one layer");
+        let layer = blob(&image.layer_hexes[0]);
+        let (manifest_hex, config_hex, layer_hex) = (
+            image.manifest_hex.clone(),
+            image.config_hex.clone(),
+            image.layer_hexes[0].clone(),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let answer = Arc::new(std::sync::Mutex::new(LayerAnswer::Whole));
+        let layer_requests = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (shared_answer, shared_requests) = (Arc::clone(&answer), Arc::clone(&layer_requests));
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((mut conn, _)) = listener.accept().await else {
+                    return;
+                };
+                let (manifest, config, layer) = (manifest.clone(), config.clone(), layer.clone());
+                let (manifest_hex, config_hex, layer_hex) =
+                    (manifest_hex.clone(), config_hex.clone(), layer_hex.clone());
+                let (answer, requests) = (Arc::clone(&shared_answer), Arc::clone(&shared_requests));
+                tokio::spawn(async move {
+                    // One request per connection: read its head, answer, close (or stall).
+                    let mut head = Vec::new();
+                    let mut byte = [0u8; 1];
+                    while !head.ends_with(b"\r\n\r\n") {
+                        if conn.read(&mut byte).await.unwrap_or(0) == 0 {
+                            return;
+                        }
+                        head.push(byte[0]);
+                    }
+                    let head = String::from_utf8_lossy(&head).into_owned();
+                    let mut words = head.split_whitespace();
+                    let (method, path) = (words.next().unwrap_or(""), words.next().unwrap_or(""));
+                    let ok = |content_type: &str, body: &[u8], digest: Option<&str>| {
+                        let mut text = format!(
+                            "HTTP/1.1 200 OK\r\nContent-Type: {content_type}\r\n\
+                             Content-Length: {}\r\nConnection: close\r\n\
+                             Docker-Distribution-API-Version: registry/2.0\r\n",
+                            body.len()
+                        );
+                        if let Some(digest) = digest {
+                            text.push_str(&format!("Docker-Content-Digest: {digest}\r\n"));
+                        }
+                        text.push_str("\r\n");
+                        let mut bytes = text.into_bytes();
+                        if method != "HEAD" {
+                            bytes.extend_from_slice(body);
+                        }
+                        bytes
+                    };
+                    let reply = if path == "/v2/" {
+                        ok("application/json", b"{}", None)
+                    } else if path == "/v2/csi/plugin/manifests/v1"
+                        || path == format!("/v2/csi/plugin/manifests/sha256:{manifest_hex}")
+                    {
+                        ok(
+                            "application/vnd.oci.image.manifest.v1+json",
+                            &manifest,
+                            Some(&format!("sha256:{manifest_hex}")),
+                        )
+                    } else if path == format!("/v2/csi/plugin/blobs/sha256:{config_hex}") {
+                        ok("application/octet-stream", &config, None)
+                    } else if path == format!("/v2/csi/plugin/blobs/sha256:{layer_hex}") {
+                        requests.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        let whole = ok("application/octet-stream", &layer, None);
+                        let mode = *answer.lock().unwrap();
+                        match mode {
+                            LayerAnswer::Whole => whole,
+                            LayerAnswer::StallMidBody => {
+                                // Everything up to half the body, then silence.
+                                let cut = whole.len() - layer.len() / 2;
+                                let _ = conn.write_all(&whole[..cut]).await;
+                                let _ = conn.flush().await;
+                                std::future::pending::<()>().await;
+                                return;
+                            }
+                            LayerAnswer::StallBeforeHeaders => {
+                                std::future::pending::<()>().await;
+                                return;
+                            }
+                        }
+                    } else {
+                        b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                            .to_vec()
+                    };
+                    let _ = conn.write_all(&reply).await;
+                    let _ = conn.shutdown().await;
+                });
+            }
+        });
+        Self {
+            port,
+            answer,
+            layer_requests,
+            task,
+        }
+    }
+
+    fn host(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    fn answer(&self, answer: LayerAnswer) {
+        *self.answer.lock().unwrap() = answer;
+    }
+}
+
+impl Drop for StallingRegistry {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Issue #13: a registry that stalls, mid-body or before its headers, fails the pull within
+/// `read_timeout` (not the 2 min blob deadline), as a transient error naming the blob and the
+/// registry; no partial blob is left in the store, nothing is indexed; and once the registry
+/// answers again, the same store pulls the image.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registry_stalling_mid_blob_fails_the_pull_within_the_read_timeout() {
+    use csi_agent::image::store::{Composition, ImageStore, PreparedRoot, PullPolicy, StoreError};
+    let tmp = tempfile::tempdir().unwrap();
+    // A layer of a few hundred KiB that gzip cannot shrink: half of it is a real part.
+    let mut noise = Vec::with_capacity(300 << 10);
+    let mut x: u32 = 0x9e37_79b9;
+    while noise.len() < 300 << 10 {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        noise.extend_from_slice(&x.to_le_bytes());
+    }
+    let layer = layer_tar_gz(&[Entry::File {
+        path: "data/noise",
+        data: &noise,
+        mode: 0o644,
+    }]);
+    let layout = tmp.path().join("layout");
+    let image = oci_layout(&layout, &[layer], serde_json::json!({"Cmd": ["/x"]})).unwrap();
+    let layer_digest = format!("sha256:{}", image.layer_hexes[0]);
+    let registry = StallingRegistry::start(&layout, &image).await;
+    let read_timeout = Duration::from_secs(1);
+    for stall in [LayerAnswer::StallMidBody, LayerAnswer::StallBeforeHeaders] {
+        registry.answer(stall);
+        let settings = RegistrySettings {
+            default_registry: registry.host(),
+            insecure: vec![registry.host()],
+            ..RegistrySettings::default()
+        };
+        let limits = PullLimits {
+            connect_timeout: Duration::from_secs(2),
+            read_timeout,
+            manifest_timeout: Duration::from_secs(10),
+            // Far longer: only the read timeout may end the stalled download.
+            blob_timeout: Duration::from_secs(120),
+            total_timeout: Duration::from_secs(300),
+            ..PullLimits::default()
+        };
+        let dir = tmp.path().join(format!("store-{stall:?}"));
+        let store = ImageStore::open(
+            &dir,
+            Puller::new(settings, limits),
+            Some(Composition::Flattened),
+        )
+        .unwrap();
+        let reference = store.resolve("csi/plugin:v1").unwrap();
+        let requests = registry
+            .layer_requests
+            .load(std::sync::atomic::Ordering::SeqCst);
+        let started = std::time::Instant::now();
+        let err = store
+            .ensure(&reference, PullPolicy::IfMissing)
+            .await
+            .unwrap_err();
+        let took = started.elapsed();
+        assert!(
+            took >= read_timeout && took < read_timeout + Duration::from_secs(5),
+            "{stall:?}: failed after {took:?}: {err}"
+        );
+        // Typed, transient, naming the blob and the registry.
+        let StoreError::Pull(pull) = &err else {
+            panic!("{stall:?}: {err:?}");
+        };
+        assert!(
+            matches!(pull, PullError::Stalled { blob, registry: r, after, .. }
+                if *blob == layer_digest && *r == registry.host() && *after == read_timeout),
+            "{stall:?}: {pull:?}"
+        );
+        assert!(err.is_transient(), "{stall:?}: {err}");
+        let text = err.to_string();
+        assert!(
+            text.contains(&layer_digest) && text.contains(&registry.host()),
+            "{stall:?}: {text}"
+        );
+        assert_eq!(
+            registry
+                .layer_requests
+                .load(std::sync::atomic::Ordering::SeqCst)
+                - requests,
+            1,
+            "{stall:?}: asked again"
+        );
+        // No partial blob: not under its name, no temp file; nothing indexed or prepared.
+        let blobs: Vec<String> = std::fs::read_dir(dir.join("blobs/sha256"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(blobs, vec![image.config_hex.clone()], "{stall:?}");
+        assert!(store.list().is_empty(), "{stall:?}");
+        assert_eq!(std::fs::read_dir(dir.join("rootfs")).unwrap().count(), 0);
+
+        // The registry healthy again: the same store pulls the image, the layer whole.
+        registry.answer(LayerAnswer::Whole);
+        let prepared = store
+            .ensure(&reference, PullPolicy::IfMissing)
+            .await
+            .unwrap();
+        let stored = std::fs::read(dir.join("blobs/sha256").join(&image.layer_hexes[0])).unwrap();
+        assert_eq!(sha256_hex(&stored), image.layer_hexes[0]);
+        let PreparedRoot::Flattened(rootfs) = &prepared.root else {
+            panic!("{:?}", prepared.root);
+        };
+        assert_eq!(std::fs::read(rootfs.join("data/noise")).unwrap(), noise);
+    }
+}

@@ -1,16 +1,22 @@
 //! The `oci` runtime end to end: the real `csi-agentd` runs the real `csi-testplugin` inside a
 //! runc container (runc must be installed: `scripts/test` and `.ci/run` install it), and the
-//! mounts the plugin makes inside the container reach the host. Real mounts: run under
+//! mounts the plugin makes inside the container reach the host; of `container.volumes`, only
+//! a BIDIRECTIONAL one carries mounts made inside out to the host. Real mounts: run under
 //! `unshare -m --propagation private`.
 //!
 //! `CSI_TEST_OCI_RUNTIME=crun` runs the same tests with crun as the daemon's `--oci-runtime`
-//! (`.ci/run` does both): the runtime speaks only the CLI the two share.
+//! (`.ci/run` does both): the runtime speaks only the CLI the two share. crun refuses every
+//! container on a hybrid cgroup hierarchy whose cgroup v2 part has controllers: on such a
+//! host `crun_on_a_hybrid_cgroup_host_is_refused_saying_why` checks that the daemon says so,
+//! and the other tests hide the v2 hierarchy in this binary's private mount namespace, so
+//! that crun sees (and is tested on) the host's cgroup v1 hierarchies.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use csi_agent::mounts::MountTable;
@@ -37,6 +43,69 @@ fn oci_config(plugin_dir: &Path, runtime: Value) -> Value {
 /// The OCI runtime under test: `runc` unless `CSI_TEST_OCI_RUNTIME` names another.
 fn oci_runtime() -> String {
     std::env::var("CSI_TEST_OCI_RUNTIME").unwrap_or_else(|_| "runc".to_owned())
+}
+
+fn testing_crun() -> bool {
+    Path::new(&oci_runtime())
+        .file_name()
+        .is_some_and(|name| name.to_string_lossy().contains("crun"))
+}
+
+/// The cgroup v2 hierarchy of a hybrid host, which crun refuses to run anything beside
+/// when it has controllers.
+const UNIFIED: &str = "/sys/fs/cgroup/unified";
+
+/// A shell function: `cgroup_view v1` puts a tmpfs of this mount namespace's own over
+/// /sys/fs/cgroup holding the host's v1 hierarchies (moved there) and no `unified` (crun
+/// enters every hierarchy dir it finds, and would make plain dirs in an empty one);
+/// `cgroup_view hybrid` does the same and mounts cgroup v2 at `unified` again. Nothing is
+/// written to the host's /sys/fs/cgroup.
+const CGROUP_VIEW: &str = r#"
+cgroup_view() {
+    old=$(mktemp -d /tmp/csi-oci-cgroup-XXXXXX)
+    mount --rbind /sys/fs/cgroup "$old"
+    mount -t tmpfs -o mode=755 cgroup /sys/fs/cgroup
+    for dir in "$old"/*; do
+        name=${dir##*/}
+        if [ "$name" != unified ] && mountpoint -q "$dir"; then
+            mkdir "/sys/fs/cgroup/$name"
+            mount --move "$dir" "/sys/fs/cgroup/$name"
+        fi
+    done
+    if [ "$1" = hybrid ]; then
+        mkdir /sys/fs/cgroup/unified
+        mount -t cgroup2 cgroup2 /sys/fs/cgroup/unified
+    fi
+    umount -R "$old"
+    rmdir "$old"
+}
+"#;
+
+/// Every test's first step (after checking the private mount namespace): with crun on a
+/// hybrid cgroup host whose v2 part has controllers, the v2 hierarchy is hidden in this
+/// test binary's own mount namespace (the host keeps it), so that crun sees the host's
+/// cgroup v1 hierarchies only and runs containers; what crun says on the hybrid host itself is
+/// `crun_on_a_hybrid_cgroup_host_is_refused_saying_why`'s. Returns the controllers it
+/// hid the hierarchy for.
+fn prepare_runtime() -> Option<&'static [String]> {
+    csi_agent::mounts::require_private_mount_namespace();
+    static HIDDEN: OnceLock<Option<Vec<String>>> = OnceLock::new();
+    HIDDEN
+        .get_or_init(|| {
+            let controllers = csi_agent::runtime::oci::hybrid_cgroup_v2_controllers()
+                .filter(|_| testing_crun())?;
+            let status = Command::new("sh")
+                .args(["-euc", &format!("{CGROUP_VIEW}\ncgroup_view v1")])
+                .status()
+                .unwrap();
+            assert!(status.success(), "hiding {UNIFIED}: {status}");
+            eprintln!(
+                "crun on a hybrid cgroup host (v2 controllers: {controllers:?}): {UNIFIED} \
+                 hidden in this test's mount namespace; crun runs on cgroup v1"
+            );
+            Some(controllers)
+        })
+        .as_deref()
 }
 
 /// The daemon flags that select it.
@@ -106,7 +175,7 @@ fn is_mounted(path: &Path) -> bool {
 
 #[tokio::test]
 async fn the_plugin_runs_in_a_container_and_its_mounts_reach_the_host() {
-    csi_agent::mounts::require_private_mount_namespace();
+    prepare_runtime();
     let dir = tempfile::Builder::new()
         .prefix("csi-oci-")
         .tempdir_in("/tmp")
@@ -163,9 +232,34 @@ async fn the_plugin_runs_in_a_container_and_its_mounts_reach_the_host() {
     let (memory, cpu) = cgroup_limits(&daemon.socket_root);
     assert_eq!(memory, 256 * 1024 * 1024);
     assert_eq!(cpu, (50_000, 100_000));
-    // A read-only root; the state dir given as a volume is writable.
+    // The host's root, entry by entry: its top-level names, symlinks as symlinks, files
+    // as they are; read-only, the root and its entries alike.
+    let root = PathBuf::from(format!("/proc/{pid}/root"));
+    let names = |dir: &Path| -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    };
+    assert_eq!(names(&root), names(Path::new("/")));
+    for entry in std::fs::read_dir("/").unwrap() {
+        let path = entry.unwrap().path();
+        if let Ok(target) = std::fs::read_link(&path) {
+            let inside = root.join(path.strip_prefix("/").unwrap());
+            assert_eq!(std::fs::read_link(&inside).unwrap(), target, "{inside:?}");
+        }
+    }
+    assert_eq!(
+        std::fs::read(root.join("etc/os-release")).unwrap(),
+        std::fs::read("/etc/os-release").unwrap()
+    );
     let err = std::fs::write(format!("/proc/{pid}/root/csi-oci-probe"), b"x").unwrap_err();
     assert_eq!(err.raw_os_error(), Some(30), "{err}");
+    let err = std::fs::write(format!("/proc/{pid}/root/etc/csi-oci-probe"), b"x").unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(30), "{err}");
+    // The state dir given as a volume is writable.
     let inside = format!("/proc/{pid}/root{}/probe", plugin_dir.display());
     std::fs::write(&inside, b"x").unwrap();
     assert!(plugin_dir.join("probe").exists());
@@ -283,7 +377,7 @@ fn cgroups_of(socket_root: &Path) -> Vec<PathBuf> {
 
 #[tokio::test]
 async fn launch_errors_are_reported_on_the_plugin_naming_the_field() {
-    csi_agent::mounts::require_private_mount_namespace();
+    prepare_runtime();
     let dir = tempfile::Builder::new()
         .prefix("csi-oci-err-")
         .tempdir_in("/tmp")
@@ -398,7 +492,7 @@ async fn launch_errors_are_reported_on_the_plugin_naming_the_field() {
 
 #[tokio::test]
 async fn a_container_stopped_while_the_daemon_was_down_is_replaced_and_a_changed_config_too() {
-    csi_agent::mounts::require_private_mount_namespace();
+    prepare_runtime();
     let dir = tempfile::Builder::new()
         .prefix("csi-oci-re-")
         .tempdir_in("/tmp")
@@ -527,7 +621,7 @@ fn plugin_processes(dir: &Path) -> Vec<u32> {
 
 #[tokio::test]
 async fn a_daemon_killed_while_starting_a_container_leaves_exactly_one_after_restart() {
-    csi_agent::mounts::require_private_mount_namespace();
+    prepare_runtime();
     for point in [
         csi_agent::runtime::oci::FP_AFTER_CREATE,
         csi_agent::runtime::oci::FP_AFTER_START,
@@ -550,7 +644,7 @@ async fn a_daemon_killed_while_starting_a_container_leaves_exactly_one_after_res
         daemon.start();
         let failed = daemon.api().publish(&publish("vol1", "w1")).await;
         assert!(failed.is_err(), "{point}: the publish succeeded");
-        daemon.wait_exit();
+        daemon.wait_exit_within(Duration::from_secs(60));
         // The container is left behind, created or running, with no record of it.
         let left = runc_list(&daemon.socket_root);
         assert_eq!(left.len(), 1, "{point}: {left:?}");
@@ -586,4 +680,288 @@ async fn a_daemon_killed_while_starting_a_container_leaves_exactly_one_after_res
             "{point}"
         );
     }
+}
+
+#[tokio::test]
+async fn crun_on_a_hybrid_cgroup_host_is_refused_saying_why() {
+    let Some(controllers) = prepare_runtime() else {
+        eprintln!(
+            "skipped: {} on this host's cgroups is not refused (only crun on a hybrid \
+             hierarchy whose cgroup v2 part has controllers is)",
+            oci_runtime()
+        );
+        return;
+    };
+    let dir = tempfile::Builder::new()
+        .prefix("csi-oci-hybrid-")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let plugin_dir = dir.path().join("plugin");
+    std::fs::create_dir_all(&plugin_dir).unwrap();
+    let mut daemon = Daemon::new(dir.path(), &oci_flags());
+    // The daemon sees the host's cgroups as they are: the v1 hierarchies and the v2 one
+    // mounted again, in a mount namespace of its own (nothing it mounts needs to reach this
+    // test, whose /sys/fs/cgroup stays as it is).
+    daemon.wrapper = [
+        "unshare",
+        "-m",
+        "--propagation",
+        "unchanged",
+        "sh",
+        "-euc",
+        &format!("{CGROUP_VIEW}\ncgroup_view hybrid\nexec \"$0\" \"$@\""),
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    daemon.add_config(
+        "test.json",
+        &oci_config(&plugin_dir, json!({"kind": "oci"})),
+    );
+    daemon.start();
+    let api = daemon.api();
+    let publishing = {
+        let api = api.clone();
+        tokio::spawn(async move { api.publish(&publish("vol1", "w1")).await })
+    };
+    let info = wait_plugin(&daemon, "the refusal", Duration::from_secs(20), |i| {
+        i.error.is_some()
+    })
+    .await;
+    publishing.abort();
+    let error = info.error.clone().unwrap();
+    assert_eq!(info.state, "restarting", "{info:?}");
+    // It names the cause (the hybrid hierarchy and its v2 controllers) and the ways out.
+    for wanted in [
+        "hybrid hierarchy",
+        "/sys/fs/cgroup/unified",
+        &controllers.join(" "),
+        "use runc (the daemon's --oci-runtime)",
+        "cgroups in hybrid mode not supported",
+    ] {
+        assert!(error.contains(wanted), "{wanted:?} not in {error}");
+    }
+    assert_eq!(runc_list(&daemon.socket_root), Vec::<Value>::new());
+}
+
+/// Runs `argv` inside the test plugin's container (`runc exec`, or crun's).
+fn exec_in_container(socket_root: &Path, argv: &[&str]) -> std::process::Output {
+    Command::new(oci_runtime())
+        .arg("--root")
+        .arg(socket_root.join("runc"))
+        .args(["exec", ID])
+        .args(argv)
+        .output()
+        .unwrap()
+}
+
+fn exec_ok(socket_root: &Path, argv: &[&str]) {
+    let out = exec_in_container(socket_root, argv);
+    assert!(
+        out.status.success(),
+        "{argv:?} in the container: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The source (`tmpfs` device name) of what is mounted at `path` in `table`, if anything.
+fn mounted_source(table: &MountTable, path: &Path) -> Option<String> {
+    table.mount_at(path).map(|m| m.source.clone())
+}
+
+/// Makes `dir` a shared mount of its own in the test's namespace (a bind onto itself), as
+/// systemd makes every mount of a host shared.
+fn share(dir: &Path) {
+    rustix::mount::mount_bind(dir, dir).unwrap();
+    rustix::mount::mount_change(dir, rustix::mount::MountPropagationFlags::SHARED).unwrap();
+}
+
+#[tokio::test]
+async fn only_bidirectional_volumes_carry_mounts_made_inside_out_to_the_host() {
+    prepare_runtime();
+    let dir = tempfile::Builder::new()
+        .prefix("csi-oci-prop-")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let plugin_dir = dir.path().join("plugin");
+    std::fs::create_dir_all(&plugin_dir).unwrap();
+    // Four volumes, each a shared mount on the host so that only its propagation mode
+    // decides: BIDIRECTIONAL, HOST_TO_CONTAINER, a `source.host_path` without a mode and the
+    // plain `host_path` field. Each is bound at another path in the container (under its
+    // own /tmp), so what appears on the host can only have come through the volume.
+    let modes = ["bidirectional", "host-to-container", "no-mode", "plain"];
+    let host = |mode: &str| dir.path().join(format!("host-{mode}"));
+    let inside = |mode: &str| PathBuf::from(format!("/tmp/csi-prop-{mode}"));
+    for mode in modes {
+        std::fs::create_dir_all(host(mode).join("m")).unwrap();
+        std::fs::create_dir_all(host(mode).join("n")).unwrap();
+        share(&host(mode));
+    }
+    let mut config = oci_config(&plugin_dir, json!({"kind": "oci"}));
+    let volumes = config["containers"][0]["container"]["volumes"]
+        .as_array_mut()
+        .unwrap();
+    volumes.push(json!({"container_path": inside(modes[0]), "mode": "RW",
+        "source": {"type": "HOST_PATH", "host_path": {"path": host(modes[0]),
+                   "mount_propagation": {"mode": "BIDIRECTIONAL"}}}}));
+    volumes.push(json!({"container_path": inside(modes[1]), "mode": "RW",
+        "source": {"type": "HOST_PATH", "host_path": {"path": host(modes[1]),
+                   "mount_propagation": {"mode": "HOST_TO_CONTAINER"}}}}));
+    volumes.push(json!({"container_path": inside(modes[2]), "mode": "RW",
+        "source": {"type": "HOST_PATH", "host_path": {"path": host(modes[2])}}}));
+    volumes.push(
+        json!({"container_path": inside(modes[3]), "host_path": host(modes[3]),
+        "mode": "RW"}),
+    );
+    let mut daemon = Daemon::new(dir.path(), &oci_flags());
+    daemon.add_config("test.json", &config);
+    daemon.start();
+    let api = daemon.api();
+    api.publish(&publish("vol1", "w1")).await.unwrap();
+    let info = wait_plugin(&daemon, "the plugin ready", Duration::from_secs(20), |i| {
+        ready_pid(i).is_some()
+    })
+    .await;
+    let pid = ready_pid(&info).unwrap();
+    let container_table = || MountTable::read_from(Path::new(&format!("/proc/{pid}/mountinfo")));
+
+    // A tmpfs mounted inside beneath each container_path, named after its volume.
+    for mode in modes {
+        let target = inside(mode).join("m");
+        let target = target.to_str().unwrap();
+        let source = format!("csi-prop-{mode}");
+        exec_ok(
+            &daemon.socket_root,
+            &["mount", "-t", "tmpfs", "-o", "size=1m", &source, target],
+        );
+        let table = container_table().unwrap();
+        assert_eq!(
+            mounted_source(&table, Path::new(target)).as_deref(),
+            Some(source.as_str()),
+            "not mounted inside the container"
+        );
+    }
+    // BIDIRECTIONAL: it is on the host at host_path, the same file system.
+    let table = MountTable::read().unwrap();
+    assert_eq!(
+        mounted_source(&table, &host(modes[0]).join("m")).as_deref(),
+        Some("csi-prop-bidirectional"),
+        "a mount made inside a BIDIRECTIONAL volume did not reach the host"
+    );
+    exec_ok(
+        &daemon.socket_root,
+        &[
+            "sh",
+            "-c",
+            "echo inside > /tmp/csi-prop-bidirectional/m/file",
+        ],
+    );
+    assert_eq!(
+        std::fs::read_to_string(host(modes[0]).join("m/file")).unwrap(),
+        "inside\n"
+    );
+    // The others: the host never sees it.
+    for mode in &modes[1..] {
+        assert_eq!(
+            mounted_source(&table, &host(mode).join("m")),
+            None,
+            "a mount made inside a {mode} volume reached the host"
+        );
+    }
+    // Host to container, every mode: a mount made on the host afterwards is seen inside.
+    for mode in modes {
+        let source = format!("csi-prop-host-{mode}");
+        rustix::mount::mount(
+            source.as_str(),
+            host(mode).join("n"),
+            "tmpfs",
+            rustix::mount::MountFlags::empty(),
+            None,
+        )
+        .unwrap();
+        assert_eq!(
+            mounted_source(&container_table().unwrap(), &inside(mode).join("n")).as_deref(),
+            Some(source.as_str()),
+            "a mount made on the host under a {mode} volume is not seen inside"
+        );
+    }
+
+    // Its unmount inside disappears on the host.
+    exec_ok(
+        &daemon.socket_root,
+        &["umount", "/tmp/csi-prop-bidirectional/m"],
+    );
+    assert_eq!(
+        mounted_source(&MountTable::read().unwrap(), &host(modes[0]).join("m")),
+        None,
+        "unmounted inside, still mounted on the host"
+    );
+
+    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    std::fs::remove_file(daemon.configs.join("test.json")).unwrap();
+    api.reload().await.unwrap();
+    assert_eq!(runc_list(&daemon.socket_root), Vec::<Value>::new());
+    for mode in modes {
+        for path in [host(mode).join("n"), host(mode)] {
+            rustix::mount::unmount(&path, rustix::mount::UnmountFlags::empty()).unwrap();
+        }
+    }
+    assert_eq!(mounts_under(dir.path()), Vec::<PathBuf>::new());
+}
+
+#[tokio::test]
+async fn a_bidirectional_volume_on_a_mount_that_is_not_shared_is_refused_naming_it() {
+    prepare_runtime();
+    let dir = tempfile::Builder::new()
+        .prefix("csi-oci-noshare-")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let plugin_dir = dir.path().join("plugin");
+    std::fs::create_dir_all(&plugin_dir).unwrap();
+    // /tmp is a private mount in the test's namespace (`unshare --propagation private`).
+    let bidirectional = dir.path().join("host-bidirectional");
+    std::fs::create_dir_all(&bidirectional).unwrap();
+    let mut config = oci_config(&plugin_dir, json!({"kind": "oci"}));
+    config["containers"][0]["container"]["volumes"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"container_path": "/tmp/csi-prop-bidirectional",
+            "source": {"type": "HOST_PATH", "host_path": {"path": bidirectional,
+                       "mount_propagation": {"mode": "BIDIRECTIONAL"}}}}));
+    let mut daemon = Daemon::new(dir.path(), &oci_flags());
+    daemon.add_config("test.json", &config);
+    daemon.start();
+    let api = daemon.api();
+    let publishing = {
+        let api = api.clone();
+        tokio::spawn(async move { api.publish(&publish("vol1", "w1")).await })
+    };
+    let info = wait_plugin(&daemon, "the refusal", Duration::from_secs(20), |i| {
+        i.error.is_some()
+    })
+    .await;
+    let error = info.error.clone().unwrap();
+    assert_eq!(info.state, "restarting", "{info:?}");
+    for wanted in [
+        "container.volumes[1].source.host_path.mount_propagation.mode",
+        &format!("host_path {}", bidirectional.display()),
+        "is not shared",
+        "HOST_TO_CONTAINER",
+    ] {
+        assert!(error.contains(wanted), "{wanted:?} not in {error}");
+    }
+    assert_eq!(runc_list(&daemon.socket_root), Vec::<Value>::new());
+
+    // Made shared as the message says, the next launch (restart backoff) succeeds.
+    share(&bidirectional);
+    publishing.await.unwrap().unwrap();
+    wait_plugin(&daemon, "the plugin ready", Duration::from_secs(20), |i| {
+        ready_pid(i).is_some()
+    })
+    .await;
+    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    std::fs::remove_file(daemon.configs.join("test.json")).unwrap();
+    api.reload().await.unwrap();
+    assert_eq!(runc_list(&daemon.socket_root), Vec::<Value>::new());
+    rustix::mount::unmount(&bidirectional, rustix::mount::UnmountFlags::empty()).unwrap();
+    assert_eq!(mounts_under(dir.path()), Vec::<PathBuf>::new());
 }

@@ -12,14 +12,19 @@
 //! but a plain file in `sha256/` (no `/`, `..`, NUL or temp name).
 //!
 //! It must not fetch anything, nor decide when a blob is no longer needed (garbage collection
-//! belongs to the image index, `super::store`, which calls [`BlobStore::remove`]).
+//! belongs to the image index, `super::store`, which calls [`BlobStore::remove`]). It does keep
+//! [`BlobHolds`]: a blob held by a writer that has not indexed it yet (an import, which stores
+//! its blobs while it reads the archive, before it takes the image store's lock) is never
+//! removed, whatever the index says.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::fs::File;
 use std::io::{self, Read, Write};
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use rustix::fs::{AtFlags, Mode, OFlags, RenameFlags};
 use rustix::io::Errno;
@@ -161,6 +166,41 @@ pub struct BlobStore {
     /// The same directory, opened for reading (a real fd, not `O_PATH`: it is fsynced and
     /// listed).
     dir_fd: OwnedFd,
+    /// How many [`BlobHolds`] hold each blob. [`BlobStore::remove`] takes it for the whole
+    /// removal, and a holder takes a blob before it looks for it or renames it into place, so
+    /// a blob is never removed once held, nor found present and then removed.
+    held: Mutex<BTreeMap<Digest, usize>>,
+}
+
+/// Blobs kept from [`BlobStore::remove`] until this is dropped: those a writer stored or found
+/// present and will index later (see the module documentation).
+#[derive(Debug)]
+pub struct BlobHolds {
+    store: Arc<BlobStore>,
+    digests: Vec<Digest>,
+}
+
+impl BlobHolds {
+    /// Holds `digest` (again, if already held) until `self` is dropped. Take it before
+    /// looking for the blob or storing it.
+    pub fn hold(&mut self, digest: &Digest) {
+        *self.store.lock_held().entry(digest.clone()).or_insert(0) += 1;
+        self.digests.push(digest.clone());
+    }
+}
+
+impl Drop for BlobHolds {
+    fn drop(&mut self) {
+        let mut held = self.store.lock_held();
+        for digest in self.digests.drain(..) {
+            if let Some(count) = held.get_mut(&digest) {
+                *count = count.saturating_sub(1);
+                if *count == 0 {
+                    held.remove(&digest);
+                }
+            }
+        }
+    }
 }
 
 impl BlobStore {
@@ -187,9 +227,33 @@ impl BlobStore {
             fsync(&fd, at)?;
         }
         let dir_fd = open_read_dir(&sha)?;
-        let store = Self { dir: sha, dir_fd };
+        let store = Self {
+            dir: sha,
+            dir_fd,
+            held: Mutex::new(BTreeMap::new()),
+        };
         store.remove_temp_files()?;
         Ok(store)
+    }
+
+    /// A new, empty set of holds on this store's blobs.
+    pub fn holds(self: &Arc<Self>) -> BlobHolds {
+        BlobHolds {
+            store: Arc::clone(self),
+            digests: Vec::new(),
+        }
+    }
+
+    /// Whether some [`BlobHolds`] holds the blob.
+    pub fn is_held(&self, digest: &Digest) -> bool {
+        self.lock_held().contains_key(digest)
+    }
+
+    fn lock_held(&self) -> MutexGuard<'_, BTreeMap<Digest, usize>> {
+        // Counts are updated whole: a panic elsewhere cannot leave one half-changed.
+        self.held
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Where the blob is (or would be) stored.
@@ -318,11 +382,13 @@ impl BlobStore {
     /// whose digest is not known beforehand (a `docker save` layer named by an image id, not
     /// a digest). Reading stops with [`BlobError::TooLarge`] past `max` bytes; a failing
     /// source leaves nothing behind. Returns the digest, the size and whether it was stored
-    /// or already there (then the copy just written is discarded).
+    /// or already there (then the copy just written is discarded). The blob is added to
+    /// `holds` as soon as its digest is known, before it is looked for or renamed into place.
     pub fn put_computed<R: Read>(
         &self,
         mut source: R,
         max: u64,
+        holds: &mut BlobHolds,
     ) -> Result<(Digest, u64, Put), BlobError> {
         // Named like a put's temp file, so that open removes it after a crash.
         let temp_name = format!(
@@ -372,6 +438,7 @@ impl BlobStore {
                 .map_err(|source| temp.io_error("write", source))?;
         }
         let digest = Digest::from_hasher(hasher);
+        holds.hold(&digest);
         if self.contains(&digest)? {
             // Dropping `temp` removes the copy.
             return Ok((digest, total, Put::AlreadyPresent));
@@ -430,11 +497,17 @@ impl BlobStore {
         Ok(digests)
     }
 
-    /// Removes a blob (garbage collection; the caller knows nothing uses it). Removing one
-    /// that is not there is not an error.
-    pub fn remove(&self, digest: &Digest) -> Result<(), BlobError> {
+    /// Removes a blob (garbage collection; the caller knows no indexed image uses it), unless
+    /// a [`BlobHolds`] holds it: then it is kept and `Ok(false)` returned. Removing one that is
+    /// not there is not an error (`Ok(true)`).
+    pub fn remove(&self, digest: &Digest) -> Result<bool, BlobError> {
+        // Held for the whole removal: a holder taking it meanwhile waits, then finds it gone.
+        let held = self.lock_held();
+        if held.contains_key(digest) {
+            return Ok(false);
+        }
         match rustix::fs::unlinkat(&self.dir_fd, digest.hex(), AtFlags::empty()) {
-            Ok(()) | Err(Errno::NOENT) => fsync(&self.dir_fd, &self.dir),
+            Ok(()) | Err(Errno::NOENT) => fsync(&self.dir_fd, &self.dir).map(|()| true),
             Err(errno) => Err(self.io("remove", digest.hex(), errno)),
         }
     }
@@ -664,5 +737,32 @@ mod tests {
         assert!(!store.contains(&digest).unwrap());
         assert_eq!(store.put(data.as_slice(), &digest, 5).unwrap(), Put::Stored);
         assert_eq!(names(&sha), vec![digest.hex().to_owned()]);
+    }
+
+    #[test]
+    fn a_held_blob_is_not_removed_until_every_hold_is_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(BlobStore::open(dir.path()).unwrap());
+        let data = b"held".to_vec();
+        let digest = Digest::of(&data);
+        assert_eq!(store.put(data.as_slice(), &digest, 4).unwrap(), Put::Stored);
+        let mut first = store.holds();
+        first.hold(&digest);
+        // A computed put holds what it stores (here: finds present) as soon as it is hashed.
+        let mut second = store.holds();
+        let (computed, _, put) = store
+            .put_computed(data.as_slice(), 100, &mut second)
+            .unwrap();
+        assert_eq!((computed == digest, put), (true, Put::AlreadyPresent));
+        assert!(!store.remove(&digest).unwrap(), "removed while held");
+        drop(first);
+        assert!(!store.remove(&digest).unwrap(), "removed while still held");
+        assert!(store.contains(&digest).unwrap());
+        drop(second);
+        assert!(!store.is_held(&digest));
+        assert!(store.remove(&digest).unwrap());
+        assert!(!store.contains(&digest).unwrap());
+        // Removing what is not there is not an error.
+        assert!(store.remove(&digest).unwrap());
     }
 }

@@ -36,7 +36,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use serde::Deserialize;
 
-use super::blobs::{ALGORITHM, BlobError, BlobStore, Digest, Put};
+use super::blobs::{ALGORITHM, BlobError, BlobHolds, BlobStore, Digest, Put};
 use super::pull::{self, Manifest, PullError};
 use super::reference::{ImageRef, ReferenceError};
 use super::store::{ImageStore, IndexEntry, IndexLayer, StoreError, now_secs};
@@ -203,11 +203,14 @@ enum File {
 }
 
 /// What reading the archive produced.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Archive {
     files: BTreeMap<String, File>,
     /// Blobs this import put into the store (those already there are not its to remove).
     stored: Vec<Digest>,
+    /// Every blob of the archive, stored or found present, held from a prune until the
+    /// import has indexed its images (or given up) under the store's busy lock.
+    holds: Option<BlobHolds>,
 }
 
 impl Archive {
@@ -262,10 +265,14 @@ impl ImageStore {
                 .await
                 .map_err(|err| ImportError::Task(err.to_string()))?;
         let _busy = self.lock_busy().await;
+        let mut archive = archive;
         let result = match read_error {
             Some(err) => Err(err),
             None => self.index_archive(&archive, name.as_ref(), limits).await,
         };
+        // Indexed or given up, under the busy lock: no prune can come between, and the blobs
+        // no longer need holding.
+        drop(archive.holds.take());
         // Whatever happened: the blobs brought and not indexed go (a failed import leaves
         // none, a successful one only what its images use).
         if let Err(err) = self.remove_unreferenced(&archive.stored) {
@@ -894,10 +901,15 @@ impl<R: Read> Read for Bounded<R> {
 /// blob store. Returns what it read (also on failure, for the cleanup) and the error, if any.
 fn read_archive<R: Read>(
     source: R,
-    blobs: &BlobStore,
+    blobs: &Arc<BlobStore>,
     limits: &ImportLimits,
 ) -> (Archive, Option<ImportError>) {
-    let mut archive = Archive::default();
+    let mut archive = Archive {
+        files: BTreeMap::new(),
+        stored: Vec::new(),
+        holds: None,
+    };
+    let mut holds = blobs.holds();
     let over = Arc::new(AtomicBool::new(false));
     let bounded = Bounded {
         inner: source,
@@ -905,7 +917,8 @@ fn read_archive<R: Read>(
         max: limits.max_archive_bytes,
         over: Arc::clone(&over),
     };
-    let result = read_entries(bounded, blobs, limits, &mut archive);
+    let result = read_entries(bounded, blobs, limits, &mut archive, &mut holds);
+    archive.holds = Some(holds);
     let error = match result {
         Ok(()) => None,
         // Whatever the error looked like on the way up, it was the limit.
@@ -922,6 +935,7 @@ fn read_entries<R: Read>(
     blobs: &BlobStore,
     limits: &ImportLimits,
     archive: &mut Archive,
+    holds: &mut BlobHolds,
 ) -> Result<(), ImportError> {
     let mut tar = tar::Archive::new(source);
     let entries = tar
@@ -1011,6 +1025,9 @@ fn read_entries<R: Read>(
             })?;
             // The content decides: it must hash to its name's digest, or nothing is kept.
             let size = entry.size();
+            // Held before it is looked for: a prune cannot remove it, present or stored,
+            // before this import indexes it.
+            holds.hold(&expected);
             let put = blobs
                 .put(&mut entry, &expected, size)
                 .map_err(|source| match source {
@@ -1029,7 +1046,7 @@ fn read_entries<R: Read>(
             (expected, size, put)
         } else {
             blobs
-                .put_computed(&mut entry, limits.max_archive_bytes)
+                .put_computed(&mut entry, limits.max_archive_bytes, holds)
                 .map_err(blob_err(&name))?
         };
         if put == Put::Stored {

@@ -12,8 +12,11 @@
 //! - sizes are bounded before anything is fetched where the manifest declares them (config,
 //!   layer count, the sum of the layer sizes) and the declared size is enforced while
 //!   streaming; a manifest is refused when larger than [`PullLimits::max_manifest_bytes`];
-//! - every wait is bounded: connect and per-read timeouts on the HTTP client, a deadline per
-//!   manifest request, per blob and for the whole pull;
+//! - every wait is bounded: a connect timeout, a deadline per manifest request, per blob and
+//!   for the whole pull, and an idle bound on every blob download: a registry that sends
+//!   nothing for [`PullLimits::read_timeout`], before a blob's headers or mid-body, fails the
+//!   pull as [`PullError::Stalled`] (the HTTP client's own read timeout, twice as long, is
+//!   only a backstop);
 //! - only `sha256` digests (validated by [`Digest::parse`]) ever become names or requests, and
 //!   layers' foreign `urls` are never fetched.
 //!
@@ -87,7 +90,10 @@ pub struct PullLimits {
     /// Layers downloaded at once.
     pub parallel: usize,
     pub connect_timeout: Duration,
-    /// Longest wait for any single read from the registry.
+    /// Longest a blob's download may wait for the registry: for the answer's headers, then
+    /// for each next piece of the body ([`PullError::Stalled`]). The HTTP client's read
+    /// timeout is twice this, a backstop for the other requests (each is under
+    /// `manifest_timeout` too).
     pub read_timeout: Duration,
     /// Deadline of one manifest request (auth included).
     pub manifest_timeout: Duration,
@@ -228,6 +234,22 @@ pub enum PullError {
         what: &'static str,
         after: Duration,
     },
+    /// The registry sent nothing for [`PullLimits::read_timeout`] while a blob was being
+    /// downloaded (before the answer's headers, or mid-body); what it had sent was discarded.
+    /// Transient: a registry that stalls once may answer the next time.
+    #[error(
+        "{reference}: registry {registry} stalled: nothing for {after:?} while sending {what} of blob {blob} ({received} of {size} bytes received); the partial blob was discarded"
+    )]
+    Stalled {
+        reference: String,
+        registry: String,
+        blob: String,
+        /// `the answer` (no headers yet) or `the body`.
+        what: &'static str,
+        received: u64,
+        size: u64,
+        after: Duration,
+    },
     /// Any other registry answer (5xx, 429 are transient; see [`PullError::is_transient`]).
     #[error("{reference}: registry {registry}: {source}")]
     Registry {
@@ -260,7 +282,10 @@ impl PullError {
     /// the config: the registry unreachable or overloaded, a timeout, the disk full.
     pub fn is_transient(&self) -> bool {
         match self {
-            Self::Unreachable { .. } | Self::Timeout { .. } | Self::Task { .. } => true,
+            Self::Unreachable { .. }
+            | Self::Timeout { .. }
+            | Self::Stalled { .. }
+            | Self::Task { .. } => true,
             Self::Registry { transient, .. } => *transient,
             Self::Store { .. } => true,
             Self::NotFound { .. }
@@ -324,7 +349,9 @@ impl Puller {
         let config = ClientConfig {
             protocol: ClientProtocol::HttpsExcept(self.settings.insecure.clone()),
             connect_timeout: Some(self.limits.connect_timeout),
-            read_timeout: Some(self.limits.read_timeout),
+            // A backstop: a blob download's own idle bound (`read_timeout`) fires first and
+            // says which blob stalled (`fetch_blob`).
+            read_timeout: Some(self.limits.read_timeout.saturating_mul(2)),
             max_concurrent_download: self.limits.parallel.max(1),
             // Proxies: reqwest's default, i.e. the daemon's HTTPS_PROXY / HTTP_PROXY / NO_PROXY.
             ..ClientConfig::default()
@@ -544,11 +571,22 @@ impl Puller {
         }
         let digest_text = blob.digest.to_string();
         let client = self.client()?;
+        let idle = self.limits.read_timeout;
+        let stalled = |what: &'static str, received: u64| PullError::Stalled {
+            reference: name.clone(),
+            registry: reference.registry().to_owned(),
+            blob: blob.digest.to_string(),
+            what,
+            received,
+            size: blob.size,
+            after: idle,
+        };
         let work = async {
-            let sized = client
-                .pull_blob_stream(oci_ref, digest_text.as_str())
-                .await
-                .map_err(|err| self.classify(reference, err))?;
+            let sized =
+                tokio::time::timeout(idle, client.pull_blob_stream(oci_ref, digest_text.as_str()))
+                    .await
+                    .map_err(|_| stalled("the answer", 0))?
+                    .map_err(|err| self.classify(reference, err))?;
             if let Some(length) = sized.content_length
                 && length != blob.size
             {
@@ -580,7 +618,24 @@ impl Puller {
             let mut sent: u64 = 0;
             let started = std::time::Instant::now();
             let mut next_report = started + PROGRESS_EVERY;
-            while let Some(item) = stream.next().await {
+            let mut stall = None;
+            loop {
+                let item = match tokio::time::timeout(idle, stream.next()).await {
+                    Ok(Some(item)) => item,
+                    Ok(None) => break,
+                    Err(_) => {
+                        // The writer is told, so that it discards what it has (a temp file,
+                        // never the blob's name).
+                        let _ = tx
+                            .send(Err(io::Error::new(
+                                io::ErrorKind::TimedOut,
+                                format!("the registry sent nothing for {idle:?}"),
+                            )))
+                            .await;
+                        stall = Some(stalled("the body", sent));
+                        break;
+                    }
+                };
                 match item {
                     Ok(chunk) => {
                         sent = sent.saturating_add(chunk.len() as u64);
@@ -605,7 +660,12 @@ impl Puller {
                 }
             }
             drop(tx);
-            match writer.await {
+            let written = writer.await;
+            if let Some(stall) = stall {
+                // Only now: the writer has removed its temp file.
+                return Err(stall);
+            }
+            match written {
                 Ok(Ok(Put::Stored)) => {
                     progress.complete();
                     tracing::info!(image = %name, blob = %blob.digest, bytes = blob.size,

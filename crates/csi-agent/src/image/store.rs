@@ -482,9 +482,10 @@ impl ImageStore {
         self.puller.limits()
     }
 
-    /// Removes those of `candidates` that no index entry names (blobs an import stored and
-    /// then did not use, or used by nothing because it failed). The caller holds the busy
-    /// lock, so no pull or import is between storing a blob and indexing it.
+    /// Removes those of `candidates` that no index entry names and no other import holds
+    /// (blobs an import stored and then did not use, or used by nothing because it failed).
+    /// The caller holds the busy lock (no pull is between storing a blob and indexing it) and
+    /// has dropped its own [`super::blobs::BlobHolds`].
     pub(super) fn remove_unreferenced(&self, candidates: &[Digest]) -> Result<usize, StoreError> {
         let path = self.index_path();
         let mut keep = BTreeSet::new();
@@ -496,8 +497,8 @@ impl ImageStore {
         }
         let mut removed = 0;
         for digest in candidates {
-            if !keep.contains(digest) {
-                self.blobs.remove(digest)?;
+            // One another import holds (it found it present) is its to index or leave.
+            if !keep.contains(digest) && self.blobs.remove(digest)? {
                 removed += 1;
             }
         }
@@ -568,7 +569,8 @@ impl ImageStore {
     }
 
     /// Removes every image whose reference is not in `used`, the rootfs dirs no remaining
-    /// image has, and the blobs no remaining image names.
+    /// image has, and the blobs no remaining image names and no import in progress holds
+    /// (an import stores its blobs before it takes the busy lock to index them).
     pub async fn prune(&self, used: &BTreeSet<String>) -> Result<Pruned, StoreError> {
         let _busy = self.busy.lock().await;
         let path = self.index_path();
@@ -602,8 +604,8 @@ impl ImageStore {
         pruned.rootfs = self.remove_unkept(ROOTFS_DIR, &keep_rootfs)?;
         pruned.layers = self.remove_unkept(LAYERS_DIR, &keep_layers)?;
         for digest in self.blobs.list()? {
-            if !keep_blobs.contains(&digest) {
-                self.blobs.remove(&digest)?;
+            // A blob an import holds is about to be indexed (or removed by that import).
+            if !keep_blobs.contains(&digest) && self.blobs.remove(&digest)? {
                 pruned.blobs += 1;
             }
         }

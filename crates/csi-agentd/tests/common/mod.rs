@@ -46,6 +46,9 @@ pub struct Daemon {
     pub extra: Vec<String>,
     /// Extra environment of the next `start`.
     pub env: Vec<(String, String)>,
+    /// A command the daemon is started through (`unshare -m sh -c '...; exec "$0" "$@"'`):
+    /// it is given the daemon's path and arguments. Empty: the daemon is started directly.
+    pub wrapper: Vec<String>,
 }
 
 impl Daemon {
@@ -61,6 +64,7 @@ impl Daemon {
             child: None,
             extra: extra.iter().map(|s| (*s).to_owned()).collect(),
             env: Vec::new(),
+            wrapper: Vec::new(),
         }
     }
 
@@ -74,7 +78,16 @@ impl Daemon {
 
     pub fn start(&mut self) {
         let _ = std::fs::remove_file(&self.socket);
-        let child = Command::new(env!("CARGO_BIN_EXE_csi-agentd"))
+        let daemon = env!("CARGO_BIN_EXE_csi-agentd");
+        let mut command = match self.wrapper.split_first() {
+            Some((program, args)) => {
+                let mut command = Command::new(program);
+                command.args(args).arg(daemon);
+                command
+            }
+            None => Command::new(daemon),
+        };
+        let child = command
             .arg("serve")
             .arg("--work-dir")
             .arg(&self.work)
@@ -117,6 +130,23 @@ impl Daemon {
     pub fn wait_exit(&mut self) {
         if let Some(mut child) = self.child.take() {
             child.wait().unwrap();
+        }
+    }
+
+    /// Waits for the daemon to exit on its own (a failpoint's `exit`), failing the test
+    /// (the daemon killed) if it still runs after `limit`.
+    pub fn wait_exit_within(&mut self, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        while let Some(child) = self.child.as_mut() {
+            if child.try_wait().unwrap().is_some() {
+                self.child = None;
+                return;
+            }
+            if Instant::now() >= deadline {
+                self.kill9();
+                panic!("the daemon did not exit within {limit:?}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
 

@@ -1,5 +1,11 @@
 //! The OCI bundle of one component: `config.json` built with the `oci-spec` crate, and the
-//! empty `rootfs/` mount point used when the container runs on the host's root.
+//! `rootfs/` dir that is the container's root when it runs on the host's root.
+//!
+//! The host's root is given entry by entry — each top-level directory and file of the host's
+//! `/` bound at its own path, each top-level symlink recreated in `rootfs/` — never as one
+//! bind of `/` onto the container's root: crun before 1.22 refuses any mount whose
+//! destination is `/` (```mount `/` to ``: Invalid argument```, containers/crun#1752), and
+//! both runtimes take the entries.
 //!
 //! It owns what the container sees (namespaces, mounts, capabilities, devices); it must not
 //! run anything.
@@ -47,9 +53,11 @@ pub struct BundleInput<'a> {
     pub args: Vec<String>,
     /// `NAME=value`.
     pub env: Vec<String>,
-    /// The container's root: the configured rootfs, or the bundle's empty `rootfs/` onto
-    /// which the host's root is bind-mounted.
+    /// The container's root: the configured rootfs, or the bundle's `rootfs/` beneath which
+    /// the host's root is bound entry by entry (`host_root`).
     pub root: &'a Path,
+    /// Without a configured rootfs: the entries of the host's `/` (see [`HostRootEntry`]).
+    pub host_root: &'a [HostRootEntry],
     /// The dir holding the component's socket, shared with the host at the same path.
     pub socket_dir: &'a Path,
     /// The dirs csi-agent hands the plugin mount paths in, shared at the same path with
@@ -67,6 +75,24 @@ pub struct BundleInput<'a> {
     /// The process's uid and gid (an image's numeric `User`; else root).
     pub user: (u32, u32),
 }
+
+/// One top-level entry of the host's `/`, as a container on the host's root gets it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum HostRootEntry {
+    /// A directory or file, bound at the same path (`rbind`, `rslave`: the host's mounts
+    /// beneath it come in, nothing made inside goes out). `own_mount`: it is a mount of its
+    /// own on the host (another file system), which a read-only root leaves as it is — as a
+    /// bind of the whole `/` would.
+    Bind { path: PathBuf, own_mount: bool },
+    /// A symlink (`/bin -> usr/bin`), recreated as it is in the bundle's `rootfs/` by the
+    /// runtime before `create`.
+    Symlink { path: PathBuf, target: PathBuf },
+}
+
+/// The top-level entries of the host's `/` that a container on the host's root does not get
+/// from the host: it has its own `/proc`, `/dev`, `/sys` and `/tmp` (the host's `/dev` and
+/// `/sys` are bound on their own when it is privileged or shares the host's network).
+pub const OWN_ROOT_ENTRIES: &[&str] = &["proc", "dev", "sys", "tmp"];
 
 fn mount(
     destination: &Path,
@@ -93,8 +119,8 @@ fn capabilities(names: &[String]) -> Result<HashSet<Capability>, BundleError> {
 }
 
 /// Builds `config.json`. The mounts, in order:
-/// 1. without a configured rootfs, the host's `/` (`rbind`, `rslave`: the host's mounts
-///    come in, nothing made inside goes out);
+/// 1. without a configured rootfs, the host's `/` entry by entry ([`HostRootEntry`]: `rbind`,
+///    `rslave`, and `ro` with a read-only root unless the entry is a mount of its own);
 /// 2. the container's own `/proc`, `/dev` (the host's `/dev` when privileged: a node plugin
 ///    needs the devices it formats and mounts), `/sys`, `/tmp`;
 /// 3. the socket dir, the mount roots (`rshared`) and `container.volumes`, parents first.
@@ -103,12 +129,16 @@ pub fn spec(input: &BundleInput<'_>) -> Result<Spec, BundleError> {
     let privileged = input.privileged;
     let mut mounts = Vec::new();
     if settings.rootfs.is_none() {
-        mounts.push(mount(
-            Path::new("/"),
-            "bind",
-            Path::new("/"),
-            &["rbind", "rslave"],
-        )?);
+        let readonly = settings.readonly_rootfs.unwrap_or(true);
+        for entry in input.host_root {
+            if let HostRootEntry::Bind { path, own_mount } = entry {
+                let mut options = vec!["rbind", "rslave"];
+                if readonly && !own_mount {
+                    options.push("ro");
+                }
+                mounts.push(mount(path, "bind", path, &options)?);
+            }
+        }
     }
     mounts.push(mount(
         Path::new("/proc"),
@@ -373,6 +403,7 @@ mod tests {
             args: vec!["/bin/plugin".to_owned()],
             env: vec!["CSI_ENDPOINT=unix:///run/s/endpoint.sock".to_owned()],
             root: Path::new("/b/rootfs"),
+            host_root: &[],
             socket_dir: Path::new("/run/s"),
             mount_roots: roots,
             volumes: &[],
@@ -431,11 +462,41 @@ mod tests {
     fn host_root_node_plugin_shares_its_mount_root() -> anyhow::Result<()> {
         let settings = OciConfig::default();
         let roots = [PathBuf::from("/w/csi/t/default/mounts")];
-        let spec = spec(&input(&settings, &roots))?;
+        let host_root = [
+            HostRootEntry::Bind {
+                path: PathBuf::from("/etc"),
+                own_mount: false,
+            },
+            HostRootEntry::Bind {
+                path: PathBuf::from("/home"),
+                own_mount: true,
+            },
+            HostRootEntry::Symlink {
+                path: PathBuf::from("/bin"),
+                target: PathBuf::from("usr/bin"),
+            },
+        ];
+        let mut input = input(&settings, &roots);
+        input.host_root = &host_root;
+        let spec = spec(&input)?;
         let json = serde_json::to_value(&spec)?;
         let mounts = json["mounts"].as_array().cloned().unwrap_or_default();
-        assert_eq!(mounts[0]["destination"], "/");
-        assert_eq!(mounts[0]["source"], "/");
+        // The host's root entry by entry, never one mount on `/` (crun refuses those).
+        assert!(mounts.iter().all(|m| m["destination"] != "/"), "{mounts:?}");
+        assert_eq!(mounts[0]["destination"], "/etc");
+        assert_eq!(mounts[0]["source"], "/etc");
+        assert_eq!(
+            mounts[0]["options"],
+            serde_json::json!(["rbind", "rslave", "ro"])
+        );
+        // A mount of its own keeps its flags, as under a bind of the whole root.
+        assert_eq!(mounts[1]["destination"], "/home");
+        assert_eq!(mounts[1]["options"], serde_json::json!(["rbind", "rslave"]));
+        // Symlinks are made in rootfs/ by the runtime, not mounted.
+        assert!(
+            mounts.iter().all(|m| m["destination"] != "/bin"),
+            "{mounts:?}"
+        );
         let root = mounts
             .iter()
             .find(|m| m["destination"] == "/w/csi/t/default/mounts")
@@ -480,9 +541,15 @@ mod tests {
         };
         let mut input = input(&settings, &[]);
         input.root = Path::new("/images/plugin");
+        let host_root = [HostRootEntry::Bind {
+            path: PathBuf::from("/etc"),
+            own_mount: false,
+        }];
+        input.host_root = &host_root;
         let json = serde_json::to_value(spec(&input)?)?;
         assert_eq!(json["root"]["path"], "/images/plugin");
-        assert_ne!(json["mounts"][0]["destination"], "/");
+        // An image's root is not mixed with the host's.
+        assert_ne!(json["mounts"][0]["destination"], "/etc");
         assert_eq!(
             json["process"]["capabilities"]["bounding"],
             serde_json::json!(["CAP_SYS_ADMIN"])

@@ -372,6 +372,40 @@ pub fn limits(resources: &[Value]) -> Result<Limits, (String, String)> {
     Ok(limits)
 }
 
+/// The controllers of the cgroup v2 part of a hybrid cgroup hierarchy (v1 hierarchies under
+/// `/sys/fs/cgroup`, cgroup v2 at `/sys/fs/cgroup/unified`), as its `cgroup.controllers`
+/// lists them; `None` on a pure v1 or v2 host, or when the v2 part has none.
+pub fn hybrid_cgroup_v2_controllers() -> Option<Vec<String>> {
+    let root = Path::new("/sys/fs/cgroup");
+    if root.join("cgroup.controllers").exists() {
+        return None;
+    }
+    let listed = std::fs::read_to_string(root.join("unified/cgroup.controllers")).ok()?;
+    let controllers: Vec<String> = listed.split_whitespace().map(str::to_owned).collect();
+    (!controllers.is_empty()).then_some(controllers)
+}
+
+/// What crun answers, at `create`, for every container on a hybrid cgroup hierarchy whose
+/// cgroup v2 part has controllers (its libcrun checks `unified/cgroup.controllers`).
+const CRUN_HYBRID_REFUSAL: &str = "cgroups in hybrid mode not supported";
+
+/// A failed `create`, said plainly when the runtime refused this host's cgroup layout rather
+/// than the container (crun on a hybrid hierarchy with v2 controllers; see
+/// [`OciError::HybridCgroups`]).
+fn explain_create_failure(runc: &Runc, err: RuncError) -> OciError {
+    if let RuncError::Failed { message, .. } = &err
+        && message.contains(CRUN_HYBRID_REFUSAL)
+        && let Some(controllers) = hybrid_cgroup_v2_controllers()
+    {
+        return OciError::HybridCgroups {
+            binary: runc.binary().to_path_buf(),
+            controllers: controllers.join(" "),
+            message: message.clone(),
+        };
+    }
+    err.into()
+}
+
 /// Whether this host's cgroups can enforce a controller (`cpu`, `memory`): a v1 hierarchy
 /// of that name, or the controller listed in the v2 root's `cgroup.controllers`.
 pub fn cgroup_controller_available(controller: &str) -> bool {
@@ -388,6 +422,17 @@ pub fn cgroup_controller_available(controller: &str) -> bool {
 pub enum OciError {
     #[error(transparent)]
     Runc(#[from] RuncError),
+    /// The runtime refuses every container on this host's cgroups, whatever the config: crun
+    /// on a hybrid hierarchy whose cgroup v2 part (`/sys/fs/cgroup/unified`) has controllers.
+    #[error(
+        "the OCI runtime `{}` refuses every container on this host's cgroups: a hybrid hierarchy (cgroup v1 under /sys/fs/cgroup, cgroup v2 at /sys/fs/cgroup/unified) whose cgroup v2 part has controllers ({controllers}), which crun does not support whatever the container's resources; use runc (the daemon's --oci-runtime), mount those controllers as cgroup v1 hierarchies, or boot with the unified cgroup v2 hierarchy (systemd.unified_cgroup_hierarchy=1) (the runtime said: {message})",
+        binary.display()
+    )]
+    HybridCgroups {
+        binary: PathBuf,
+        controllers: String,
+        message: String,
+    },
     #[error(
         "runtime.rootfs: {} does not exist or is not a directory: unpack the image there or fix the path",
         path.display()
@@ -400,6 +445,15 @@ pub enum OciError {
     HostPathMissing { path: PathBuf },
     #[error("container: {0}")]
     Volumes(String),
+    #[error(
+        "container.volumes[{index}].source.host_path.mount_propagation.mode: BIDIRECTIONAL needs host_path {} on a shared mount, and the mount at {} is not shared: mounts made in the container would never reach the host. Make it shared (mount --make-rshared {}, or give the path a shared mount of its own: mount --bind {} {} && mount --make-shared {}) or use HOST_TO_CONTAINER",
+        path.display(), mount.display(), mount.display(), path.display(), path.display(), path.display()
+    )]
+    NotShared {
+        index: usize,
+        path: PathBuf,
+        mount: PathBuf,
+    },
     #[error(
         "runtime.capabilities: {name} is not in csi-agent's own capability bounding set, so no container of it can have it: remove it"
     )]
@@ -516,6 +570,42 @@ impl Runtime for OciRuntime {
     }
 }
 
+/// A BIDIRECTIONAL volume's bind is a peer of the host mount its `host_path` is on only when
+/// that mount is shared: on a private one, the mounts the plugin makes inside never reach the
+/// host, silently. Such a volume is refused (as containerd refuses Kubernetes'
+/// `Bidirectional` there), naming it and the mount; csi-agent does not change the mount
+/// propagation of the operator's paths itself.
+fn check_bidirectional_volumes(volumes: &[VolumeBind]) -> Result<(), OciError> {
+    if !volumes.iter().any(|v| v.bidirectional) {
+        return Ok(());
+    }
+    let table = MountTable::read().map_err(|err| OciError::Io {
+        what: "cannot read the mount table for",
+        path: PathBuf::from("container.volumes"),
+        source: std::io::Error::other(err.to_string()),
+    })?;
+    for (index, volume) in volumes.iter().enumerate() {
+        if !volume.bidirectional {
+            continue;
+        }
+        let path = std::fs::canonicalize(&volume.host_path).map_err(io(
+            "cannot resolve the volume's host_path",
+            &volume.host_path,
+        ))?;
+        let mount = path.ancestors().find_map(|dir| table.mount_at(dir));
+        if !mount.is_some_and(|m| m.is_shared()) {
+            return Err(OciError::NotShared {
+                index,
+                path,
+                mount: mount
+                    .map(|m| m.mount_point.clone())
+                    .unwrap_or_else(|| PathBuf::from("/")),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Makes `dir` a shared mount (a bind onto itself when it is not a mount point yet), so that
 /// an `rshared` bind of it in a container is a peer of the host's.
 pub fn share_mount_root(dir: &Path) -> Result<(), OciError> {
@@ -627,16 +717,19 @@ impl OciRuntime {
             }
         }
 
-        let root = match &settings.rootfs {
+        let (root, host_root) = match &settings.rootfs {
             Some(rootfs) => {
                 if !rootfs.is_dir() {
                     return Err(OciError::RootfsMissing {
                         path: rootfs.clone(),
                     });
                 }
-                rootfs.clone()
+                (rootfs.clone(), Vec::new())
             }
-            None => bundle_dir.join(bundle::ROOTFS_DIR),
+            None => (
+                bundle_dir.join(bundle::ROOTFS_DIR),
+                host_root_entries(Path::new("/"))?,
+            ),
         };
         let volumes = match &spec.container {
             Some(container) => volumes(container)
@@ -663,6 +756,7 @@ impl OciRuntime {
                 });
             }
         }
+        check_bidirectional_volumes(&volumes)?;
         for dir in &context.mount_roots {
             share_mount_root(dir)?;
         }
@@ -755,6 +849,7 @@ impl OciRuntime {
             args,
             env,
             root: &root,
+            host_root: &host_root,
             socket_dir,
             mount_roots: &context.mount_roots,
             volumes: &volumes,
@@ -767,6 +862,15 @@ impl OciRuntime {
         let oci_spec = bundle::spec(&input)?;
         std::fs::create_dir_all(bundle_dir.join(bundle::ROOTFS_DIR))
             .map_err(io("cannot create the bundle", &bundle_dir))?;
+        for entry in &host_root {
+            if let bundle::HostRootEntry::Symlink { path, target } = entry {
+                let link = bundle_dir
+                    .join(bundle::ROOTFS_DIR)
+                    .join(path.strip_prefix("/").unwrap_or(path));
+                std::os::unix::fs::symlink(target, &link)
+                    .map_err(io("cannot recreate the host's symlink at", &link))?;
+            }
+        }
         let config_path = bundle_dir.join(bundle::CONFIG_FILE);
         oci_spec.save(&config_path).map_err(|err| OciError::Io {
             what: "cannot write",
@@ -784,7 +888,7 @@ impl OciRuntime {
             .await
         {
             self.discard(&id, &bundle_dir).await;
-            return Err(err.into());
+            return Err(explain_create_failure(&self.runc, err));
         }
         if let Err(err) = crate::failpoint::hit(FP_AFTER_CREATE) {
             self.discard(&id, &bundle_dir).await;
@@ -1050,10 +1154,119 @@ fn mount_image_root(layers: &[PathBuf], bundle_dir: &Path) -> Result<(), OciErro
     })
 }
 
+/// The top-level entries of the host's root `/` (`root`) a container on the host's root is
+/// given ([`bundle::HostRootEntry`]), by name: directories and files bound, symlinks
+/// recreated; [`bundle::OWN_ROOT_ENTRIES`], other kinds (sockets, devices) and names that are
+/// not UTF-8 (which `config.json` cannot hold) left out, the last two logged.
+pub fn host_root_entries(root: &Path) -> Result<Vec<bundle::HostRootEntry>, OciError> {
+    use std::os::unix::fs::MetadataExt;
+    let root_dev = std::fs::metadata(root)
+        .map_err(io("cannot read the host's root", root))?
+        .dev();
+    let mut entries = Vec::new();
+    for entry in std::fs::read_dir(root).map_err(io("cannot list the host's root", root))? {
+        let entry = entry.map_err(io("cannot list the host's root", root))?;
+        let name = entry.file_name();
+        let Some(text) = name.to_str() else {
+            tracing::warn!(name = ?name, "an entry of / whose name is not UTF-8 is not given to containers on the host's root");
+            continue;
+        };
+        if bundle::OWN_ROOT_ENTRIES.contains(&text) {
+            continue;
+        }
+        let path = root.join(&name);
+        // Gone since the listing: nothing to give.
+        let Ok(meta) = std::fs::symlink_metadata(&path) else {
+            continue;
+        };
+        let file_type = meta.file_type();
+        let entry = if file_type.is_symlink() {
+            let Ok(target) = std::fs::read_link(&path) else {
+                continue;
+            };
+            bundle::HostRootEntry::Symlink {
+                path: Path::new("/").join(&name),
+                target,
+            }
+        } else if file_type.is_dir() || file_type.is_file() {
+            bundle::HostRootEntry::Bind {
+                path: Path::new("/").join(&name),
+                own_mount: meta.dev() != root_dev,
+            }
+        } else {
+            tracing::debug!(path = %path.display(), "not a directory, file or symlink: not given to containers on the host's root");
+            continue;
+        };
+        entries.push(entry);
+    }
+    entries.sort_by(|a, b| entry_path(a).cmp(entry_path(b)));
+    Ok(entries)
+}
+
+fn entry_path(entry: &bundle::HostRootEntry) -> &Path {
+    match entry {
+        bundle::HostRootEntry::Bind { path, .. } | bundle::HostRootEntry::Symlink { path, .. } => {
+            path
+        }
+    }
+}
+
+/// The most levels of mount points beneath `rootfs/` that [`clear_root_dir`] removes.
+const ROOT_DIR_DEPTH: usize = 32;
+
+/// Empties the bundle's `rootfs/` of what a launch on the host's root leaves on the host:
+/// the symlinks csi-agent recreated and the mount points the runtime made (empty dirs and
+/// empty files). Nothing else is removed, nothing is followed, and nothing on another file
+/// system is entered: a `rootfs/` that is still a mount (an overlay that would not unmount)
+/// is left whole. What is left is logged.
+fn clear_root_dir(rootfs: &Path) {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(meta) = std::fs::symlink_metadata(rootfs) else {
+        return;
+    };
+    let parent_dev = rootfs
+        .parent()
+        .and_then(|p| std::fs::metadata(p).ok())
+        .map(|m| m.dev());
+    if !meta.is_dir() || parent_dev != Some(meta.dev()) {
+        return;
+    }
+    clear_dir(rootfs, meta.dev(), 0);
+}
+
+fn clear_dir(dir: &Path, dev: u64, depth: usize) {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let Ok(meta) = std::fs::symlink_metadata(&path) else {
+            continue;
+        };
+        let removed = if meta.file_type().is_symlink() || (meta.is_file() && meta.len() == 0) {
+            std::fs::remove_file(&path)
+        } else if meta.is_dir() && meta.dev() == dev && depth < ROOT_DIR_DEPTH {
+            clear_dir(&path, dev, depth + 1);
+            std::fs::remove_dir(&path)
+        } else {
+            Err(std::io::Error::other(
+                "not a symlink, an empty file or a dir on the same file system",
+            ))
+        };
+        if let Err(err) = removed
+            && err.kind() != std::io::ErrorKind::NotFound
+        {
+            tracing::warn!(path = %path.display(), "cannot remove from the container's root dir: {err}");
+        }
+    }
+}
+
 /// Removes the files csi-agent writes into a bundle, then the bundle dir; never
-/// recursively (the `rootfs/` mount point is empty on the host once its overlay, if any, is
-/// unmounted: the container's mounts live in its own mount namespace). The overlay's
-/// upper and work dirs go only after the overlay is unmounted.
+/// recursively but for [`clear_root_dir`] (the `rootfs/` dir holds only mount points and
+/// symlinks on the host once its overlay, if any, is unmounted: the container's mounts live
+/// in its own mount namespace). The overlay's upper and work dirs go only after the overlay
+/// is unmounted.
 fn remove_bundle(bundle_dir: &Path) {
     let rootfs = bundle_dir.join(bundle::ROOTFS_DIR);
     let overlay = bundle_dir.join(OVERLAY_DIR);
@@ -1067,6 +1280,7 @@ fn remove_bundle(bundle_dir: &Path) {
         }
         Err(err) => tracing::warn!(path = %rootfs.display(), "{err}; its upper dir is kept"),
     }
+    clear_root_dir(&rootfs);
     for name in [bundle::CONFIG_FILE, "init.pid", "runc.log"] {
         let path = bundle_dir.join(name);
         if let Err(err) = std::fs::remove_file(&path)
@@ -1316,6 +1530,61 @@ mod tests {
             linux_info_capabilities(&bad).map_err(|(field, _)| field),
             Err("linux_info.effective_capabilities.capabilities[1]".to_owned())
         );
+    }
+
+    #[test]
+    fn the_host_root_is_listed_entry_by_entry_and_its_dir_cleared_after() -> anyhow::Result<()> {
+        let host = tempfile::tempdir()?;
+        std::fs::create_dir(host.path().join("etc"))?;
+        std::fs::write(host.path().join(".marker"), b"")?;
+        std::os::unix::fs::symlink("usr/bin", host.path().join("bin"))?;
+        std::fs::create_dir(host.path().join("proc"))?;
+        std::fs::create_dir(host.path().join("tmp"))?;
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            host.path().join("fifo"),
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::from_raw_mode(0o600),
+            0,
+        )?;
+        let entries = host_root_entries(host.path())?;
+        assert_eq!(
+            entries,
+            vec![
+                bundle::HostRootEntry::Bind {
+                    path: "/.marker".into(),
+                    own_mount: false
+                },
+                bundle::HostRootEntry::Symlink {
+                    path: "/bin".into(),
+                    target: "usr/bin".into()
+                },
+                bundle::HostRootEntry::Bind {
+                    path: "/etc".into(),
+                    own_mount: false
+                },
+            ]
+        );
+
+        // What a launch leaves in rootfs/: symlinks, empty mount point files and dirs, nested
+        // ones too. A file with content is no mount point: it is left.
+        let rootfs = host.path().join("bundle/rootfs");
+        std::fs::create_dir_all(rootfs.join("state/sub"))?;
+        std::fs::create_dir_all(rootfs.join("etc"))?;
+        std::fs::write(rootfs.join(".marker"), b"")?;
+        std::os::unix::fs::symlink("/", rootfs.join("bin"))?;
+        std::fs::create_dir_all(rootfs.join("kept"))?;
+        std::fs::write(rootfs.join("kept/data"), b"not a mount point")?;
+        clear_root_dir(&rootfs);
+        let mut left: Vec<String> = std::fs::read_dir(&rootfs)?
+            .map(|e| e.map(|e| e.file_name().to_string_lossy().into_owned()))
+            .collect::<Result<_, _>>()?;
+        left.sort();
+        assert_eq!(left, ["kept"]);
+        assert!(rootfs.join("kept/data").exists());
+        // The symlink was removed, not followed.
+        assert!(host.path().join("etc").exists());
+        Ok(())
     }
 
     #[test]
