@@ -6,6 +6,10 @@
 //! kernel's escaping wrote, whatever bytes a path holds; the record decoder never panics on
 //! arbitrary bytes, arbitrary JSON or a damaged valid record, and a record it accepts
 //! re-encodes to itself. No mounts: runs anywhere.
+//!
+//! `FUZZ_CASES=N` runs every property N times instead of its default (the long run outside
+//! CI, docs/reliability.md); failures shrink and are kept in `fuzz_props.proptest-regressions`,
+//! which is committed and replayed first on every run.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::os::fd::AsFd;
@@ -19,6 +23,14 @@ use csi_agent::volume::bind::Binder;
 use csi_agent::volume::{Origin, VolumeRecord, VolumeState};
 use proptest::prelude::*;
 use serde_json::Value;
+
+/// The number of cases of each property: `default`, or `FUZZ_CASES` when set.
+fn cases(default: u32) -> u32 {
+    std::env::var("FUZZ_CASES")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(default)
+}
 
 /// Component strings an attacker would try, mixed with arbitrary ones.
 fn component() -> impl Strategy<Value = String> {
@@ -100,7 +112,7 @@ fn arbitrary_json() -> impl Strategy<Value = Value> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: cases(512), ..ProptestConfig::default() })]
 
     #[test]
     fn encode_then_decode_is_the_identity(id in any::<String>()) {
@@ -162,7 +174,7 @@ proptest! {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: cases(256), ..ProptestConfig::default() })]
 
     /// The walk itself, on a real tree holding symlinks to outside (absolute and `..`), a
     /// file and a dir: whatever it opens or creates lies beneath the root.
@@ -254,7 +266,7 @@ fn a_valid_record() -> VolumeRecord {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: cases(512), ..ProptestConfig::default() })]
 
     #[test]
     fn mountinfo_parsing_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..400)) {
