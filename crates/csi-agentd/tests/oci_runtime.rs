@@ -154,6 +154,28 @@ async fn wait_plugin(
     }
 }
 
+/// A publish of vol1 for w1 started in the background (it waits for the plugin) and the
+/// plugin's state once its launch has failed with an error `failed` accepts. The publish is
+/// handed back to be aborted, or awaited once the cause is fixed.
+async fn publish_until_launch_fails(
+    daemon: &Daemon,
+    what: &str,
+    mut failed: impl FnMut(&str) -> bool,
+) -> (
+    PluginInfo,
+    tokio::task::JoinHandle<Result<csi_agent_api::PublishResponse, csi_agent_api::ApiError>>,
+) {
+    let publishing = {
+        let api = daemon.api();
+        tokio::spawn(async move { api.publish(&publish("vol1", "w1")).await })
+    };
+    let info = wait_plugin(daemon, what, Duration::from_secs(20), |i| {
+        i.error.as_deref().is_some_and(&mut failed)
+    })
+    .await;
+    (info, publishing)
+}
+
 fn daemon_log(daemon: &Daemon) -> String {
     std::fs::read_to_string(daemon.work.parent().unwrap().join("daemon.log")).unwrap_or_default()
 }
@@ -431,14 +453,8 @@ async fn launch_errors_are_reported_on_the_plugin_naming_the_field() {
         "{}",
         error.message
     );
-    let publishing = {
-        let api = api.clone();
-        tokio::spawn(async move { api.publish(&publish("vol1", "w1")).await })
-    };
-    let info = wait_plugin(&daemon, "the launch error", Duration::from_secs(20), |i| {
-        i.error
-            .as_deref()
-            .is_some_and(|e| e.contains("/nonexistent/bin/runc"))
+    let (info, publishing) = publish_until_launch_fails(&daemon, "the launch error", |e| {
+        e.contains("/nonexistent/bin/runc")
     })
     .await;
     assert_eq!(info.state, "restarting", "{info:?}");
@@ -468,15 +484,8 @@ async fn launch_errors_are_reported_on_the_plugin_naming_the_field() {
         ),
     );
     daemon.start();
-    let api = daemon.api();
-    let publishing = {
-        let api = api.clone();
-        tokio::spawn(async move { api.publish(&publish("vol1", "w1")).await })
-    };
-    let info = wait_plugin(&daemon, "the rootfs error", Duration::from_secs(20), |i| {
-        i.error
-            .as_deref()
-            .is_some_and(|e| e.contains("runtime.rootfs"))
+    let (info, publishing) = publish_until_launch_fails(&daemon, "the rootfs error", |e| {
+        e.contains("runtime.rootfs")
     })
     .await;
     assert!(
@@ -718,15 +727,7 @@ async fn crun_on_a_hybrid_cgroup_host_is_refused_saying_why() {
         &oci_config(&plugin_dir, json!({"kind": "oci"})),
     );
     daemon.start();
-    let api = daemon.api();
-    let publishing = {
-        let api = api.clone();
-        tokio::spawn(async move { api.publish(&publish("vol1", "w1")).await })
-    };
-    let info = wait_plugin(&daemon, "the refusal", Duration::from_secs(20), |i| {
-        i.error.is_some()
-    })
-    .await;
+    let (info, publishing) = publish_until_launch_fails(&daemon, "the refusal", |_| true).await;
     publishing.abort();
     let error = info.error.clone().unwrap();
     assert_eq!(info.state, "restarting", "{info:?}");
@@ -931,14 +932,7 @@ async fn a_bidirectional_volume_on_a_mount_that_is_not_shared_is_refused_naming_
     daemon.add_config("test.json", &config);
     daemon.start();
     let api = daemon.api();
-    let publishing = {
-        let api = api.clone();
-        tokio::spawn(async move { api.publish(&publish("vol1", "w1")).await })
-    };
-    let info = wait_plugin(&daemon, "the refusal", Duration::from_secs(20), |i| {
-        i.error.is_some()
-    })
-    .await;
+    let (info, publishing) = publish_until_launch_fails(&daemon, "the refusal", |_| true).await;
     let error = info.error.clone().unwrap();
     assert_eq!(info.state, "restarting", "{info:?}");
     for wanted in [
