@@ -12,7 +12,6 @@ use std::time::Duration;
 
 use csi_agent::image::import::{ImportError, ImportLimits};
 use csi_agent::image::pull::{PullLimits, Puller};
-use csi_agent::image::reference::RegistrySettings;
 use csi_agent::image::store::{Composition, ImageStore, PreparedRoot, PullPolicy};
 use registry_support::*;
 
@@ -20,11 +19,7 @@ use registry_support::*;
 const NO_REGISTRY: &str = "127.0.0.1:9";
 
 fn open_store(dir: &Path) -> ImageStore {
-    let settings = RegistrySettings {
-        default_registry: NO_REGISTRY.to_owned(),
-        insecure: vec![NO_REGISTRY.to_owned()],
-        ..RegistrySettings::default()
-    };
+    let settings = loopback_registry(NO_REGISTRY);
     let limits = PullLimits {
         connect_timeout: Duration::from_secs(1),
         manifest_timeout: Duration::from_secs(2),
@@ -580,11 +575,7 @@ async fn prunes_racing_imports_and_a_pull_never_leave_an_indexed_image_incomplet
 
     for composition in [Composition::Flattened, Composition::Overlay] {
         let dir = tmp.path().join(format!("store-{composition:?}"));
-        let settings = RegistrySettings {
-            default_registry: host.clone(),
-            insecure: vec![host.clone()],
-            ..RegistrySettings::default()
-        };
+        let settings = loopback_registry(&host);
         let limits = PullLimits {
             connect_timeout: Duration::from_secs(2),
             manifest_timeout: Duration::from_secs(10),

@@ -13,11 +13,7 @@ use csi_agent::image::reference::{ImageRef, RegistrySettings};
 use registry_support::*;
 
 fn puller(registry: &Registry) -> Puller {
-    let settings = RegistrySettings {
-        default_registry: registry.host(),
-        insecure: vec![registry.host()],
-        ..RegistrySettings::default()
-    };
+    let settings = loopback_registry(&registry.host());
     let limits = PullLimits {
         connect_timeout: Duration::from_secs(2),
         read_timeout: Duration::from_secs(5),
@@ -417,11 +413,7 @@ async fn a_registry_stalling_mid_blob_fails_the_pull_within_the_read_timeout() {
     let read_timeout = Duration::from_secs(1);
     for stall in [LayerAnswer::StallMidBody, LayerAnswer::StallBeforeHeaders] {
         registry.answer(stall);
-        let settings = RegistrySettings {
-            default_registry: registry.host(),
-            insecure: vec![registry.host()],
-            ..RegistrySettings::default()
-        };
+        let settings = loopback_registry(&registry.host());
         let limits = PullLimits {
             connect_timeout: Duration::from_secs(2),
             read_timeout,

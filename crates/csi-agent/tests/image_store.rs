@@ -16,11 +16,7 @@ use csi_agent::image::store::{Composition, ImageStore, PreparedRoot, PullPolicy,
 use registry_support::*;
 
 fn puller(registry: &Registry) -> Puller {
-    let settings = RegistrySettings {
-        default_registry: registry.host(),
-        insecure: vec![registry.host()],
-        ..RegistrySettings::default()
-    };
+    let settings = loopback_registry(&registry.host());
     let limits = PullLimits {
         connect_timeout: Duration::from_secs(2),
         read_timeout: Duration::from_secs(5),

@@ -524,15 +524,6 @@ async fn a_registry_down_is_reported_on_the_plugin_and_the_pull_retried_once_it_
     }
 }
 
-fn dir_names(dir: &Path) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
-    names
-}
-
 /// The overlay mounts under `dir` in this mount namespace.
 fn overlays_under(dir: &Path) -> Vec<PathBuf> {
     csi_agent::mounts::MountTable::read()

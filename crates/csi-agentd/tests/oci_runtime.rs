@@ -81,6 +81,17 @@ cgroup_view() {
 }
 "#;
 
+/// A temp dir for one test under /tmp (`prefix` names it) and the test plugin's dir in it.
+fn test_dir(prefix: &str) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir_in("/tmp")
+        .unwrap();
+    let plugin_dir = dir.path().join("plugin");
+    std::fs::create_dir_all(&plugin_dir).unwrap();
+    (dir, plugin_dir)
+}
+
 /// Every test's first step (after checking the private mount namespace): with crun on a
 /// hybrid cgroup host whose v2 part has controllers, the v2 hierarchy is hidden in this
 /// test binary's own mount namespace (the host keeps it), so that crun sees the host's
@@ -198,12 +209,7 @@ fn is_mounted(path: &Path) -> bool {
 #[tokio::test]
 async fn the_plugin_runs_in_a_container_and_its_mounts_reach_the_host() {
     prepare_runtime();
-    let dir = tempfile::Builder::new()
-        .prefix("csi-oci-")
-        .tempdir_in("/tmp")
-        .unwrap();
-    let plugin_dir = dir.path().join("plugin");
-    std::fs::create_dir_all(&plugin_dir).unwrap();
+    let (dir, plugin_dir) = test_dir("csi-oci-");
     let mut daemon = Daemon::new(dir.path(), &oci_flags());
     let mut config = oci_config(&plugin_dir, json!({"kind": "oci"}));
     config["containers"][0]["resources"] = json!([
@@ -257,15 +263,7 @@ async fn the_plugin_runs_in_a_container_and_its_mounts_reach_the_host() {
     // The host's root, entry by entry: its top-level names, symlinks as symlinks, files
     // as they are; read-only, the root and its entries alike.
     let root = PathBuf::from(format!("/proc/{pid}/root"));
-    let names = |dir: &Path| -> Vec<String> {
-        let mut names: Vec<String> = std::fs::read_dir(dir)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        names.sort();
-        names
-    };
-    assert_eq!(names(&root), names(Path::new("/")));
+    assert_eq!(dir_names(&root), dir_names(Path::new("/")));
     for entry in std::fs::read_dir("/").unwrap() {
         let path = entry.unwrap().path();
         if let Ok(target) = std::fs::read_link(&path) {
@@ -400,12 +398,7 @@ fn cgroups_of(socket_root: &Path) -> Vec<PathBuf> {
 #[tokio::test]
 async fn launch_errors_are_reported_on_the_plugin_naming_the_field() {
     prepare_runtime();
-    let dir = tempfile::Builder::new()
-        .prefix("csi-oci-err-")
-        .tempdir_in("/tmp")
-        .unwrap();
-    let plugin_dir = dir.path().join("plugin");
-    std::fs::create_dir_all(&plugin_dir).unwrap();
+    let (dir, plugin_dir) = test_dir("csi-oci-err-");
 
     // A bad capability name: the file is refused at load, naming the field.
     let mut daemon = Daemon::new(dir.path(), &["--oci-runtime", "/nonexistent/bin/runc"]);
@@ -502,12 +495,7 @@ async fn launch_errors_are_reported_on_the_plugin_naming_the_field() {
 #[tokio::test]
 async fn a_container_stopped_while_the_daemon_was_down_is_replaced_and_a_changed_config_too() {
     prepare_runtime();
-    let dir = tempfile::Builder::new()
-        .prefix("csi-oci-re-")
-        .tempdir_in("/tmp")
-        .unwrap();
-    let plugin_dir = dir.path().join("plugin");
-    std::fs::create_dir_all(&plugin_dir).unwrap();
+    let (dir, plugin_dir) = test_dir("csi-oci-re-");
     let mut daemon = Daemon::new(dir.path(), &oci_flags());
     daemon.add_config(
         "test.json",
@@ -635,12 +623,7 @@ async fn a_daemon_killed_while_starting_a_container_leaves_exactly_one_after_res
         csi_agent::runtime::oci::FP_AFTER_CREATE,
         csi_agent::runtime::oci::FP_AFTER_START,
     ] {
-        let dir = tempfile::Builder::new()
-            .prefix("csi-oci-fp-")
-            .tempdir_in("/tmp")
-            .unwrap();
-        let plugin_dir = dir.path().join("plugin");
-        std::fs::create_dir_all(&plugin_dir).unwrap();
+        let (dir, plugin_dir) = test_dir("csi-oci-fp-");
         let mut daemon = Daemon::new(dir.path(), &oci_flags());
         daemon.add_config(
             "test.json",
@@ -701,12 +684,7 @@ async fn crun_on_a_hybrid_cgroup_host_is_refused_saying_why() {
         );
         return;
     };
-    let dir = tempfile::Builder::new()
-        .prefix("csi-oci-hybrid-")
-        .tempdir_in("/tmp")
-        .unwrap();
-    let plugin_dir = dir.path().join("plugin");
-    std::fs::create_dir_all(&plugin_dir).unwrap();
+    let (dir, plugin_dir) = test_dir("csi-oci-hybrid-");
     let mut daemon = Daemon::new(dir.path(), &oci_flags());
     // The daemon sees the host's cgroups as they are: the v1 hierarchies and the v2 one
     // mounted again, in a mount namespace of its own (nothing it mounts needs to reach this
@@ -779,12 +757,7 @@ fn share(dir: &Path) {
 #[tokio::test]
 async fn only_bidirectional_volumes_carry_mounts_made_inside_out_to_the_host() {
     prepare_runtime();
-    let dir = tempfile::Builder::new()
-        .prefix("csi-oci-prop-")
-        .tempdir_in("/tmp")
-        .unwrap();
-    let plugin_dir = dir.path().join("plugin");
-    std::fs::create_dir_all(&plugin_dir).unwrap();
+    let (dir, plugin_dir) = test_dir("csi-oci-prop-");
     // Four volumes, each a shared mount on the host so that only its propagation mode
     // decides: BIDIRECTIONAL, HOST_TO_CONTAINER, a `source.host_path` without a mode and the
     // plain `host_path` field. Each is bound at another path in the container (under its
@@ -912,12 +885,7 @@ async fn only_bidirectional_volumes_carry_mounts_made_inside_out_to_the_host() {
 #[tokio::test]
 async fn a_bidirectional_volume_on_a_mount_that_is_not_shared_is_refused_naming_it() {
     prepare_runtime();
-    let dir = tempfile::Builder::new()
-        .prefix("csi-oci-noshare-")
-        .tempdir_in("/tmp")
-        .unwrap();
-    let plugin_dir = dir.path().join("plugin");
-    std::fs::create_dir_all(&plugin_dir).unwrap();
+    let (dir, plugin_dir) = test_dir("csi-oci-noshare-");
     // /tmp is a private mount in the test's namespace (`unshare --propagation private`).
     let bidirectional = dir.path().join("host-bidirectional");
     std::fs::create_dir_all(&bidirectional).unwrap();

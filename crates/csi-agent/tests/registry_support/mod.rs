@@ -126,6 +126,16 @@ impl Drop for Registry {
     }
 }
 
+/// Registry settings for a plain-HTTP registry at `host` (a loopback one of the test): the
+/// default registry, and the only one allowed without TLS.
+pub fn loopback_registry(host: &str) -> csi_agent::image::reference::RegistrySettings {
+    csi_agent::image::reference::RegistrySettings {
+        default_registry: host.to_owned(),
+        insecure: vec![host.to_owned()],
+        ..csi_agent::image::reference::RegistrySettings::default()
+    }
+}
+
 /// A minimal HTTP/1.0 GET on loopback, returning the status.
 pub fn http_get_status(port: u16, path: &str) -> anyhow::Result<u16> {
     use std::io::Read;

@@ -221,6 +221,16 @@ pub fn unpublish(volume: &str, workload: &str) -> UnpublishRequest {
     }
 }
 
+/// The names in `dir`, sorted.
+pub fn dir_names(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
 pub fn mounts_under(dir: &Path) -> Vec<PathBuf> {
     MountTable::read()
         .unwrap()
