@@ -239,51 +239,11 @@ impl Store {
                         ValueRef::Text(bytes) | ValueRef::Blob(bytes) => bytes,
                         _ => &[],
                     };
-                    let Some(volume_id) = decode_id(&volume_key) else {
-                        bad.push((
-                            key_of(volume_key),
-                            bytes.to_vec(),
-                            ProblemKind::UndecodableName,
-                            None,
-                        ));
-                        continue;
-                    };
-                    let json = match std::str::from_utf8(bytes) {
-                        Ok(json) => json,
-                        Err(err) => {
-                            bad.push((
-                                key_of(volume_key),
-                                bytes.to_vec(),
-                                ProblemKind::Unreadable(Unreadable::Corrupt(format!(
-                                    "the record is not UTF-8 text: {err}"
-                                ))),
-                                Some(volume_id),
-                            ));
-                            continue;
+                    match read_row::<T>(&volume_key, version, bytes) {
+                        Ok(loaded) => records.push(loaded),
+                        Err((kind, volume_id)) => {
+                            bad.push((key_of(volume_key), bytes.to_vec(), kind, volume_id))
                         }
-                    };
-                    if json.len() as u64 > files::MAX_FILE_BYTES {
-                        let reason = Unreadable::Corrupt(format!(
-                            "the record is {} bytes, more than the {} a record may have",
-                            json.len(),
-                            files::MAX_FILE_BYTES
-                        ));
-                        bad.push((
-                            key_of(volume_key),
-                            bytes.to_vec(),
-                            ProblemKind::Unreadable(reason),
-                            Some(volume_id),
-                        ));
-                        continue;
-                    }
-                    match decode_row::<T>(version, json) {
-                        Ok(record) => records.push(Loaded { volume_id, record }),
-                        Err(reason) => bad.push((
-                            key_of(volume_key),
-                            bytes.to_vec(),
-                            ProblemKind::Unreadable(reason),
-                            Some(volume_id),
-                        )),
                     }
                 }
                 Ok(())
@@ -425,6 +385,32 @@ impl Store {
     ) -> Result<Option<S>, StoreError> {
         self.files.load_secrets(plugin_type, plugin_name, volume_id)
     }
+}
+
+/// Reads one stored row: its key decoded to the volume id, its record checked to be UTF-8 text
+/// of at most `files::MAX_FILE_BYTES` and decoded. The error is what to report and quarantine,
+/// with the volume id when the key decoded.
+fn read_row<T: Record>(
+    volume_key: &str,
+    version: u32,
+    bytes: &[u8],
+) -> Result<Loaded<T>, (ProblemKind, Option<String>)> {
+    let volume_id = decode_id(volume_key).ok_or((ProblemKind::UndecodableName, None))?;
+    let unreadable = |reason| (ProblemKind::Unreadable(reason), Some(volume_id.clone()));
+    let json = std::str::from_utf8(bytes).map_err(|err| {
+        unreadable(Unreadable::Corrupt(format!(
+            "the record is not UTF-8 text: {err}"
+        )))
+    })?;
+    if json.len() as u64 > files::MAX_FILE_BYTES {
+        return Err(unreadable(Unreadable::Corrupt(format!(
+            "the record is {} bytes, more than the {} a record may have",
+            json.len(),
+            files::MAX_FILE_BYTES
+        ))));
+    }
+    let record = decode_row::<T>(version, json).map_err(unreadable)?;
+    Ok(Loaded { volume_id, record })
 }
 
 /// Decodes a row's record with the same rules as the envelope of the file store (a version

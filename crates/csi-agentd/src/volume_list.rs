@@ -32,11 +32,6 @@ pub struct VolumePage {
 }
 
 impl VolumePage {
-    /// The number of volumes on the page.
-    pub fn len(&self) -> usize {
-        self.parts.iter().map(|p| p.records.len()).sum()
-    }
-
     /// The plugin and volume id of the page's last volume.
     pub fn last(&self) -> Option<(&str, &str)> {
         let part = self.parts.iter().rev().find(|p| !p.records.is_empty())?;
