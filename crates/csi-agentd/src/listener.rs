@@ -350,6 +350,26 @@ impl Accept for TcpListener {
     }
 }
 
+/// Pending connections the kernel may queue for the TCP listener before `accept`.
+///
+/// tokio's `TcpListener::bind` asks for 128; a scheduler that opens a few hundred connections at
+/// once then overflows the queue, and each dropped SYN costs its client a one-second
+/// retransmission (`TcpExtListenOverflows` counted them in `api_abuse`'s TCP flood). The kernel
+/// caps this at `net.core.somaxconn` (4096 by default since Linux 5.4), as for the socket.
+const TCP_BACKLOG: u32 = 4096;
+
+/// Binds the TCP listener on `addr` with [`TCP_BACKLOG`] and `SO_REUSEADDR` (so that a restart
+/// does not wait out `TIME_WAIT` connections of the previous run).
+pub fn bind_tcp(addr: SocketAddr) -> io::Result<TcpListener> {
+    let socket = match addr {
+        SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
+        SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6()?,
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(TCP_BACKLOG)
+}
+
 /// Counts occurrences of one problem and says when to log them: the first at once, then at
 /// most once per [`WARN_EVERY`], so that a flood cannot flood the log too.
 #[derive(Debug, Default)]
@@ -980,6 +1000,89 @@ mod tests {
             .await
             .expect("shutdown completes")
             .unwrap();
+    }
+
+    /// A burst far above tokio's default backlog of 128 queues in the kernel while nothing
+    /// accepts: no SYN is dropped, so no client waits a second for its retransmission, and no
+    /// client is left believing it is connected while the daemon never sees it (which happens
+    /// when the final ACK meets a full queue and the client then only reads).
+    #[test]
+    fn the_tcp_listener_queues_a_burst_while_nothing_accepts() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_io()
+            .build()
+            .unwrap();
+        let listener = runtime
+            .block_on(async { bind_tcp("127.0.0.1:0".parse().unwrap()) })
+            .unwrap();
+        let addr = listener.local_addr().unwrap();
+        let queued: Vec<_> = (0..1000)
+            .map(|i| {
+                std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(500))
+                    .unwrap_or_else(|e| panic!("connection {i} not queued within 500 ms: {e}"))
+            })
+            .collect();
+        assert_eq!(queued.len(), 1000);
+    }
+
+    /// On real TCP sockets: a burst of connections over the cap, each answered 503 in the
+    /// error shape, none left without an answer, and none dropped by an overflowing accept
+    /// queue (a dropped SYN would stall its `connect` for a second).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn every_connection_over_the_cap_reads_a_503_on_real_tcp() {
+        const BURST: usize = 600;
+        let listener = bind_tcp("127.0.0.1:0".parse().unwrap()).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let limits = Limits {
+            max_connections: 1,
+            ..Limits::default()
+        };
+        let (_stop, stopped) = watch::channel(false);
+        let served = tokio::spawn(serve(listener, "tcp", app(), limits, stopped));
+        let holder = std::net::TcpStream::connect(addr).unwrap();
+        let answers = tokio::task::spawn_blocking(move || {
+            let started = std::time::Instant::now();
+            let refused: Vec<_> = (0..BURST)
+                .map(|_| {
+                    let mut s = std::net::TcpStream::connect(addr).unwrap();
+                    let _ = std::io::Write::write_all(&mut s, b"GET /ping HTTP/1.1\r\nhost: ");
+                    s
+                })
+                .collect();
+            let connected_in = started.elapsed();
+            let answers: Vec<String> = refused
+                .into_iter()
+                .map(|mut s| {
+                    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+                    let mut answer = String::new();
+                    let _ = std::io::Read::read_to_string(&mut s, &mut answer);
+                    answer
+                })
+                .collect();
+            (connected_in, answers)
+        });
+        let (connected_in, answers) = answers.await.unwrap();
+        let unanswered = answers
+            .iter()
+            .filter(|a| !a.starts_with("HTTP/1.1 503"))
+            .count();
+        assert_eq!(
+            unanswered,
+            0,
+            "of {BURST}: {:?}",
+            answers.iter().find(|a| !a.starts_with("HTTP/1.1 503"))
+        );
+        assert!(
+            answers[0].contains("\"code\":\"unavailable\""),
+            "{}",
+            answers[0]
+        );
+        assert!(
+            connected_in < Duration::from_secs(1),
+            "{BURST} connects took {connected_in:?}"
+        );
+        drop(holder);
+        served.abort();
     }
 
     #[tokio::test]

@@ -426,9 +426,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     let mut servers = tokio::task::JoinSet::new();
     let app = listener::guard(api::router(state.clone()), &limits);
     if let (Some(addr), Some(token)) = (settings.listen, token) {
-        let tcp = tokio::net::TcpListener::bind(addr)
-            .await
-            .with_context(|| format!("cannot listen on {addr}"))?;
+        let tcp = listener::bind_tcp(addr).with_context(|| format!("cannot listen on {addr}"))?;
         let addr = tcp.local_addr().unwrap_or(addr);
         let app = app.clone().layer(axum::middleware::from_fn_with_state(
             token,
