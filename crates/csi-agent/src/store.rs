@@ -20,6 +20,7 @@
 pub mod db;
 pub mod files;
 pub mod migrate;
+mod writer;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

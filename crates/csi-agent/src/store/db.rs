@@ -6,12 +6,13 @@
 //! per-volume files cannot (docs/benchmarks.md measured 7 fsyncs per publish with them).
 //!
 //! # Group commit
-//! Every write goes to the writer thread over a channel. A *durable* write carries a waiter;
-//! a *note* does not. The writer gathers everything queued, commits it in one transaction (one
-//! fsync) as soon as any waiter is among it, and only then answers the waiters of that batch.
-//! Notes alone are committed after [`StoreOptions::note_flush`] at the latest, so in steady
-//! operation they ride along with the next durable write for free. Writes are applied in the
-//! order they were sent, so a later write of the same record always wins.
+//! Every write joins one ordered queue that a single writer thread drains ([`super::writer`]).
+//! A *durable* write carries a waiter; a *note* does not. The writer commits everything queued
+//! in one transaction (one fsync) as soon as any waiter is among it — after a short commit
+//! delay when durable writes arrive close together — and only then answers the waiters of
+//! that batch. Notes alone are committed after [`StoreOptions::note_flush`] at the latest, so
+//! in steady operation they ride along with the next durable write for free. Writes are
+//! applied in the order they were sent, so a later write of the same record always wins.
 //!
 //! A failed commit (disk full, read-only file system, I/O error) fails every waiter of its
 //! batch with the error and rolls the batch back; earlier commits are untouched.
@@ -20,12 +21,12 @@
 //! connection (WAL readers never block the writer).
 
 use std::path::{Path, PathBuf};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rusqlite::{Connection, OpenFlags, OptionalExtension, params};
 
+use super::writer::{self, Queue};
 use crate::failpoint;
 use crate::metrics::Metrics;
 
@@ -37,8 +38,6 @@ pub const DB_SCHEMA_VERSION: u32 = 1;
 pub const FP_COMMIT_BEFORE: &str = "store.commit.before";
 /// Failpoint hit after a batch committed, before its waiters are answered.
 pub const FP_COMMIT_AFTER: &str = "store.commit.after";
-/// A batch never holds more operations than this (memory bound under a storm).
-const MAX_BATCH: usize = 8192;
 
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS meta (
@@ -70,12 +69,16 @@ pub struct StoreOptions {
     /// The longest a note waits for a durable write to ride along with before it is
     /// committed alone.
     pub note_flush: Duration,
+    /// How long a durable write waits for company before its commit, when durable writes
+    /// have been arriving closer together than this (docs/benchmarks.md measured the effect).
+    pub commit_delay: Duration,
 }
 
 impl Default for StoreOptions {
     fn default() -> Self {
         Self {
             note_flush: Duration::from_millis(500),
+            commit_delay: Duration::from_millis(1),
         }
     }
 }
@@ -117,19 +120,11 @@ pub enum CommitError {
     Closed,
 }
 
-enum Msg {
-    Note(Op),
-    Durable(
-        Vec<Op>,
-        tokio::sync::oneshot::Sender<Result<(), CommitError>>,
-    ),
-}
-
-/// The open database: the writer's channel and the reader connection.
+/// The open database: the writer's queue and the reader connection.
 #[derive(Debug)]
 pub struct Database {
     path: PathBuf,
-    sender: Mutex<Option<Sender<Msg>>>,
+    queue: Arc<Queue>,
     reader: Mutex<Connection>,
     writer: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
@@ -138,10 +133,7 @@ impl Drop for Database {
     /// Lets the writer commit what is queued and waits for it: a store dropped in order
     /// (a clean shutdown, a test) loses no note; a crash may, which is allowed.
     fn drop(&mut self) {
-        self.sender
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
+        self.queue.close();
         if let Some(writer) = self
             .writer
             .lock()
@@ -173,15 +165,6 @@ pub fn last_per_row(ops: &mut Vec<Op>) {
         .collect();
     kept.reverse();
     *ops = kept;
-}
-
-impl std::fmt::Debug for Msg {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Msg::Note(_) => f.write_str("Note"),
-            Msg::Durable(ops, _) => write!(f, "Durable({})", ops.len()),
-        }
-    }
 }
 
 /// Errors of opening the database.
@@ -302,18 +285,19 @@ impl Database {
             path: path.clone(),
             source,
         })?;
-        let (sender, receiver) = mpsc::channel();
+        let queue = Arc::new(Queue::default());
+        let writer_queue = queue.clone();
         let writer_path = path.clone();
         let handle = std::thread::Builder::new()
             .name("csi-agent-store".to_owned())
-            .spawn(move || write_loop(writer, &writer_path, receiver, metrics, options))
+            .spawn(move || write_loop(writer, &writer_path, &writer_queue, metrics, options))
             .map_err(|source| OpenError::Create {
                 path: path.clone(),
                 source,
             })?;
         Ok(Self {
             path,
-            sender: Mutex::new(Some(sender)),
+            queue,
             reader: Mutex::new(reader),
             writer: Mutex::new(Some(handle)),
         })
@@ -323,29 +307,17 @@ impl Database {
         &self.path
     }
 
-    /// Sends `ops` and waits until the batch holding them is committed.
+    /// Queues `ops` and waits until the batch holding them is committed.
     pub async fn commit(&self, ops: Vec<Op>) -> Result<(), CommitError> {
         let (done, answer) = tokio::sync::oneshot::channel();
-        self.send(Msg::Durable(ops, done))?;
+        self.queue.durable(ops, done)?;
         answer.await.unwrap_or(Err(CommitError::Closed))
     }
 
     /// Queues `op` without waiting: it is committed with a later batch.
     pub fn note(&self, op: Op) {
-        if self.send(Msg::Note(op)).is_err() {
+        if self.queue.note(op).is_err() {
             tracing::warn!("store writer stopped; a progress note was dropped");
-        }
-    }
-
-    fn send(&self, msg: Msg) -> Result<(), CommitError> {
-        match self
-            .sender
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .as_ref()
-        {
-            Some(sender) => sender.send(msg).map_err(|_| CommitError::Closed),
-            None => Err(CommitError::Closed),
         }
     }
 
@@ -437,84 +409,30 @@ fn apply_inner(
 fn write_loop(
     mut conn: Connection,
     path: &Path,
-    receiver: Receiver<Msg>,
+    queue: &Queue,
     metrics: Option<Arc<Metrics>>,
     options: StoreOptions,
 ) {
-    let mut ops: Vec<Op> = Vec::new();
-    let mut waiters: Vec<tokio::sync::oneshot::Sender<Result<(), CommitError>>> = Vec::new();
-    let mut oldest_note: Option<Instant> = None;
-    let mut open = true;
-    while open || !ops.is_empty() || !waiters.is_empty() {
-        let msg = match oldest_note {
-            _ if !open => None,
-            None => match receiver.recv() {
-                Ok(msg) => Some(msg),
-                Err(_) => {
-                    open = false;
-                    None
+    writer::run(
+        queue,
+        options,
+        |ops| {
+            last_per_row(ops);
+            commit_batch(&mut conn, path, ops)
+        },
+        |committed| {
+            if let Some(metrics) = &metrics {
+                metrics.checkpoint_writes.inc();
+                if committed.waiters == 0 {
+                    metrics.checkpoint_lazy_commits.inc();
                 }
-            },
-            Some(oldest) => {
-                match receiver.recv_timeout(options.note_flush.saturating_sub(oldest.elapsed())) {
-                    Ok(msg) => Some(msg),
-                    Err(RecvTimeoutError::Timeout) => None,
-                    Err(RecvTimeoutError::Disconnected) => {
-                        open = false;
-                        None
-                    }
-                }
+                metrics.checkpoint_records.inc_by(committed.ops as u64);
+                metrics
+                    .checkpoint_fsync_seconds
+                    .observe(committed.took.as_secs_f64());
             }
-        };
-        let mut absorb = |msg: Msg, ops: &mut Vec<Op>| match msg {
-            Msg::Note(op) => {
-                oldest_note.get_or_insert_with(Instant::now);
-                ops.push(op);
-            }
-            Msg::Durable(more, done) => {
-                ops.extend(more);
-                waiters.push(done);
-            }
-        };
-        if let Some(msg) = msg {
-            absorb(msg, &mut ops);
-            // Everything queued meanwhile joins this batch: that is the group commit.
-            while ops.len() < MAX_BATCH {
-                match receiver.try_recv() {
-                    Ok(msg) => absorb(msg, &mut ops),
-                    Err(_) => break,
-                }
-            }
-        }
-        let notes_due = oldest_note.is_some_and(|t| t.elapsed() >= options.note_flush);
-        if waiters.is_empty() && !notes_due && open && ops.len() < MAX_BATCH {
-            continue;
-        }
-        if ops.is_empty() && waiters.is_empty() {
-            continue;
-        }
-        let started = Instant::now();
-        last_per_row(&mut ops);
-        let result = commit_batch(&mut conn, path, &ops);
-        if let Some(metrics) = &metrics {
-            metrics.checkpoint_writes.inc();
-            if waiters.is_empty() {
-                metrics.checkpoint_lazy_commits.inc();
-            }
-            metrics.checkpoint_records.inc_by(ops.len() as u64);
-            metrics
-                .checkpoint_fsync_seconds
-                .observe(started.elapsed().as_secs_f64());
-        }
-        if let Err(err) = &result {
-            tracing::error!(error = %err, operations = ops.len(), "store commit failed; its waiters get the error");
-        }
-        ops.clear();
-        oldest_note = None;
-        for waiter in waiters.drain(..) {
-            let _ = waiter.send(result.clone());
-        }
-    }
+        },
+    );
 }
 
 fn commit_batch(conn: &mut Connection, path: &Path, ops: &[Op]) -> Result<(), CommitError> {
