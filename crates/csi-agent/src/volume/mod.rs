@@ -1088,8 +1088,10 @@ impl VolumeManager {
                 // the SP creates the target. v0 (and target_path_exists): the CO creates it.
                 if co_creates_target {
                     create_dir_all(target)?;
-                } else if let Some(parent) = target.parent() {
-                    create_dir_all(parent)?;
+                } else {
+                    // The parent is `<mounts root>/<enc id>`, csi-agent's own directory that
+                    // no plugin mounts on: inline, without a hand-off.
+                    create_own_dir_all(&self.volume_mount_dir(&record.volume_id))?;
                 }
                 let stage_used = self.caps_now().is_some_and(|c| c.stage);
                 client
@@ -1258,18 +1260,23 @@ impl VolumeManager {
 
     /// Removes `mounts/<enc id>/{staging,target}` and the dir itself, when empty and not
     /// mounted. Never recursive, never across a mount point.
+    ///
+    /// Inline, without a hand-off: a bare `rmdir` looks its last component up in the parent
+    /// without crossing a mount on it (a mount point gives EBUSY at once, even over a hung NFS
+    /// server), and the parents are csi-agent's own directories. (`remove_empty_dir`'s lookup
+    /// first would cross into a mount, so it is not used here.)
     fn cleanup_mount_dir(&self, volume_id: &str) {
-        sys::blocking("rmdir", || self.cleanup_mount_dir_now(volume_id));
-    }
-
-    fn cleanup_mount_dir_now(&self, volume_id: &str) {
         for path in [
             self.staging_path(volume_id),
             self.target_path(volume_id),
             self.volume_mount_dir(volume_id),
         ] {
-            if let Err(err) = remove_empty_dir(&path) {
-                tracing::warn!(path = %path.display(), error = %err, "mount dir left in place");
+            match std::fs::remove_dir(&path) {
+                Ok(()) => {}
+                Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
+                Err(err) => {
+                    tracing::warn!(path = %path.display(), error = %err, "mount dir left in place");
+                }
             }
         }
     }
@@ -1487,6 +1494,20 @@ fn create_dir_all(path: &Path) -> Result<(), VolumeError> {
         std::fs::create_dir_all(path)
     })
     .map_err(|source| VolumeError::Io {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// `create_dir_all` inline on the async worker, for csi-agent's own directories only (the
+/// mounts root and `<mounts root>/<enc id>`, never a staging or target path a plugin mounts
+/// on): a lookup there stays on csi-agent's file system, and a hand-off to another thread
+/// costs more than the call (docs/benchmarks.md, "Throughput").
+fn create_own_dir_all(path: &Path) -> Result<(), VolumeError> {
+    if path.is_dir() {
+        return Ok(());
+    }
+    std::fs::create_dir_all(path).map_err(|source| VolumeError::Io {
         path: path.to_path_buf(),
         source,
     })
