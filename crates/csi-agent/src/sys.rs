@@ -10,6 +10,10 @@
 //! mount that is half there. The volume's lock stays held instead (only that volume waits), its
 //! `operation` shows where it is, and the warning names the call.
 //!
+//! Creating, probing and removing a staging or target directory does not need it:
+//! `crate::volume::mount_dirs` does those from the parent without entering a mount on the
+//! path, inline.
+//!
 //! It must not be used for long-running work (a layer download, a whole recovery): that
 //! belongs in `spawn_blocking` or its own task. fsyncs of the store go through the store's own
 //! writer thread.

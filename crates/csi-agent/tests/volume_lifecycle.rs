@@ -617,3 +617,51 @@ async fn recovery_trusts_the_mount_table_over_a_stale_record() {
     .await;
     assert!(plugin.count("NodeUnpublishVolume") >= 1);
 }
+
+#[tokio::test]
+async fn a_target_still_mounted_after_node_unpublish_is_reported_and_left_in_place() {
+    // A plugin that answers NodeUnpublishVolume OK but leaves a mount on the target (here: a
+    // CSI 0.3 plugin that mounts nothing, and a tmpfs the test mounts on its target) must not
+    // have the target removed or the volume reported unpublished.
+    require_private_mount_namespace();
+    let dir = tempfile::tempdir().unwrap();
+    let plugin = TestPlugin::start(
+        dir.path(),
+        &[
+            "--api-versions",
+            "v0.3",
+            "--mount-mode",
+            "none",
+            "--volumes",
+            "vol1:1M",
+        ],
+    );
+    let work = dir.path().join("agent");
+    let manager = manager(&work, &plugin.socket, "boot-a");
+    let published = manager
+        .publish(publish_request("vol1", "w1"))
+        .await
+        .unwrap();
+    let target = published.target_path.clone();
+    rustix::mount::mount(
+        "tmpfs",
+        &target,
+        "tmpfs",
+        rustix::mount::MountFlags::empty(),
+        None,
+    )
+    .unwrap();
+    std::fs::write(target.join("data"), b"kept").unwrap();
+
+    let err = manager.unpublish("vol1", "w1").await.unwrap_err();
+    assert!(err.to_string().contains("still mounted"), "{err}");
+    assert!(mounts_under(&work).contains(&target));
+    assert_eq!(std::fs::read(target.join("data")).unwrap(), b"kept");
+    assert!(manager.get("vol1").await.is_some());
+
+    // Once the leftover mount is gone, the unpublish completes and leaves nothing.
+    rustix::mount::unmount(&target, rustix::mount::UnmountFlags::empty()).unwrap();
+    manager.unpublish("vol1", "w1").await.unwrap();
+    assert!(mounts_under(&work).is_empty(), "{:?}", mounts_under(&work));
+    assert!(!target.exists());
+}

@@ -13,6 +13,7 @@
 pub mod bind;
 pub mod controller;
 pub mod machine;
+pub mod mount_dirs;
 pub mod progress;
 pub mod record;
 pub mod recovery;
@@ -1053,7 +1054,7 @@ impl VolumeManager {
             LifecycleRpc::NodeStage => {
                 // "The CO SHALL ensure that the path is directory and that the process serving
                 // the request has read and write permission to it."
-                create_dir_all(staging)?;
+                mount_dirs::ensure_dir(staging)?;
                 client
                     .node_stage_volume(v1::NodeStageVolumeRequest {
                         volume_id,
@@ -1072,26 +1073,20 @@ impl VolumeManager {
                         staging_target_path: path_string(staging),
                     })
                     .await?;
-                // One hand-off for the check and the removal (the calls inside run inline).
-                sys::blocking("unstage checks", || {
-                    if is_mount_point(staging)? {
-                        return Err(VolumeError::Protocol(format!(
-                            "NodeUnstageVolume succeeded but {} is still mounted",
-                            staging.display()
-                        )));
-                    }
-                    remove_empty_dir(staging)
-                })?;
+                if mount_dirs::remove(staging)? == mount_dirs::Removed::MountPoint {
+                    return Err(VolumeError::Protocol(format!(
+                        "NodeUnstageVolume succeeded but {} is still mounted",
+                        staging.display()
+                    )));
+                }
             }
             LifecycleRpc::NodePublish => {
                 // v1: "The CO SHALL ensure that the parent directory of this path exists";
                 // the SP creates the target. v0 (and target_path_exists): the CO creates it.
                 if co_creates_target {
-                    create_dir_all(target)?;
+                    mount_dirs::ensure_dir(target)?;
                 } else {
-                    // The parent is `<mounts root>/<enc id>`, csi-agent's own directory that
-                    // no plugin mounts on: inline, without a hand-off.
-                    create_own_dir_all(&self.volume_mount_dir(&record.volume_id))?;
+                    mount_dirs::ensure_own_dir(&self.volume_mount_dir(&record.volume_id))?;
                 }
                 let stage_used = self.caps_now().is_some_and(|c| c.stage);
                 client
@@ -1110,7 +1105,7 @@ impl VolumeManager {
                         volume_context: to_hash_map(&record.volume_context),
                     })
                     .await?;
-                if !target.exists() {
+                if mount_dirs::probe(target)? == mount_dirs::Entry::Missing {
                     return Err(VolumeError::Protocol(format!(
                         "NodePublishVolume succeeded but did not create the target path {} (CSI v1: the plugin creates it)",
                         target.display()
@@ -1124,9 +1119,8 @@ impl VolumeManager {
                         target_path: path_string(target),
                     })
                     .await?;
-                // One hand-off for the checks and the removal (the calls inside run inline).
-                sys::blocking("unpublish checks", || {
-                    if is_mount_point(target)? {
+                match mount_dirs::remove(target)? {
+                    mount_dirs::Removed::MountPoint => {
                         return Err(VolumeError::Protocol(format!(
                             "NodeUnpublishVolume succeeded but {} is still mounted",
                             target.display()
@@ -1135,15 +1129,15 @@ impl VolumeManager {
                     // v1: "the SP MUST delete the file or directory it created at this path".
                     // A plugin that leaves an empty directory is tolerated (real ones do); the
                     // CO removes what it created itself (v0).
-                    if target.exists() && !co_creates_target {
+                    mount_dirs::Removed::Removed if !co_creates_target => {
                         tracing::warn!(
                             plugin = %self.inner.config.plugin_type,
                             target = %target.display(),
-                            "plugin left the target path after NodeUnpublishVolume (CSI v1 says it must remove it); removing it"
+                            "plugin left the target path after NodeUnpublishVolume (CSI v1 says it must remove it); removed it"
                         );
                     }
-                    remove_empty_dir(target)
-                })?;
+                    mount_dirs::Removed::Removed | mount_dirs::Removed::Missing => {}
+                }
             }
         }
         Ok(())
@@ -1153,7 +1147,7 @@ impl VolumeManager {
     fn after_skip(&self, record: &VolumeRecord, to: VolumeState) -> Result<(), VolumeError> {
         if to == VolumeState::NodeReady && record.state == VolumeState::VolReady {
             // Unstage skipped (no STAGE_UNSTAGE_VOLUME): the CO-created staging dir, if any, goes.
-            remove_empty_dir(&self.staging_path(&record.volume_id))?;
+            mount_dirs::remove(&self.staging_path(&record.volume_id))?;
         }
         Ok(())
     }
@@ -1474,62 +1468,8 @@ fn lock<T>(mutex: &StdMutex<T>) -> std::sync::MutexGuard<'_, T> {
 // The helpers below are the volume code's blocking system calls, each through the one
 // boundary (`crate::sys`).
 
-fn is_mount_point(path: &Path) -> Result<bool, VolumeError> {
-    Ok(sys::blocking("statx", || {
-        crate::mounts::is_mount_point(path)
-    })?)
-}
-
 fn mount_table() -> Result<MountTable, VolumeError> {
     Ok(sys::blocking("read mountinfo", MountTable::read)?)
-}
-
-fn create_dir_all(path: &Path) -> Result<(), VolumeError> {
-    sys::blocking("mkdir", || {
-        // Looked at first: a mkdir that finds the dir there (EEXIST) still takes its parent's
-        // lock and a journal handle; a lookup does neither (docs/benchmarks.md, "Throughput").
-        if path.is_dir() {
-            return Ok(());
-        }
-        std::fs::create_dir_all(path)
-    })
-    .map_err(|source| VolumeError::Io {
-        path: path.to_path_buf(),
-        source,
-    })
-}
-
-/// `create_dir_all` inline on the async worker, for csi-agent's own directories only (the
-/// mounts root and `<mounts root>/<enc id>`, never a staging or target path a plugin mounts
-/// on): a lookup there stays on csi-agent's file system, and a hand-off to another thread
-/// costs more than the call (docs/benchmarks.md, "Throughput").
-fn create_own_dir_all(path: &Path) -> Result<(), VolumeError> {
-    if path.is_dir() {
-        return Ok(());
-    }
-    std::fs::create_dir_all(path).map_err(|source| VolumeError::Io {
-        path: path.to_path_buf(),
-        source,
-    })
-}
-
-/// Removes `path` if it is an empty directory that is not a mount point; a missing path is
-/// fine. `rmdir` itself refuses non-empty directories and returns EBUSY on a mount point, so
-/// this can never delete data.
-fn remove_empty_dir(path: &Path) -> Result<(), VolumeError> {
-    let removed = sys::blocking("rmdir", || {
-        // A path already gone (the plugin removed its target; the cleanup after an unstage)
-        // is seen by a lookup, without the parent's lock an rmdir takes to find it missing.
-        std::fs::symlink_metadata(path).and_then(|_| std::fs::remove_dir(path))
-    });
-    match removed {
-        Ok(()) => Ok(()),
-        Err(err) if err.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(source) => Err(VolumeError::Io {
-            path: path.to_path_buf(),
-            source,
-        }),
-    }
 }
 
 fn path_string(path: &Path) -> String {
