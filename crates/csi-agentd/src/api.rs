@@ -715,7 +715,7 @@ const MAX_PAGE: usize = 10_000;
 async fn volumes(
     State(state): State<AppState>,
     query: Result<Query<api::VolumeQuery>, axum::extract::rejection::QueryRejection>,
-) -> ApiResult<VolumePage> {
+) -> Result<VolumePage, ApiFailure> {
     let Query(query) = query.map_err(|e| {
         ApiFailure::invalid(format!(
             "query of GET /v1/volumes is not valid: {e}; use plugin=, state=, workload=, limit=<1..{MAX_PAGE}>, page_token="
@@ -806,7 +806,7 @@ async fn volumes(
             break 'plugins;
         }
     }
-    Ok(Json(page))
+    Ok(page)
 }
 
 /// A position in the list, ordered as the list is (plugin, then volume id): each part is

@@ -151,6 +151,42 @@ async fn the_volume_list_filters_and_pages_in_id_order() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_list_longer_than_a_chunk_reads_back_whole_and_pages() {
+    // 300 volumes make a body of well over one 64 KiB chunk: the streamed list must read
+    // back as one valid `VolumeList`, in order, with the page token at its end.
+    require_private_mount_namespace();
+    let names: Vec<String> = (0..300).map(|i| format!("vol{i:03}")).collect();
+    let spec: Vec<String> = names.iter().map(|n| format!("{n}:1Mi")).collect();
+    let mut node = Node::new(&spec.join(","));
+    node.start(None).await;
+    node.wait_recovered().await;
+    for name in &names {
+        node.publish(name, "w1").await.unwrap();
+    }
+    let api = node.api();
+    let all = api.volumes().await.unwrap();
+    assert_eq!(ids(&all), names);
+    assert_eq!(all.next_page_token, None);
+    let body = serde_json::to_vec(&all).unwrap().len();
+    assert!(body > 64 * 1024, "only {body} bytes: not several chunks");
+
+    let first = api
+        .volumes_matching(&query(|q| q.limit = Some(250)))
+        .await
+        .unwrap();
+    assert_eq!(ids(&first), names[..250]);
+    let rest = api
+        .volumes_matching(&query(|q| {
+            q.limit = Some(250);
+            q.page_token = first.next_page_token.clone();
+        }))
+        .await
+        .unwrap();
+    assert_eq!(ids(&rest), names[250..]);
+    assert_eq!(rest.next_page_token, None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reads_answer_while_a_publish_is_stuck_in_the_plugin() {
     require_private_mount_namespace();
     let mut node = Node::new("fast:1Mi,slow:1Mi,other:1Mi");
