@@ -49,6 +49,8 @@ pub struct ServerOptions {
     /// Registries of plugin images (`--docker-registry`, `--docker-config`,
     /// `--insecure-registry`).
     pub registry: crate::image::reference::RegistrySettings,
+    /// The records' writer: its note flush and commit delay (`--commit-delay-us`).
+    pub store: crate::store::StoreOptions,
 }
 
 /// The image store's dir in the work dir (docs/operations.md, "Image store").
@@ -247,7 +249,7 @@ impl CsiServer {
     /// Creates the engine over a work dir. Makes no CSI call and launches nothing.
     pub fn new(options: ServerOptions, metrics: Arc<Metrics>) -> Result<Self, ServerError> {
         let layout = Layout::new(&options.work_dir);
-        let store = Store::open(layout.clone(), Some(metrics.clone()))?;
+        let store = Store::open_with(layout.clone(), Some(metrics.clone()), options.store)?;
         let (started, _) = watch::channel(false);
         let binder = Arc::new(Binder::new(options.bind_roots.clone(), layout.work_dir()));
         let images_dir = layout.work_dir().join(IMAGES_DIR);

@@ -13,6 +13,7 @@ use anyhow::{Context, bail};
 use csi_agent::image::reference::{Credentials, DOCKER_HUB, RegistrySettings, normalize_registry};
 use csi_agent::metrics::Metrics;
 use csi_agent::server::{CsiServer, ServerOptions};
+use csi_agent::store::StoreOptions;
 use serde::Deserialize;
 use tokio::signal::unix::{SignalKind, signal};
 
@@ -114,6 +115,11 @@ pub struct ServeArgs {
     /// bytes (default 8 GiB); larger is answered 413. Every other route keeps its 1 MiB limit.
     #[arg(long)]
     image_import_max_bytes: Option<NonZeroU64>,
+    /// How long, in microseconds, a durable write waits for others to share its commit (one
+    /// fsync) when they have been arriving closer together than this; 0 commits at once
+    /// (default 1000, at most 100000). A lone operation never waits.
+    #[arg(long)]
+    commit_delay_us: Option<u64>,
 }
 
 /// The TOML file: the same settings as the flags.
@@ -143,6 +149,7 @@ struct FileSettings {
     #[serde(default)]
     insecure_registries: Vec<String>,
     image_import_max_bytes: Option<NonZeroU64>,
+    commit_delay_us: Option<u64>,
 }
 
 /// The effective settings.
@@ -163,7 +170,12 @@ pub struct Settings {
     pub oci_runtime: PathBuf,
     pub start_plugins: bool,
     pub registry: RegistrySettings,
+    pub store: StoreOptions,
 }
+
+/// `--commit-delay-us`'s bound: a longer delay would only add latency (a commit takes about a
+/// millisecond here; docs/benchmarks.md).
+const MAX_COMMIT_DELAY_US: u64 = 100_000;
 
 /// `--image-import-max-bytes`'s default: 8 GiB, the pull's bound on an image's layers.
 pub const DEFAULT_IMAGE_IMPORT_MAX_BYTES: u64 = 8 << 30;
@@ -236,7 +248,18 @@ pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
             None => Credentials::default(),
         },
     };
+    let mut store = StoreOptions::default();
+    if let Some(delay) = args.commit_delay_us.or(file.commit_delay_us) {
+        if delay > MAX_COMMIT_DELAY_US {
+            bail!(
+                "--commit-delay-us {delay} is too long: give 0 to {MAX_COMMIT_DELAY_US} \
+                 (microseconds; 0 commits at once)"
+            );
+        }
+        store.commit_delay = std::time::Duration::from_micros(delay);
+    }
     Ok(Settings {
+        store,
         start_plugins: args.start_plugins || file.start_plugins == Some(true),
         registry,
         bind_roots,
@@ -408,6 +431,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
             oci_runtime: settings.oci_runtime.clone(),
             start_plugins: settings.start_plugins,
             registry: settings.registry.clone(),
+            store: settings.store,
         },
         metrics,
     )

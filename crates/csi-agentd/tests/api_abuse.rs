@@ -972,6 +972,27 @@ fn weak_tokens_and_exposed_listeners_are_refused_before_serving() {
 }
 
 #[test]
+fn a_commit_delay_out_of_range_is_refused_and_one_in_range_is_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = refused(
+        dir.path(),
+        &mut command(dir.path(), &["--commit-delay-us", "100001"]),
+    );
+    assert!(
+        log.contains("--commit-delay-us 100001") && log.contains("0 to 100000"),
+        "{log}"
+    );
+    assert!(!dir.path().join("work/api.sock").exists());
+    let config = dir.path().join("csi-agentd.toml");
+    std::fs::write(&config, "commit_delay_us = 0\n").unwrap();
+    let daemon = Daemon::start(dir.path(), &["--config", config.to_str().unwrap()]);
+    assert_eq!(
+        exchange(&mut daemon.unix(), &get("/v1/health", None)).status,
+        200
+    );
+}
+
+#[test]
 fn the_limits_can_come_from_the_config_file() {
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("csi-agentd.toml");
