@@ -1255,19 +1255,18 @@ impl VolumeManager {
     /// Removes `mounts/<enc id>/{staging,target}` and the dir itself, when empty and not
     /// mounted. Never recursive, never across a mount point.
     ///
-    /// Inline, without a hand-off: a bare `rmdir` looks its last component up in the parent
-    /// without crossing a mount on it (a mount point gives EBUSY at once, even over a hung NFS
-    /// server), and the parents are csi-agent's own directories. (`remove_empty_dir`'s lookup
-    /// first would cross into a mount, so it is not used here.)
+    /// Inline, without a hand-off: [`mount_dirs::remove`] never enters a mount on the path.
     fn cleanup_mount_dir(&self, volume_id: &str) {
         for path in [
             self.staging_path(volume_id),
             self.target_path(volume_id),
             self.volume_mount_dir(volume_id),
         ] {
-            match std::fs::remove_dir(&path) {
-                Ok(()) => {}
-                Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
+            match mount_dirs::remove(&path) {
+                Ok(mount_dirs::Removed::Removed | mount_dirs::Removed::Missing) => {}
+                Ok(mount_dirs::Removed::MountPoint) => {
+                    tracing::warn!(path = %path.display(), "mount dir left in place: something is mounted on it");
+                }
                 Err(err) => {
                     tracing::warn!(path = %path.display(), error = %err, "mount dir left in place");
                 }
