@@ -271,25 +271,27 @@ mod tests {
     /// The volume names of each batch committed, in order.
     type Batches = Arc<Mutex<Vec<Vec<String>>>>;
 
-    /// Starts a writer that records every batch it commits.
-    fn writer(options: StoreOptions) -> (Arc<Queue>, Batches, std::thread::JoinHandle<()>) {
+    /// Starts a writer thread on a new queue that commits with `commit`.
+    fn spawn_writer(
+        options: StoreOptions,
+        commit: impl FnMut(&mut Vec<Op>) -> Result<(), CommitError> + Send + 'static,
+    ) -> (Arc<Queue>, std::thread::JoinHandle<()>) {
         let queue = Arc::new(Queue::default());
-        let batches = Arc::new(Mutex::new(Vec::new()));
         let handle = {
             let queue = queue.clone();
-            let batches = batches.clone();
-            std::thread::spawn(move || {
-                run(
-                    &queue,
-                    options,
-                    |ops| {
-                        batches.lock().unwrap().push(names(ops));
-                        Ok(())
-                    },
-                    |_| {},
-                );
-            })
+            std::thread::spawn(move || run(&queue, options, commit, |_| {}))
         };
+        (queue, handle)
+    }
+
+    /// Starts a writer that records every batch it commits.
+    fn writer(options: StoreOptions) -> (Arc<Queue>, Batches, std::thread::JoinHandle<()>) {
+        let batches: Batches = Arc::new(Mutex::new(Vec::new()));
+        let recorded = batches.clone();
+        let (queue, handle) = spawn_writer(options, move |ops| {
+            recorded.lock().unwrap().push(names(ops));
+            Ok(())
+        });
         (queue, batches, handle)
     }
 
@@ -400,23 +402,12 @@ mod tests {
 
     #[test]
     fn a_commit_error_reaches_every_waiter_of_its_batch() {
-        let queue = Arc::new(Queue::default());
         let commits = Arc::new(AtomicUsize::new(0));
-        let handle = {
-            let queue = queue.clone();
-            let commits = commits.clone();
-            std::thread::spawn(move || {
-                run(
-                    &queue,
-                    StoreOptions::default(),
-                    |_| {
-                        commits.fetch_add(1, Ordering::SeqCst);
-                        Err(CommitError::Failpoint("test".into()))
-                    },
-                    |_| {},
-                );
-            })
-        };
+        let counted = commits.clone();
+        let (queue, handle) = spawn_writer(StoreOptions::default(), move |_| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            Err(CommitError::Failpoint("test".into()))
+        });
         let answer = durable(&queue, "a");
         assert!(matches!(
             answer.blocking_recv().unwrap(),
@@ -429,21 +420,10 @@ mod tests {
 
     #[test]
     fn a_writer_that_dies_answers_its_waiters_and_refuses_new_writes() {
-        let queue = Arc::new(Queue::default());
+        let (queue, handle) =
+            spawn_writer(StoreOptions::default(), |_| panic!("a bug in the writer"));
         queue.note(put("a")).unwrap();
-        let (done, answer) = tokio::sync::oneshot::channel();
-        queue.durable(vec![put("b")], done).unwrap();
-        let handle = {
-            let queue = queue.clone();
-            std::thread::spawn(move || {
-                run(
-                    &queue,
-                    StoreOptions::default(),
-                    |_| -> Result<(), CommitError> { panic!("a bug in the writer") },
-                    |_| {},
-                );
-            })
-        };
+        let answer = durable(&queue, "b");
         assert!(handle.join().is_err());
         // The waiter's sender was dropped with the batch: the caller sees Closed.
         assert!(answer.blocking_recv().is_err());
