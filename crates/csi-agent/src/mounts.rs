@@ -758,6 +758,24 @@ pub fn require_private_mount_namespace() {
     });
 }
 
+/// For tests: mounts an empty tmpfs on `at` (an existing directory), in the test's private
+/// mount namespace ([`require_private_mount_namespace`] is checked first).
+///
+/// # Panics
+/// When the namespace check fails or the mount does.
+pub fn mount_test_tmpfs(at: &Path) {
+    require_private_mount_namespace();
+    if let Err(err) = rustix::mount::mount(
+        "tmpfs",
+        at,
+        "tmpfs",
+        rustix::mount::MountFlags::empty(),
+        None,
+    ) {
+        panic!("cannot mount a tmpfs on {}: {err}", at.display());
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 pub(crate) mod tests {

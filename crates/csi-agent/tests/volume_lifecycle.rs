@@ -643,14 +643,7 @@ async fn a_target_still_mounted_after_node_unpublish_is_reported_and_left_in_pla
         .await
         .unwrap();
     let target = published.target_path.clone();
-    rustix::mount::mount(
-        "tmpfs",
-        &target,
-        "tmpfs",
-        rustix::mount::MountFlags::empty(),
-        None,
-    )
-    .unwrap();
+    csi_agent::mounts::mount_test_tmpfs(&target);
     std::fs::write(target.join("data"), b"kept").unwrap();
 
     let err = manager.unpublish("vol1", "w1").await.unwrap_err();

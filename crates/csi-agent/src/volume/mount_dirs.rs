@@ -204,14 +204,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let target = dir.path().join("vol/target");
         ensure_dir(&target).unwrap();
-        rustix::mount::mount(
-            "tmpfs",
-            &target,
-            "tmpfs",
-            rustix::mount::MountFlags::empty(),
-            None,
-        )
-        .unwrap();
+        crate::mounts::mount_test_tmpfs(&target);
         std::fs::write(target.join("data"), b"kept").unwrap();
         assert_eq!(probe(&target).unwrap(), Entry::MountPoint);
         ensure_dir(&target).unwrap();
