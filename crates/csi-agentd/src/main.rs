@@ -34,25 +34,14 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let runtime = match tokio::runtime::Runtime::new() {
-        Ok(runtime) => runtime,
-        Err(err) => {
-            eprintln!("csi-agentd: cannot start the async runtime: {err}");
-            return ExitCode::FAILURE;
-        }
+    let result = match cli.command {
+        Command::Serve(args) => serve::settings(*args).and_then(|settings| {
+            let runtime = runtime(settings.worker_threads.get())?;
+            serve::init_logging(settings.log_format);
+            runtime.block_on(serve::run(settings))
+        }),
+        Command::Probe(args) => runtime(1).and_then(|runtime| runtime.block_on(probe::run(args))),
     };
-    let result = runtime.block_on(async {
-        match cli.command {
-            Command::Serve(args) => match serve::settings(*args) {
-                Ok(settings) => {
-                    serve::init_logging(settings.log_format);
-                    serve::run(settings).await
-                }
-                Err(err) => Err(err),
-            },
-            Command::Probe(args) => probe::run(args).await,
-        }
-    });
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
@@ -60,4 +49,15 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// The async runtime: `workers` threads for async tasks (the multi-thread flavour even with
+/// one, so that `csi_agent::sys::blocking` can hand a worker's tasks to a fresh thread while a
+/// system call blocks), plus tokio's pool for blocking work.
+fn runtime(workers: usize) -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .enable_all()
+        .build()
+        .map_err(|err| anyhow::anyhow!("cannot start the async runtime: {err}"))
 }

@@ -120,6 +120,11 @@ pub struct ServeArgs {
     /// (default 1000, at most 100000). A lone operation never waits.
     #[arg(long)]
     commit_delay_us: Option<u64>,
+    /// Threads running the daemon's async work: API requests, CSI calls, supervision
+    /// (default 1, at most 64). Blocking system calls and the store's commits run on threads
+    /// of their own whatever this is.
+    #[arg(long)]
+    worker_threads: Option<NonZeroUsize>,
 }
 
 /// The TOML file: the same settings as the flags.
@@ -150,6 +155,7 @@ struct FileSettings {
     insecure_registries: Vec<String>,
     image_import_max_bytes: Option<NonZeroU64>,
     commit_delay_us: Option<u64>,
+    worker_threads: Option<NonZeroUsize>,
 }
 
 /// The effective settings.
@@ -171,11 +177,17 @@ pub struct Settings {
     pub start_plugins: bool,
     pub registry: RegistrySettings,
     pub store: StoreOptions,
+    /// The async runtime's worker threads (`--worker-threads`).
+    pub worker_threads: NonZeroUsize,
 }
 
 /// `--commit-delay-us`'s bound: a longer delay would only add latency (a commit takes about a
 /// millisecond here; docs/benchmarks.md).
 const MAX_COMMIT_DELAY_US: u64 = 100_000;
+
+/// `--worker-threads`' bound. The daemon's async work is hand-offs between sockets, a few
+/// tens of microseconds per request; more threads than this would only contend.
+const MAX_WORKER_THREADS: usize = 64;
 
 /// `--image-import-max-bytes`'s default: 8 GiB, the pull's bound on an image's layers.
 pub const DEFAULT_IMAGE_IMPORT_MAX_BYTES: u64 = 8 << 30;
@@ -258,8 +270,19 @@ pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
         }
         store.commit_delay = std::time::Duration::from_micros(delay);
     }
+    let worker_threads = args
+        .worker_threads
+        .or(file.worker_threads)
+        .unwrap_or(NonZeroUsize::MIN);
+    if worker_threads.get() > MAX_WORKER_THREADS {
+        bail!(
+            "--worker-threads {worker_threads} is too many: give 1 to {MAX_WORKER_THREADS} \
+             (docs/configuration.md says when more than 1 helps)"
+        );
+    }
     Ok(Settings {
         store,
+        worker_threads,
         start_plugins: args.start_plugins || file.start_plugins == Some(true),
         registry,
         bind_roots,

@@ -993,6 +993,32 @@ fn a_commit_delay_out_of_range_is_refused_and_one_in_range_is_served() {
 }
 
 #[test]
+fn worker_threads_out_of_range_are_refused_and_a_count_in_range_is_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = refused(
+        dir.path(),
+        &mut command(dir.path(), &["--worker-threads", "65"]),
+    );
+    assert!(
+        log.contains("--worker-threads 65") && log.contains("1 to 64"),
+        "{log}"
+    );
+    let log = refused(
+        dir.path(),
+        &mut command(dir.path(), &["--worker-threads", "0"]),
+    );
+    assert!(log.contains("--worker-threads"), "{log}");
+    assert!(!dir.path().join("work/api.sock").exists());
+    let config = dir.path().join("csi-agentd.toml");
+    std::fs::write(&config, "worker_threads = 4\n").unwrap();
+    let daemon = Daemon::start(dir.path(), &["--config", config.to_str().unwrap()]);
+    assert_eq!(
+        exchange(&mut daemon.unix(), &get("/v1/health", None)).status,
+        200
+    );
+}
+
+#[test]
 fn the_limits_can_come_from_the_config_file() {
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("csi-agentd.toml");

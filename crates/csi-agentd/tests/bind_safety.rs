@@ -651,9 +651,10 @@ async fn a_second_daemon_on_the_same_work_dir_is_refused_and_the_first_keeps_ser
 
 #[tokio::test]
 async fn unbinds_blocked_in_the_kernel_stall_no_read() {
-    // Two async workers, two unpublishes each stuck 3 s inside their unbind (a failpoint
-    // sleeping where the umount is): the blocking calls must hand their workers over, or the
-    // daemon could not answer anything until they return.
+    // The daemon's one async worker (its default `--worker-threads`), two unpublishes each
+    // stuck 3 s inside their unbind (a failpoint sleeping where the umount is): the blocking
+    // calls must hand the worker's other tasks over, or the daemon could not answer anything
+    // until they return.
     let mut scene = Scene::with_extra(&[]);
     let api = scene.daemon.api();
     for i in 1..=2 {
@@ -662,11 +663,10 @@ async fn unbinds_blocked_in_the_kernel_stall_no_read() {
             .await
             .unwrap();
     }
-    scene.daemon.stop_and_set_env("TOKIO_WORKER_THREADS", "2");
-    scene.daemon.env.push((
-        "CSI_AGENT_FAILPOINTS".into(),
-        "volume.unbind.after_unmount=sleep(3000)".into(),
-    ));
+    scene.daemon.stop_and_set_env(
+        "CSI_AGENT_FAILPOINTS",
+        "volume.unbind.after_unmount=sleep(3000)",
+    );
     scene.daemon.start();
     let api = scene.daemon.api();
     api.health().await.unwrap();
