@@ -129,6 +129,7 @@ impl Daemon {
             "--node-id".into(),
             NODE_ID.into(),
         ];
+        let args: Vec<String> = args.into_iter().chain(env.daemon_args.clone()).collect();
         let mut command = Command::new(&env.daemon_bin);
         command
             .args(&args)

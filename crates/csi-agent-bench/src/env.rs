@@ -24,6 +24,8 @@ pub struct Env {
     pub daemon_bin: PathBuf,
     pub tmp_base: PathBuf,
     pub out_dir: PathBuf,
+    /// `--daemon-arg`s, appended to every `csi-agentd serve`.
+    pub daemon_args: Vec<String>,
 }
 
 impl Env {
@@ -59,6 +61,7 @@ impl Env {
             daemon_bin: std::path::absolute(daemon_bin)?,
             tmp_base,
             out_dir,
+            daemon_args: args.daemon_args.clone(),
         })
     }
 

@@ -61,6 +61,10 @@ pub struct CommonArgs {
     /// `target/csi-agent-bench` beside the binaries).
     #[arg(long, global = true)]
     pub out_dir: Option<PathBuf>,
+    /// An extra argument for every `csi-agentd serve` the benchmark starts (repeatable), to
+    /// compare settings: `--daemon-arg=--worker-threads=2`.
+    #[arg(long = "daemon-arg", global = true, allow_hyphen_values = true)]
+    pub daemon_args: Vec<String>,
 }
 
 #[derive(Debug, Subcommand)]
