@@ -13,6 +13,7 @@
 //! It needs the release binaries of `csi-testplugin` and `csi-agentd` next to its own (see
 //! `docs/benchmarks.md`).
 
+mod cpu;
 mod cycle;
 mod daemon;
 mod env;

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use serde::Serialize;
 
+use crate::cpu::{CpuPerOp, Sample, Watched};
 use crate::daemon::{Checkpoints, Daemon, DaemonDirs, PluginSpec};
 use crate::env::{Env, Machine, PLUGIN_TYPE};
 use crate::raw::{Engine, Raw};
@@ -80,6 +81,9 @@ pub struct Rates {
     pub cycle_per_s: f64,
     pub publish_rounds: Vec<f64>,
     pub unpublish_rounds: Vec<f64>,
+    /// CPU per operation by process (median of rounds): where the time goes.
+    pub publish_cpu: CpuPerOp,
+    pub unpublish_cpu: CpuPerOp,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -141,7 +145,11 @@ pub async fn run(env: &Env, args: &ThroughputArgs) -> anyhow::Result<ThroughputR
     daemon
         .unpublish(&plugin_type, &volume_name(0), WORKLOAD)
         .await?;
-    let (socket, _) = daemon.plugin_socket(&plugin_type).await?;
+    let (socket, plugin_pid) = daemon.plugin_socket(&plugin_type).await?;
+    let watched = Watched {
+        daemon: daemon.pid(),
+        plugin: plugin_pid,
+    };
     let shared = Shared {
         raw: Raw::connect(&socket, scratch.join("raw-co"), &plugin_type).await?,
         engine: Engine::new(&scratch.join("engine-work"), &socket, &plugin_type)?,
@@ -158,6 +166,8 @@ pub async fn run(env: &Env, args: &ThroughputArgs) -> anyhow::Result<ThroughputR
 
     let mut publish: [Vec<Duration>; 3] = Default::default();
     let mut unpublish: [Vec<Duration>; 3] = Default::default();
+    let mut publish_cpu: [Vec<CpuPerOp>; 3] = Default::default();
+    let mut unpublish_cpu: [Vec<CpuPerOp>; 3] = Default::default();
     // The daemon's durable writes (store commits) during its measured phases.
     let (mut publish_writes, mut unpublish_writes) = (0.0, 0.0);
     let writes = || async {
@@ -177,12 +187,16 @@ pub async fn run(env: &Env, args: &ThroughputArgs) -> anyhow::Result<ThroughputR
             let settle = Duration::from_secs(args.settle_s);
             tokio::time::sleep(settle).await;
             let before = writes().await?;
+            let cpu = Sample::take(watched);
             publish[index].push(phase(&shared, who, true, args.volumes, args.concurrency).await?);
+            publish_cpu[index].push(Sample::take(watched).per_op_since(&cpu, args.volumes));
             let between = writes().await?;
             tokio::time::sleep(settle).await;
             let after_settle = writes().await?;
+            let cpu = Sample::take(watched);
             unpublish[index]
                 .push(phase(&shared, who, false, args.volumes, args.concurrency).await?);
+            unpublish_cpu[index].push(Sample::take(watched).per_op_since(&cpu, args.volumes));
             if who == Contender::Daemon {
                 publish_writes += between - before;
                 unpublish_writes += writes().await? - after_settle;
@@ -191,7 +205,11 @@ pub async fn run(env: &Env, args: &ThroughputArgs) -> anyhow::Result<ThroughputR
     }
     drop(shared);
     let rates: Vec<Rates> = (0..ORDER.len())
-        .map(|i| rates(args.volumes, &publish[i], &unpublish[i]))
+        .map(|i| Rates {
+            publish_cpu: CpuPerOp::median(&publish_cpu[i]),
+            unpublish_cpu: CpuPerOp::median(&unpublish_cpu[i]),
+            ..rates(args.volumes, &publish[i], &unpublish[i])
+        })
         .collect();
     let [raw, engine, daemon_rates]: [Rates; 3] = rates
         .try_into()
@@ -237,6 +255,7 @@ fn rates(volumes: usize, publish: &[Duration], unpublish: &[Duration]) -> Rates 
         cycle_per_s: per_s(&(pm + um)),
         publish_rounds: publish.iter().map(per_s).collect(),
         unpublish_rounds: unpublish.iter().map(per_s).collect(),
+        ..Rates::default()
     }
 }
 
