@@ -82,7 +82,7 @@ pub enum MountMode {
 }
 
 impl MountMode {
-    fn flag(self) -> &'static str {
+    pub fn flag(self) -> &'static str {
         match self {
             MountMode::None => "none",
             MountMode::Bind => "bind",
