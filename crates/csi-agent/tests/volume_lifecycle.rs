@@ -658,3 +658,32 @@ async fn a_target_still_mounted_after_node_unpublish_is_reported_and_left_in_pla
     assert!(mounts_under(&work).is_empty(), "{:?}", mounts_under(&work));
     assert!(!target.exists());
 }
+
+#[tokio::test]
+async fn recovery_removes_an_empty_stray_mount_dir_and_keeps_one_holding_data() {
+    // Mount dirs no record owns (an interrupted older daemon, a hand-made mess): an empty one
+    // goes with its empty staging and target dirs; one holding a file stays, as rmdir cannot
+    // delete data.
+    let dir = tempfile::tempdir().unwrap();
+    let plugin = TestPlugin::start(
+        dir.path(),
+        &["--mount-mode", "none", "--volumes", "vol1:1M"],
+    );
+    let work = dir.path().join("agent");
+    let manager = manager(&work, &plugin.socket, "boot-a");
+    let empty_target = manager.target_path("stray-empty");
+    let empty_dir = empty_target.parent().unwrap().to_path_buf();
+    std::fs::create_dir_all(&empty_target).unwrap();
+    std::fs::create_dir_all(empty_dir.join("staging")).unwrap();
+    let full_target = manager.target_path("stray-full");
+    std::fs::create_dir_all(&full_target).unwrap();
+    std::fs::write(full_target.join("data"), b"kept").unwrap();
+
+    manager.recover().await.unwrap();
+    assert!(
+        !empty_dir.exists(),
+        "{} is still there",
+        empty_dir.display()
+    );
+    assert_eq!(std::fs::read(full_target.join("data")).unwrap(), b"kept");
+}

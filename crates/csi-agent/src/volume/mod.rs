@@ -1257,6 +1257,13 @@ impl VolumeManager {
     ///
     /// Inline, without a hand-off: [`mount_dirs::remove`] never enters a mount on the path.
     fn cleanup_mount_dir(&self, volume_id: &str) {
+        // The usual case first: the steps already removed staging and target, and one rmdir
+        // of the empty volume dir is all there is to do.
+        if let Ok(mount_dirs::Removed::Removed | mount_dirs::Removed::Missing) =
+            mount_dirs::remove(&self.volume_mount_dir(volume_id))
+        {
+            return;
+        }
         for path in [
             self.staging_path(volume_id),
             self.target_path(volume_id),
