@@ -273,7 +273,7 @@ pub fn throughput_table(r: &ThroughputReport) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "\n### Throughput: {} volumes, {} concurrent clients (median of {} rounds{})\n",
+        "\n### Throughput: {} volumes, {} concurrent clients (median of {} rounds{}{}{})\n",
         r.volumes,
         r.concurrency,
         r.rounds,
@@ -281,6 +281,16 @@ pub fn throughput_table(r: &ThroughputReport) -> String {
             format!(", {} s pause before each phase", r.settle_s)
         } else {
             String::new()
+        },
+        if r.mount_mode == MountMode::Bind {
+            ", plugin in bind mode"
+        } else {
+            ""
+        },
+        if r.plugin_volatile_state {
+            ", plugin state volatile"
+        } else {
+            ""
         }
     );
     let _ = writeln!(out, "{}\n", machine_line(&r.machine));

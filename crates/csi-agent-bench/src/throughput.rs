@@ -40,6 +40,11 @@ pub struct ThroughputArgs {
     /// requires a private mount namespace (`unshare -m --propagation private`).
     #[arg(long, value_enum, default_value_t = MountMode::None)]
     pub mount_mode: MountMode,
+    /// Diagnostic: run the test plugin with `--volatile-state`. By default it keeps its state
+    /// durable, rewriting its whole state file (every volume) once per group commit, a cost
+    /// per operation that depends on how bunched its requests arrive.
+    #[arg(long)]
+    pub plugin_volatile_state: bool,
 }
 
 impl Default for ThroughputArgs {
@@ -50,6 +55,7 @@ impl Default for ThroughputArgs {
             rounds: 3,
             settle_s: 0,
             mount_mode: MountMode::None,
+            plugin_volatile_state: false,
         }
     }
 }
@@ -62,6 +68,7 @@ pub struct ThroughputReport {
     pub rounds: usize,
     pub settle_s: u64,
     pub mount_mode: MountMode,
+    pub plugin_volatile_state: bool,
     pub raw: Rates,
     pub engine: Rates,
     pub daemon: Rates,
@@ -152,6 +159,9 @@ pub async fn run(env: &Env, args: &ThroughputArgs) -> anyhow::Result<ThroughputR
             "--no-controller-publish",
         ],
     );
+    if args.plugin_volatile_state {
+        spec.flags.push("--volatile-state".to_owned());
+    }
     spec.flags.extend(volume_flags(args.volumes, volume_name));
     dirs.add_plugin(env, &spec)?;
     let (daemon, _) = Daemon::start(env, &dirs).await?;
@@ -243,6 +253,7 @@ pub async fn run(env: &Env, args: &ThroughputArgs) -> anyhow::Result<ThroughputR
         rounds: args.rounds,
         settle_s: args.settle_s,
         mount_mode: args.mount_mode,
+        plugin_volatile_state: args.plugin_volatile_state,
         engine_to_raw_publish: ratio(engine.publish_per_s, raw.publish_per_s),
         daemon_to_raw_publish: ratio(daemon_rates.publish_per_s, raw.publish_per_s),
         engine_to_raw_unpublish: ratio(engine.unpublish_per_s, raw.unpublish_per_s),
