@@ -157,14 +157,15 @@ impl Op {
 /// earlier write of a row is overwritten by the later one anyway, so applying it is wasted
 /// work (an operation's progress notes pile up on one row between two commits).
 pub fn last_per_row(ops: &mut Vec<Op>) {
+    // Decided on borrowed keys (no copy of their three strings per operation), then applied.
+    let mut keep = vec![false; ops.len()];
     let mut seen = std::collections::HashSet::with_capacity(ops.len());
-    let mut kept: Vec<Op> = ops
-        .drain(..)
-        .rev()
-        .filter(|op| seen.insert(op.key().clone()))
-        .collect();
-    kept.reverse();
-    *ops = kept;
+    for (index, op) in ops.iter().enumerate().rev() {
+        keep[index] = seen.insert(op.key());
+    }
+    drop(seen);
+    let mut keep = keep.into_iter();
+    ops.retain(|_| keep.next().unwrap_or(true));
 }
 
 /// Errors of opening the database.
