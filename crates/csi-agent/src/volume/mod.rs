@@ -274,7 +274,8 @@ impl NodeContext {
 #[derive(Debug)]
 struct Inner {
     config: VolumeConfig,
-    layout: Layout,
+    /// [`VolumeManager::mounts_root`], worked out once: every step joins paths beneath it.
+    mounts_root: PathBuf,
     store: Store,
     endpoints: Arc<dyn PluginEndpoints>,
     boot_id: String,
@@ -327,10 +328,16 @@ impl VolumeManager {
                 .binder
                 .forbid(root, "is or overlaps a plugin's target_path_root");
         }
+        let mounts_root = match &config.target_path_root {
+            Some(root) => root.clone(),
+            None => context
+                .layout
+                .mounts_dir(&config.plugin_type, &config.plugin_name),
+        };
         Self {
             inner: Arc::new(Inner {
                 config,
-                layout: context.layout,
+                mounts_root,
                 store: context.store,
                 endpoints,
                 boot_id: context.boot_id,
@@ -362,11 +369,7 @@ impl VolumeManager {
     /// Where this plugin's staging and target paths live: the plugin's `target_path_root`
     /// when configured (Mesos), else `<work dir>/csi/<type>/<name>/mounts`.
     pub fn mounts_root(&self) -> PathBuf {
-        let c = &self.inner.config;
-        match &c.target_path_root {
-            Some(root) => root.clone(),
-            None => self.inner.layout.mounts_dir(&c.plugin_type, &c.plugin_name),
-        }
+        self.inner.mounts_root.clone()
     }
 
     /// The lock and cached record of one volume. The entry lives while some request holds
@@ -1282,7 +1285,7 @@ impl VolumeManager {
     }
 
     fn volume_mount_dir(&self, volume_id: &str) -> PathBuf {
-        self.mounts_root().join(encode_id(volume_id))
+        self.inner.mounts_root.join(encode_id(volume_id))
     }
 
     fn caps_now(&self) -> Option<LifecycleCaps> {
