@@ -88,6 +88,18 @@ impl MountMode {
             MountMode::Bind => "bind",
         }
     }
+
+    /// Refuses `bind` outside a private mount namespace: its mounts would reach the host.
+    /// `subcommand` names the benchmark in the command the error suggests.
+    pub fn check_namespace(self, subcommand: &str) -> anyhow::Result<()> {
+        if self == MountMode::Bind && !in_private_mount_namespace() {
+            bail!(
+                "--mount-mode bind makes real mounts: run it in a private mount namespace, e.g. \
+                 `unshare -m --propagation private target/release/csi-agent-bench {subcommand} --mount-mode bind`"
+            );
+        }
+        Ok(())
+    }
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -268,12 +280,7 @@ pub async fn run(env: &Env, args: &CycleArgs) -> anyhow::Result<CycleReport> {
     if args.iterations == 0 || args.block == 0 {
         bail!("--iterations and --block must be positive");
     }
-    if args.mount_mode == MountMode::Bind && !in_private_mount_namespace() {
-        bail!(
-            "--mount-mode bind makes real mounts: run it in a private mount namespace, e.g. \
-             `unshare -m --propagation private target/release/csi-agent-bench cycle --mount-mode bind`"
-        );
-    }
+    args.mount_mode.check_namespace("cycle")?;
     let scratch = env.scratch("cycle")?;
     let machine = Machine::describe(scratch.path());
     let variants: Vec<Variant> = VARIANTS

@@ -13,7 +13,7 @@ use serde::Serialize;
 use crate::cpu::{CpuPerOp, Sample, Watched};
 use crate::cycle::MountMode;
 use crate::daemon::{Checkpoints, Daemon, DaemonDirs, PluginSpec};
-use crate::env::{Env, Machine, PLUGIN_TYPE, in_private_mount_namespace};
+use crate::env::{Env, Machine, PLUGIN_TYPE};
 use crate::raw::{Engine, Raw};
 
 /// docs/benchmarks.md, "Targets" (issue #10's): daemon throughput ≥ 0.9 × raw at the same
@@ -140,12 +140,7 @@ pub async fn run(env: &Env, args: &ThroughputArgs) -> anyhow::Result<ThroughputR
     if args.volumes == 0 || args.concurrency == 0 || args.rounds == 0 {
         bail!("--volumes, --concurrency and --rounds must be positive");
     }
-    if args.mount_mode == MountMode::Bind && !in_private_mount_namespace() {
-        bail!(
-            "--mount-mode bind makes real mounts: run it in a private mount namespace, e.g. \
-             `unshare -m --propagation private target/release/csi-agent-bench throughput --mount-mode bind`"
-        );
-    }
+    args.mount_mode.check_namespace("throughput")?;
     let scratch = env.scratch("throughput")?;
     let machine = Machine::describe(scratch.path());
     let plugin_type = format!("{PLUGIN_TYPE}-tp");
