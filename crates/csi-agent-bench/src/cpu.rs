@@ -15,6 +15,8 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+use crate::stats::median_by;
+
 /// CPU time of one process so far, and how many times its threads were switched in: the
 /// sums over its live threads.
 pub fn process_cpu(pid: u32) -> (Duration, u64) {
@@ -134,11 +136,7 @@ impl CpuPerOp {
 
     /// The element-wise median of `samples` (each field on its own).
     pub fn median(samples: &[CpuPerOp]) -> CpuPerOp {
-        let field = |get: fn(&CpuPerOp) -> f64| {
-            let mut v: Vec<f64> = samples.iter().map(get).collect();
-            v.sort_by(f64::total_cmp);
-            v.get(v.len() / 2).copied().unwrap_or(0.0)
-        };
+        let field = |get: fn(&CpuPerOp) -> f64| median_by(samples.iter().map(get), f64::total_cmp);
         CpuPerOp {
             client_us: field(|c| c.client_us),
             daemon_us: field(|c| c.daemon_us),

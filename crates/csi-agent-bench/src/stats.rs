@@ -35,6 +35,17 @@ impl Summary {
     }
 }
 
+/// The median of a set of rounds: the middle value once sorted by `order` (the upper one of
+/// two), or the default of none. Every median of a round's figures goes through it.
+pub fn median_by<T: Copy + Default>(
+    values: impl IntoIterator<Item = T>,
+    order: impl FnMut(&T, &T) -> std::cmp::Ordering,
+) -> T {
+    let mut sorted: Vec<T> = values.into_iter().collect();
+    sorted.sort_by(order);
+    sorted.get(sorted.len() / 2).copied().unwrap_or_default()
+}
+
 /// Nearest-rank percentile of sorted values.
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     let n = sorted.len();
@@ -82,6 +93,13 @@ pub fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn medians_take_the_middle_or_the_upper_of_two() {
+        assert_eq!(median_by([3, 1, 2], Ord::cmp), 2);
+        assert_eq!(median_by([4.0, 1.0, 3.0, 2.0], f64::total_cmp), 3.0);
+        assert_eq!(median_by(Vec::<u32>::new(), Ord::cmp), 0);
+    }
 
     #[test]
     fn percentiles() {

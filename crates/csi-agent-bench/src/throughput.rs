@@ -15,6 +15,7 @@ use crate::cycle::MountMode;
 use crate::daemon::{Checkpoints, Daemon, DaemonDirs, PluginSpec};
 use crate::env::{Env, Machine, PLUGIN_TYPE};
 use crate::raw::{Engine, Raw};
+use crate::stats::median_by;
 
 /// docs/benchmarks.md, "Targets" (issue #10's): daemon throughput ≥ 0.9 × raw at the same
 /// concurrency, for publish and for unpublish.
@@ -267,13 +268,8 @@ pub async fn run(env: &Env, args: &ThroughputArgs) -> anyhow::Result<ThroughputR
 
 fn rates(volumes: usize, publish: &[Duration], unpublish: &[Duration]) -> Rates {
     let per_s = |d: &Duration| volumes as f64 / d.as_secs_f64();
-    let median = |v: &[Duration]| {
-        let mut sorted = v.to_vec();
-        sorted.sort();
-        sorted.get(sorted.len() / 2).copied().unwrap_or_default()
-    };
-    let pm = median(publish);
-    let um = median(unpublish);
+    let pm = median_by(publish.iter().copied(), Ord::cmp);
+    let um = median_by(unpublish.iter().copied(), Ord::cmp);
     Rates {
         publish_per_s: per_s(&pm),
         unpublish_per_s: per_s(&um),
