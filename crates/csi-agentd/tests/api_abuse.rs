@@ -971,6 +971,13 @@ fn weak_tokens_and_exposed_listeners_are_refused_before_serving() {
     assert_eq!(answer.json()["status"], "ok");
 }
 
+/// Starts the daemon with `toml` as its config file (`<dir>/csi-agentd.toml`).
+fn start_with_config(dir: &Path, toml: &str) -> Daemon {
+    let config = dir.join("csi-agentd.toml");
+    std::fs::write(&config, toml).unwrap();
+    Daemon::start(dir, &["--config", config.to_str().unwrap()])
+}
+
 #[test]
 fn a_commit_delay_out_of_range_is_refused_and_one_in_range_is_served() {
     let dir = tempfile::tempdir().unwrap();
@@ -983,9 +990,7 @@ fn a_commit_delay_out_of_range_is_refused_and_one_in_range_is_served() {
         "{log}"
     );
     assert!(!dir.path().join("work/api.sock").exists());
-    let config = dir.path().join("csi-agentd.toml");
-    std::fs::write(&config, "commit_delay_us = 0\n").unwrap();
-    let daemon = Daemon::start(dir.path(), &["--config", config.to_str().unwrap()]);
+    let daemon = start_with_config(dir.path(), "commit_delay_us = 0\n");
     assert_eq!(
         exchange(&mut daemon.unix(), &get("/v1/health", None)).status,
         200
@@ -1009,9 +1014,7 @@ fn worker_threads_out_of_range_are_refused_and_a_count_in_range_is_served() {
     );
     assert!(log.contains("--worker-threads"), "{log}");
     assert!(!dir.path().join("work/api.sock").exists());
-    let config = dir.path().join("csi-agentd.toml");
-    std::fs::write(&config, "worker_threads = 4\n").unwrap();
-    let daemon = Daemon::start(dir.path(), &["--config", config.to_str().unwrap()]);
+    let daemon = start_with_config(dir.path(), "worker_threads = 4\n");
     assert_eq!(
         exchange(&mut daemon.unix(), &get("/v1/health", None)).status,
         200
@@ -1021,9 +1024,7 @@ fn worker_threads_out_of_range_are_refused_and_a_count_in_range_is_served() {
 #[test]
 fn the_limits_can_come_from_the_config_file() {
     let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("csi-agentd.toml");
-    std::fs::write(&config, "max_connections = 1\nheader_timeout_ms = 600\n").unwrap();
-    let daemon = Daemon::start(dir.path(), &["--config", config.to_str().unwrap()]);
+    let daemon = start_with_config(dir.path(), "max_connections = 1\nheader_timeout_ms = 600\n");
     // Let the daemon close the connection of the start-up health check: the one slot is free.
     std::thread::sleep(Duration::from_millis(300));
     let mut held = daemon.unix();
