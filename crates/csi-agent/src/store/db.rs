@@ -163,7 +163,6 @@ pub fn last_per_row(ops: &mut Vec<Op>) {
     for (index, op) in ops.iter().enumerate().rev() {
         keep[index] = seen.insert(op.key());
     }
-    drop(seen);
     let mut keep = keep.into_iter();
     ops.retain(|_| keep.next().unwrap_or(true));
 }
