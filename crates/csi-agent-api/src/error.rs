@@ -149,8 +149,8 @@ fn io_reason(err: &io::Error) -> String {
 fn unix_connect_hint(err: &io::Error) -> &'static str {
     match err.kind() {
         io::ErrorKind::PermissionDenied => {
-            "the socket is mode 0600 and owned by the user csi-agentd runs as: run csictl as \
-             that user (--socket)"
+            "the socket is mode 0600 and owned by the user csi-agentd runs as (root, as a rule): \
+             run csictl as that user, e.g. `sudo csictl …` (--socket)"
         }
         io::ErrorKind::ConnectionRefused => {
             "the socket file exists but nobody listens on it: csi-agentd is not running (or \

@@ -126,42 +126,11 @@ impl Limits {
     /// as far as needed (up to the hard limit), and lowers the cap, loudly, when even the hard
     /// limit is too low. A process out of descriptors can accept nothing on any listener.
     pub fn fit_fd_limit(&mut self, listeners: usize) {
-        use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
         let listeners = listeners.max(1) as u64;
         let needed = (self.max_connections as u64)
             .saturating_mul(listeners)
             .saturating_add(RESERVED_FDS);
-        let limit = getrlimit(Resource::Nofile);
-        let soft = limit.current.unwrap_or(u64::MAX);
-        if soft >= needed {
-            return;
-        }
-        let hard = limit.maximum.unwrap_or(u64::MAX);
-        let mut usable = soft;
-        if hard > soft {
-            let target = needed.min(hard);
-            match setrlimit(
-                Resource::Nofile,
-                Rlimit {
-                    current: Some(target),
-                    maximum: limit.maximum,
-                },
-            ) {
-                Ok(()) => {
-                    tracing::info!(
-                        from = soft,
-                        to = target,
-                        "raised the open file limit for the API connections"
-                    );
-                    usable = target;
-                }
-                Err(err) => tracing::warn!(
-                    error = %err,
-                    soft,
-                    "cannot raise the open file limit"
-                ),
-            }
-        }
+        let usable = raise_open_file_limit(needed);
         if usable < needed {
             let fit = (usable.saturating_sub(RESERVED_FDS) / listeners).max(1);
             tracing::warn!(
@@ -172,6 +141,36 @@ impl Limits {
                  lowering the connection cap; raise the limit (LimitNOFILE=, ulimit -n) instead"
             );
             self.max_connections = usize::try_from(fit).unwrap_or(1);
+        }
+    }
+}
+
+/// Raises the soft `RLIMIT_NOFILE` to `needed` descriptors, or as far as the hard limit allows,
+/// and returns the soft limit in force afterwards (which may still be below `needed`; the
+/// caller decides what that means). Never lowers it.
+pub fn raise_open_file_limit(needed: u64) -> u64 {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let limit = getrlimit(Resource::Nofile);
+    let soft = limit.current.unwrap_or(u64::MAX);
+    let hard = limit.maximum.unwrap_or(u64::MAX);
+    if soft >= needed || hard <= soft {
+        return soft;
+    }
+    let target = needed.min(hard);
+    match setrlimit(
+        Resource::Nofile,
+        Rlimit {
+            current: Some(target),
+            maximum: limit.maximum,
+        },
+    ) {
+        Ok(()) => {
+            tracing::info!(from = soft, to = target, "raised the open file limit");
+            target
+        }
+        Err(err) => {
+            tracing::warn!(error = %err, soft, "cannot raise the open file limit");
+            soft
         }
     }
 }
@@ -925,6 +924,18 @@ mod tests {
 
     use super::*;
 
+    /// For a test that holds `needed` descriptors at once: a login's default soft limit is 1024
+    /// (issue #30), so it is raised here as the daemon raises its own; a hard limit too low to
+    /// allow it fails the test with what to change.
+    fn need_open_files(needed: u64) {
+        let usable = raise_open_file_limit(needed);
+        assert!(
+            usable >= needed,
+            "this test holds {needed} file descriptors, and the hard open-file limit allows \
+             {usable}: raise it (ulimit -Hn {needed})"
+        );
+    }
+
     /// Hands out what it was given, then waits forever.
     struct Scripted(VecDeque<io::Result<DuplexStream>>);
 
@@ -1016,6 +1027,7 @@ mod tests {
             .block_on(async { bind_tcp("127.0.0.1:0".parse().unwrap()) })
             .unwrap();
         let addr = listener.local_addr().unwrap();
+        need_open_files(1000 + RESERVED_FDS);
         let queued: Vec<_> = (0..1000)
             .map(|i| {
                 std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(500))
@@ -1031,6 +1043,8 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn every_connection_over_the_cap_reads_a_503_on_real_tcp() {
         const BURST: usize = 600;
+        // Both ends of every connection are in this process.
+        need_open_files(2 * BURST as u64 + RESERVED_FDS);
         let listener = bind_tcp("127.0.0.1:0".parse().unwrap()).unwrap();
         let addr = listener.local_addr().unwrap();
         let limits = Limits {

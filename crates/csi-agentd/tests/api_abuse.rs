@@ -296,8 +296,31 @@ fn time_to_close(stream: &mut impl Read, started: Instant, limit: Duration) -> D
 /// The start of a request head, never finished.
 const PARTIAL_HEAD: &[u8] = b"GET /v1/health HTTP/1.1\r\nhost: localhost\r\nx-slow: ";
 
+/// For the floods, which hold `FLOOD` connections in this process: a login's default soft
+/// open-file limit is 1024 (issue #30), so this process raises its own to the hard limit, as the
+/// daemon does; a hard limit too low fails the test with what to change.
+fn room_for_a_flood() {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let needed = 2 * FLOOD as u64;
+    let limit = getrlimit(Resource::Nofile);
+    let hard = limit.maximum.unwrap_or(u64::MAX);
+    assert!(
+        hard >= needed,
+        "the floods hold {needed} file descriptors and the hard open-file limit is {hard}: \
+         raise it (ulimit -Hn {needed})"
+    );
+    if limit.current.is_some_and(|soft| soft < needed) {
+        let raised = Rlimit {
+            current: Some(needed),
+            maximum: limit.maximum,
+        };
+        setrlimit(Resource::Nofile, raised).expect("raising the soft open-file limit");
+    }
+}
+
 /// `FLOOD` TCP connections, each with a partial head; fails if the daemon stops accepting.
 fn flood_tcp(port: u16) -> Vec<TcpStream> {
+    room_for_a_flood();
     let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
     (0..FLOOD)
         .map(|i| {
@@ -311,6 +334,7 @@ fn flood_tcp(port: u16) -> Vec<TcpStream> {
 
 /// The same on the unix socket, given 30 s in all (a blocking connect has no timeout).
 fn flood_unix(path: &Path) -> Vec<UnixStream> {
+    room_for_a_flood();
     let path = path.to_owned();
     let (done, flood) = std::sync::mpsc::channel();
     std::thread::spawn(move || {

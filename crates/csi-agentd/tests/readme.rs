@@ -38,14 +38,24 @@ fn the_readme_starts_with_the_demo_and_the_test_command_and_ci_runs_both() {
     );
     let ci = repo_file(".ci/run");
     let lines: Vec<&str> = ci.lines().map(str::trim).collect();
+    // As a newcomer types them: a non-root user with sudo, in their own clone (issue #30).
     assert!(
-        lines.contains(&"./scripts/test"),
-        ".ci/run runs ./scripts/test as written"
+        lines.contains(&".ci/as-newcomer ./scripts/test"),
+        ".ci/run runs ./scripts/test as written, as a newcomer"
     );
-    assert!(lines.iter().any(|l| l.ends_with(".ci/demo-check")));
+    assert!(lines.contains(&".ci/as-newcomer .ci/demo-check"));
+    assert!(lines.contains(&".ci/as-newcomer .ci/demo-check --sudo"));
     let demo_check = repo_file(".ci/demo-check");
     assert!(
-        demo_check.contains("./scripts/demo "),
-        ".ci/demo-check runs ./scripts/demo"
+        demo_check.contains("demo_cmd=(./scripts/demo)")
+            && demo_check.contains("demo_cmd=(sudo ./scripts/demo)"),
+        ".ci/demo-check runs ./scripts/demo, and sudo ./scripts/demo with --sudo"
     );
+    // README's "Try it", as a sudo user types it.
+    for step in [
+        "sudo ./target/debug/csictl plugins",
+        "echo hello | sudo tee csi-agent-sandboxes/w1/data/hello",
+    ] {
+        assert!(readme.contains(step), "README's Try it has `{step}`");
+    }
 }

@@ -388,3 +388,37 @@ fn help_lists_every_subcommand() -> Result<()> {
     }
     Ok(())
 }
+
+/// A user who is not the daemon's gets `Permission denied` on its 0600 socket: the hint says
+/// to run csictl as the daemon's user, with sudo (issue #30: a newcomer with sudo rights ran
+/// csictl as themselves). The tests run as root; csictl runs here as `nobody` through setpriv,
+/// from a copy in a dir `nobody` can reach.
+#[test]
+fn a_permission_denied_socket_hints_at_sudo() -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir()?;
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
+    let socket = dir.path().join("api.sock");
+    let _listener = std::os::unix::net::UnixListener::bind(&socket)?;
+    std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600))?;
+    let copy = dir.path().join("csictl");
+    std::fs::copy(env!("CARGO_BIN_EXE_csictl"), &copy)?;
+    std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755))?;
+    let out = std::process::Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+        .arg(&copy)
+        .arg("--socket")
+        .arg(&socket)
+        .arg("health")
+        .env_remove("CSI_AGENT_SOCKET")
+        .output()
+        .context("running setpriv (util-linux): these tests run as root")?;
+    let stderr = text(&out.stderr);
+    ensure!(out.status.code() == Some(3), "{:?}: {stderr}", out.status);
+    ensure!(stderr.contains("Permission denied"), "{stderr}");
+    ensure!(
+        stderr.contains("run csictl as that user, e.g. `sudo csictl …`"),
+        "{stderr}"
+    );
+    Ok(())
+}
