@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 
 use csi_agent::beneath::BeneathError;
 use csi_agent::image::blobs::{BlobError, BlobStore, Digest, Put};
+use csi_agent::image::store::StoreError;
 use csi_agent::image::unpack::{
     Compression, LimitKind, Limits, OVERLAY_OPAQUE_XATTR, Refusal, Report, UnpackError,
     apply_layer, apply_overlay_layer,
@@ -406,6 +407,7 @@ fn the_overlay_form_refuses_hostile_entries_like_the_flattened_one() {
             &Limits::default(),
         );
         assert!(result.is_err(), "{entry}: {result:?}");
+        expect_final(&result, entry);
         assert!(!dir.join("stolen").exists(), "{entry}");
         std::fs::remove_dir_all(&dir).unwrap();
         assert_eq!(
@@ -512,7 +514,15 @@ fn pax_xattrs_are_kept_for_allowed_namespaces_only() {
     }
 }
 
+/// Every refusal of a hostile layer is final: retrying unpacks the same bytes the same way.
+fn expect_final(result: &Result<Report, UnpackError>, entry: &str) {
+    if let Err(err) = result {
+        assert!(!err.is_transient(), "{entry}: {err} is classed transient");
+    }
+}
+
 fn expect_refused(result: Result<Report, UnpackError>, wanted: Refusal, entry: &str) {
+    expect_final(&result, entry);
     match result {
         Err(UnpackError::Refused { entry: e, reason }) => {
             assert_eq!(reason, wanted);
@@ -523,6 +533,7 @@ fn expect_refused(result: Result<Report, UnpackError>, wanted: Refusal, entry: &
 }
 
 fn expect_symlink_refused(result: Result<Report, UnpackError>, entry: &str) {
+    expect_final(&result, entry);
     match result {
         Err(UnpackError::Beneath {
             entry: e,
@@ -680,9 +691,12 @@ fn limits_give_their_typed_errors() {
     let limited = |limits: Limits, layer: &[u8]| {
         apply_layer(root, layer, Compression::Detect, &limits).unwrap_err()
     };
-    let expect = |err: UnpackError, wanted: LimitKind| match err {
-        UnpackError::Limit { limit, .. } => assert_eq!(limit, wanted),
-        other => panic!("expected {wanted:?}, got {other:?}"),
+    let expect = |err: UnpackError, wanted: LimitKind| {
+        assert!(!err.is_transient(), "{err} is classed transient");
+        match err {
+            UnpackError::Limit { limit, .. } => assert_eq!(limit, wanted),
+            other => panic!("expected {wanted:?}, got {other:?}"),
+        }
     };
 
     let many = LayerTar::new()
@@ -766,6 +780,73 @@ fn limits_give_their_typed_errors() {
     );
 }
 
+/// Issue #23 (L1): a hard link to a target no entry made was an I/O error, answered 503
+/// and retried as if the host had failed. It is the layer's fault: a typed refusal naming
+/// the entry and the target, final, in both forms. Only a failure of the host is transient.
+#[test]
+fn a_hard_link_to_a_missing_target_is_a_final_refusal() {
+    let scene = Scene::new();
+    let layer = LayerTar::new()
+        .file("present", b"p", 0o644)
+        .hardlink("h", "missing/target")
+        .bytes();
+    let result = apply(&scene.root, &layer);
+    match &result {
+        Err(UnpackError::LinkTargetMissing { entry, target }) => {
+            assert_eq!((entry.as_str(), target.as_str()), ("h", "missing/target"));
+        }
+        other => panic!("expected a missing link target, got {other:?}"),
+    }
+    expect_final(&result, "h");
+    let message = result.unwrap_err().to_string();
+    assert!(
+        message.contains("\"h\"") && message.contains("missing/target"),
+        "{message}"
+    );
+    // The overlay form, with a lower layer that lacks it too.
+    let lower = scene.base.join("lower");
+    let dir = scene.base.join("layer");
+    std::fs::create_dir(&lower).unwrap();
+    std::fs::create_dir(&dir).unwrap();
+    let result = apply_overlay_layer(
+        &dir,
+        std::slice::from_ref(&lower),
+        layer.as_slice(),
+        Compression::Detect,
+        &Limits::default(),
+    );
+    assert!(
+        matches!(result, Err(UnpackError::LinkTargetMissing { .. })),
+        "{result:?}"
+    );
+    expect_final(&result, "h (overlay)");
+    // Through the image store: the same class, so the API answers 400, not 503.
+    let err = StoreError::Unpack {
+        reference: "r/evil:v1".to_owned(),
+        layer: "sha256:00".to_owned(),
+        source: Box::new(result.unwrap_err()),
+    };
+    assert!(!err.is_transient(), "{err}");
+
+    // What the host causes stays transient: a full disk, an I/O error.
+    for (code, transient) in [
+        (28 /* ENOSPC */, true),
+        (5 /* EIO */, true),
+        (
+            17, /* EEXIST: an entry over what the layer made */
+            false,
+        ),
+        (31 /* EMLINK: too many links to one inode */, false),
+    ] {
+        let err = UnpackError::Io {
+            entry: "f".to_owned(),
+            op: "write",
+            source: std::io::Error::from_raw_os_error(code),
+        };
+        assert_eq!(err.is_transient(), transient, "{err}");
+    }
+}
+
 #[test]
 fn unsupported_compression_and_garbage_are_errors() {
     let scene = Scene::new();
@@ -775,10 +856,9 @@ fn unsupported_compression_and_garbage_are_errors() {
         Err(UnpackError::UnsupportedCompression("zstd"))
     ));
     let garbage = vec![0x55u8; 1024];
-    assert!(matches!(
-        apply(&scene.root, &garbage),
-        Err(UnpackError::Read { .. })
-    ));
+    let result = apply(&scene.root, &garbage);
+    assert!(matches!(result, Err(UnpackError::Read { .. })));
+    expect_final(&result, "garbage");
     // A truncated gzip stream.
     let mut gz = LayerTar::new().file("f", &[1u8; 100_000], 0o644).gzip();
     gz.truncate(gz.len() / 2);

@@ -204,7 +204,7 @@ impl StoreError {
         match self {
             Self::Pull(err) => err.is_transient(),
             Self::Blob(_) | Self::Io { .. } | Self::Task(_) => true,
-            Self::Unpack { source, .. } => matches!(**source, UnpackError::Io { .. }),
+            Self::Unpack { source, .. } => source.is_transient(),
             Self::Config { .. } | Self::IndexCorrupt { .. } => false,
         }
     }

@@ -223,6 +223,12 @@ pub enum UnpackError {
         #[source]
         source: io::Error,
     },
+    /// A hard link whose target no earlier entry (nor, in the overlay form, a lower layer)
+    /// made: the layer is broken or hostile, not the host.
+    #[error(
+        "layer entry {entry:?} refused: its hard link target {target:?} does not exist in the layer or below it"
+    )]
+    LinkTargetMissing { entry: String, target: String },
     #[error("layer entry {entry:?}: {op}: {source}")]
     Io {
         entry: String,
@@ -230,6 +236,44 @@ pub enum UnpackError {
         #[source]
         source: io::Error,
     },
+}
+
+impl UnpackError {
+    /// True when applying the same layer again later may succeed: only a failure of the
+    /// host (a full disk or quota, an I/O error, out of memory or descriptors, a busy or
+    /// read-only file system). Everything the layer's content caused — a refused name, a
+    /// link target missing, a limit, a malformed or unreadable tar, a syscall refusing what
+    /// the entries ask for (`EEXIST`, `ENOTDIR`, `EMLINK`, `EINVAL`...) — fails the same
+    /// way every time: final, so that a hostile image is not fetched and unpacked again and
+    /// again.
+    pub fn is_transient(&self) -> bool {
+        let source = match self {
+            Self::Io { source, .. } | Self::Read { source } => source,
+            Self::Root {
+                source: BeneathError::Io { source, .. },
+                ..
+            } => source,
+            // The root is the store's own dir: gone or swapped is the host's problem.
+            Self::Root { .. } => return true,
+            _ => return false,
+        };
+        source.raw_os_error().is_some_and(|code| {
+            [
+                Errno::NOSPC,
+                Errno::DQUOT,
+                Errno::IO,
+                Errno::NOMEM,
+                Errno::MFILE,
+                Errno::NFILE,
+                Errno::AGAIN,
+                Errno::INTR,
+                Errno::BUSY,
+                Errno::ROFS,
+                Errno::TIMEDOUT,
+            ]
+            .contains(&Errno::from_raw_os_error(code))
+        })
+    }
 }
 
 /// What applying a layer did.
@@ -470,13 +514,9 @@ impl Layer<'_> {
             if target == components {
                 return Err(refused(&shown, Refusal::LinkToSelf));
             }
-            let not_found = || UnpackError::Io {
+            let not_found = || UnpackError::LinkTargetMissing {
                 entry: shown.clone(),
-                op: "link",
-                source: io::Error::new(
-                    io::ErrorKind::NotFound,
-                    format!("hard link target {:?} does not exist", show(&raw_target)),
-                ),
+                target: show(&raw_target),
             };
             let in_this_layer = match self.open_existing_parent(target_parent, &shown)? {
                 Some(dir) => match rustix::fs::statat(
