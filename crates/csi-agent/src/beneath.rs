@@ -268,7 +268,9 @@ fn open_step(
     })
 }
 
-fn is_symlink(parent: BorrowedFd<'_>, name: &OsStr) -> bool {
+/// Whether `name` in `parent` is a symlink itself (not followed); false when it does not
+/// exist.
+pub fn is_symlink(parent: BorrowedFd<'_>, name: &OsStr) -> bool {
     rustix::fs::statat(parent, name, AtFlags::SYMLINK_NOFOLLOW).is_ok_and(|st| {
         rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::Symlink
     })

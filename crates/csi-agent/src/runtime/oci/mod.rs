@@ -28,8 +28,10 @@
 //!   Without, the image's flattened rootfs is the root, always read-only (every container of
 //!   the image shares it). The
 //!   image's Entrypoint/Cmd apply unless the config's `command` overrides them
-//!   ([`image_argv`]), its Env replaces the daemon's environment, its WorkingDir and numeric
-//!   User apply.
+//!   ([`image_argv`]), its Env replaces the daemon's environment, its numeric User applies,
+//!   and its WorkingDir once resolved beneath the root. Every mount destination in a root of the
+//!   container's own (an image's, a configured rootfs) is walked beneath it without
+//!   following its symlinks before `runc create` ([`rootpaths`]).
 //! - **Identity**: container id, plus the init's pid and start time and the boot id (so a
 //!   reused pid is never taken for the container).
 //! - **Watching**: a pidfd on the container's init, readable once it exits; it is not our
@@ -63,6 +65,7 @@ use crate::image::store::{ImageConfig, ImageStore, Prepared, PreparedRoot, Store
 use crate::mounts::MountTable;
 
 pub mod bundle;
+pub mod rootpaths;
 pub mod runc;
 
 pub use runc::{ContainerState, Runc, RuncError};
@@ -479,6 +482,14 @@ pub enum OciError {
         #[source]
         source: Box<StoreError>,
     },
+    /// A path the runtime uses inside the container's own root (an image's WorkingDir, a
+    /// mount destination) is not a plain directory beneath it (see [`rootpaths`]).
+    #[error("{root}: {source}")]
+    RootPath {
+        root: String,
+        #[source]
+        source: Box<rootpaths::RootPathError>,
+    },
     /// The image cannot be run as the config asks.
     #[error("container image {name}: {message}")]
     ImageUse { name: String, message: String },
@@ -602,6 +613,35 @@ fn check_bidirectional_volumes(volumes: &[VolumeBind]) -> Result<(), OciError> {
                     .unwrap_or_else(|| PathBuf::from("/")),
             });
         }
+    }
+    Ok(())
+}
+
+/// Walks every mount destination of the container's `config.json` beneath its own root
+/// `root` ([`rootpaths::Root::mount_point`]), each named for the error by what is bound
+/// there.
+fn check_mount_points(
+    root: &Path,
+    oci_spec: &oci_spec::runtime::Spec,
+    input: &bundle::BundleInput<'_>,
+    volumes: &[VolumeBind],
+) -> Result<(), rootpaths::RootPathError> {
+    let tree = rootpaths::Root::open(root)?;
+    for mount in oci_spec.mounts().iter().flatten() {
+        let destination = mount.destination();
+        let field = if let Some(index) = volumes
+            .iter()
+            .position(|v| v.container_path == *destination)
+        {
+            format!("container.volumes[{index}].container_path")
+        } else if input.mount_roots.iter().any(|r| r == destination) {
+            "the plugin's mount root".to_owned()
+        } else if destination == input.socket_dir {
+            "the endpoint dir".to_owned()
+        } else {
+            "the runtime's mount point".to_owned()
+        };
+        tree.mount_point(&field, destination)?;
     }
     Ok(())
 }
@@ -782,6 +822,23 @@ impl OciRuntime {
                         message,
                     }
                 })?;
+                // The image's config is input: its WorkingDir is resolved beneath the root
+                // here, never handed to runc as it is (rootpaths).
+                let opened = rootpaths::Root::open(&root).and_then(|tree| {
+                    let cwd = tree.working_dir(prepared.config.working_dir.as_deref())?;
+                    Ok((tree, cwd))
+                });
+                let (_tree, cwd) = match opened {
+                    Ok(opened) => opened,
+                    Err(source) => {
+                        // Nothing was created: the image's overlay, if any, goes now.
+                        remove_bundle(&bundle_dir);
+                        return Err(OciError::RootPath {
+                            root: format!("container image {}", image.name),
+                            source: Box::new(source),
+                        });
+                    }
+                };
                 // The image's environment, not the daemon's: the host's PATH and the
                 // like mean nothing inside another root file system.
                 let env: Vec<(String, String)> = prepared
@@ -791,11 +848,6 @@ impl OciRuntime {
                     .filter_map(|var| var.split_once('='))
                     .map(|(name, value)| (name.to_owned(), value.to_owned()))
                     .collect();
-                let cwd = prepared
-                    .config
-                    .working_dir
-                    .clone()
-                    .unwrap_or_else(|| "/".to_owned());
                 (args, env, cwd, user)
             }
             _ => {
@@ -860,6 +912,21 @@ impl OciRuntime {
             user,
         };
         let oci_spec = bundle::spec(&input)?;
+        // A root of the container's own (an image's, a configured rootfs) is input: runc
+        // would follow its symlinks to every mount destination.
+        if let Some(rootfs) = &settings.rootfs {
+            let name = match &image {
+                Some(image) => format!("container image {}", image.name),
+                None => format!("runtime.rootfs {}", rootfs.display()),
+            };
+            if let Err(source) = check_mount_points(&root, &oci_spec, &input, &volumes) {
+                remove_bundle(&bundle_dir);
+                return Err(OciError::RootPath {
+                    root: name,
+                    source: Box::new(source),
+                });
+            }
+        }
         std::fs::create_dir_all(bundle_dir.join(bundle::ROOTFS_DIR))
             .map_err(io("cannot create the bundle", &bundle_dir))?;
         for entry in &host_root {

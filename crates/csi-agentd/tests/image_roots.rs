@@ -1,0 +1,277 @@
+//! An image's root and config are hostile input (issue #23, items 6 and 7): the real `csi-agentd` pulls images built here from a real
+//! registry on loopback (`docker-registry`) and runs them with runc. Real mounts: run under
+//! `unshare -m --propagation private`.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+mod image_support;
+#[path = "../../csi-agent/tests/registry_support/mod.rs"]
+mod registry_support;
+
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+use common::*;
+use image_support::*;
+use registry_support::*;
+
+const SECOND: &str = "org.example.second";
+
+/// A plain layer tar: `(path, what)` in order.
+#[derive(Clone, Copy)]
+enum Item<'a> {
+    Dir,
+    File(&'a [u8], u32),
+    Symlink(&'a str),
+    HardLink(&'a str),
+}
+
+fn layer<S: AsRef<str>>(items: &[(S, Item<'_>)]) -> Vec<u8> {
+    let mut builder = tar::Builder::new(Vec::new());
+    for (path, item) in items {
+        let path = path.as_ref();
+        let mut header = tar::Header::new_gnu();
+        header.set_uid(0);
+        header.set_gid(0);
+        header.set_mtime(1_700_000_000);
+        match item {
+            Item::Dir => {
+                header.set_entry_type(tar::EntryType::Directory);
+                header.set_mode(0o755);
+                header.set_size(0);
+                builder.append_data(&mut header, path, &[][..]).unwrap();
+            }
+            Item::File(data, mode) => {
+                header.set_entry_type(tar::EntryType::Regular);
+                header.set_mode(*mode);
+                header.set_size(data.len() as u64);
+                builder.append_data(&mut header, path, *data).unwrap();
+            }
+            Item::Symlink(target) | Item::HardLink(target) => {
+                header.set_entry_type(if matches!(item, Item::Symlink(_)) {
+                    tar::EntryType::Symlink
+                } else {
+                    tar::EntryType::Link
+                });
+                header.set_mode(0o777);
+                header.set_size(0);
+                builder.append_link(&mut header, path, target).unwrap();
+            }
+        }
+    }
+    builder.into_inner().unwrap()
+}
+
+/// Waits for `plugin`'s launch error to say all of `wanted`, and returns it.
+async fn wait_error(daemon: &Daemon, plugin: &str, wanted: &[&str]) -> String {
+    let what = format!("{plugin}'s launch error with {wanted:?}");
+    let info = wait_plugin(daemon, plugin, &what, |i| {
+        i.components
+            .first()
+            .and_then(|c| c.error.as_deref())
+            .is_some_and(|e| wanted.iter().all(|w| e.contains(w)))
+    })
+    .await;
+    assert!(ready_pid(&info).is_none(), "{info:?}");
+    info.components[0].error.clone().unwrap()
+}
+
+/// Unmounts what the test left under `dir` (a plugin that never started keeps its mount
+/// root's shared self-bind; the test's own shared dir), deepest first, so that the temp dir
+/// can be removed.
+fn unmount_under(dir: &std::path::Path) {
+    let mut left = mounts_under(dir);
+    left.sort_by_key(|path| std::cmp::Reverse(path.components().count()));
+    for path in left {
+        let _ = rustix::mount::unmount(&path, rustix::mount::UnmountFlags::DETACH);
+    }
+}
+
+async fn remove_all_plugins(daemon: &Daemon, containers: &Containers) {
+    for entry in std::fs::read_dir(&daemon.configs).unwrap() {
+        std::fs::remove_file(entry.unwrap().path()).unwrap();
+    }
+    daemon.api().reload().await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !containers.list().is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "containers left: {:?}",
+            containers.list()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The M3 attack of issue #23 and the image configs that are input too. An image symlink
+/// where the runtime binds the plugin's mount root (`.../csi/<type>/default -> /state/pwn`)
+/// plus a BIDIRECTIONAL volume at `/state`: runc, following the symlink, would bind the
+/// mount root into the host dir behind the volume, an untracked host mount that outlives
+/// the plugin. A `WorkingDir` of `/proc/self/fd/7` would be a descriptor of runc's
+/// (CVE-2024-21626). Both are refused before `runc create`, with errors naming the image,
+/// the field and the path, and no mount appears; a layer with a hard link to a missing
+/// target is refused as final (400), not as the registry being unavailable (503).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_image_symlink_at_a_mount_point_and_a_proc_working_dir_are_refused() {
+    csi_agent::mounts::require_private_mount_namespace();
+    // Not under /tmp: the container gets a /tmp of its own, which would hide the image's
+    // symlink from runc and so prove nothing.
+    let dir = tempfile::Builder::new()
+        .prefix("csi-roots-")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    let registry = Registry::start(&dir.path().join("registry")).unwrap();
+    let plugin_dir = dir.path().join("plugin");
+    let advstate = dir.path().join("advstate");
+    std::fs::create_dir_all(&plugin_dir).unwrap();
+    std::fs::create_dir_all(&advstate).unwrap();
+    // A BIDIRECTIONAL volume needs its host dir on a shared mount.
+    csi_agent::runtime::oci::share_mount_root(&advstate).unwrap();
+
+    let host = registry.host();
+    let containers = Containers(dir.path().join("sockets/runc"));
+    let mut daemon = Daemon::new(
+        dir.path(),
+        &["--docker-registry", &host, "--insecure-registry", &host],
+    );
+    // The image: real dirs down to the plugin's dir in the work dir, then the symlink.
+    let plugin_parent = daemon.work.join("csi").join(PLUGIN);
+    let relative = plugin_parent.strip_prefix("/").unwrap().to_str().unwrap();
+    let mut items: Vec<(String, Item<'_>)> = Vec::new();
+    let mut so_far = String::new();
+    for component in relative.split('/') {
+        so_far = if so_far.is_empty() {
+            component.to_owned()
+        } else {
+            format!("{so_far}/{component}")
+        };
+        items.push((so_far.clone(), Item::Dir));
+    }
+    items.push((format!("{relative}/default"), Item::Symlink("/state/pwn")));
+    items.push(("state".to_owned(), Item::Dir));
+    let run = json!({
+        "Entrypoint": ["/bin/csi-testplugin"],
+        "Cmd": ["--work-dir", plugin_dir, "--volumes", "vol1:1M", "--node-id", "node-1"],
+    });
+    let layout = dir.path().join("evil");
+    oci_layout(&layout, &[plugin_layer(), layer(&items)], run.clone()).unwrap();
+    push(&layout, &registry, "csi/evil:v1").unwrap();
+    let mut cwd_config = run.clone();
+    cwd_config["WorkingDir"] = json!("/proc/self/fd/7");
+    let layout = dir.path().join("evil-cwd");
+    oci_layout(&layout, &[plugin_layer()], cwd_config).unwrap();
+    push(&layout, &registry, "csi/evil-cwd:v1").unwrap();
+    let layout = dir.path().join("hardlink");
+    oci_layout(
+        &layout,
+        &[layer(&[
+            ("present", Item::File(b"p", 0o644)),
+            ("h", Item::HardLink("missing/target")),
+        ])],
+        run.clone(),
+    )
+    .unwrap();
+    push(&layout, &registry, "csi/hardlink:v1").unwrap();
+
+    let bidirectional: Value = json!({"container_path": "/state",
+        "source": {"type": "HOST_PATH", "host_path": {"path": advstate,
+                   "mount_propagation": {"mode": "BIDIRECTIONAL"}}}});
+    daemon.add_config(
+        "test.json",
+        &json!({
+            "type": PLUGIN,
+            "containers": [component(
+                &["CONTROLLER_SERVICE", "NODE_SERVICE"],
+                json!({"mesos": {"image": {"type": "DOCKER", "docker": {"name": "csi/evil:v1"}}},
+                       "volumes": [volume(&plugin_dir), bidirectional]}),
+            )],
+            "startup_timeout_ms": 20000,
+            "restart_backoff": {"initial_ms": 100, "max_ms": 500},
+        }),
+    );
+    daemon.add_config(
+        "second.json",
+        &json!({
+            "type": SECOND,
+            "containers": [component(
+                &["CONTROLLER_SERVICE", "NODE_SERVICE"],
+                json!({"mesos": {"image": {"type": "DOCKER", "docker": {"name": "csi/evil-cwd:v1"}}},
+                       "volumes": [volume(&plugin_dir)]}),
+            )],
+            "startup_timeout_ms": 20000,
+            "restart_backoff": {"initial_ms": 100, "max_ms": 500},
+        }),
+    );
+    daemon.start();
+    let api = daemon.api();
+    let attempt = tokio::spawn({
+        let api = daemon.api();
+        async move { api.publish(&publish("vol1", "w1")).await }
+    });
+    let mut request = publish("vol1", "w2");
+    request.plugin = SECOND.to_owned();
+    let second_attempt = tokio::spawn({
+        let api = daemon.api();
+        async move { api.publish(&request).await }
+    });
+
+    let mount_root = plugin_parent.join("default/mounts");
+    let error = wait_error(
+        &daemon,
+        PLUGIN,
+        &["container image csi/evil:v1", "the plugin's mount root"],
+    )
+    .await;
+    assert!(error.contains(&mount_root.display().to_string()), "{error}");
+    assert!(
+        error.contains(&format!("{relative}/default is a symlink")),
+        "{error}"
+    );
+    let error = wait_error(
+        &daemon,
+        SECOND,
+        &["container image csi/evil-cwd:v1", "WorkingDir"],
+    )
+    .await;
+    assert!(
+        error.contains("\"/proc/self/fd/7\" is under /proc"),
+        "{error}"
+    );
+    // Refused again at each retry, never started.
+    wait_plugin(&daemon, PLUGIN, "a retry", |i| {
+        i.components.first().is_some_and(|c| c.restarts >= 2)
+    })
+    .await;
+    assert!(containers.list().is_empty(), "{:?}", containers.list());
+
+    // No host mount appeared behind the volume, nothing was made through the symlink.
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(!mountinfo.contains("advstate/pwn"), "{mountinfo}");
+    assert_eq!(mounts_under(&advstate), vec![advstate.clone()]);
+    assert!(
+        dir_names(&advstate).is_empty(),
+        "{:?}",
+        dir_names(&advstate)
+    );
+
+    // A hostile layer is the image's fault: 400, not 503 (which says "retry later").
+    let err = api.pull_image("csi/hardlink:v1").await.unwrap_err();
+    match &err {
+        csi_agent_api::ApiError::Api { status, body } => {
+            assert_eq!(*status, 400, "{err:?}");
+            assert!(
+                body.message.contains("hard link target \"missing/target\""),
+                "{err:?}"
+            );
+        }
+        other => panic!("expected a 400, got {other:?}"),
+    }
+
+    attempt.abort();
+    second_attempt.abort();
+    remove_all_plugins(&daemon, &containers).await;
+    assert_eq!(mounts_under(&advstate), vec![advstate.clone()]);
+    drop(daemon);
+    unmount_under(dir.path());
+}
