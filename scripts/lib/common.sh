@@ -116,5 +116,6 @@ install_missing() {
 SCHEMATHESIS_DEPS=(python3:python3 python3-venv)
 
 # What the test suite runs besides cargo. crun: the oci runtime's tests run again with it
-# (.ci/run, CSI_TEST_OCI_RUNTIME=crun).
-TEST_DEPS=(unshare:util-linux mount:mount umount:mount curl:curl pgrep:procps pkill:procps runc:runc crun:crun docker-registry:docker-registry skopeo:skopeo)
+# (.ci/run, CSI_TEST_OCI_RUNTIME=crun). busybox-static: a static sh and mount for the plugin
+# images of tests/image_roots.rs.
+TEST_DEPS=(unshare:util-linux mount:mount umount:mount curl:curl pgrep:procps pkill:procps runc:runc crun:crun docker-registry:docker-registry skopeo:skopeo busybox:busybox-static)

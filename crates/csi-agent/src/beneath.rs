@@ -231,6 +231,39 @@ fn open_dir_once(
     }
 }
 
+/// Opens the file `name` in the directory `parent` (an fd from [`open_root`] or
+/// [`open_dir`]) for reading, refusing a symlink or magic link (the last component is not
+/// followed either). `at` only names it in errors. What it is (a regular file, a FIFO that
+/// would block a read) is for the caller to check on the fd.
+pub fn open_file_in(
+    parent: BorrowedFd<'_>,
+    name: &OsStr,
+    at: &Path,
+    root: &Path,
+) -> Result<OwnedFd, BeneathError> {
+    rustix::fs::openat2(
+        parent,
+        name,
+        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
+        Mode::empty(),
+        resolve_flags(),
+    )
+    .map_err(|errno| match errno {
+        Errno::LOOP => BeneathError::Symlink {
+            at: at.to_path_buf(),
+            root: root.to_path_buf(),
+        },
+        Errno::NOENT => BeneathError::NotFound {
+            at: at.to_path_buf(),
+        },
+        Errno::XDEV => BeneathError::Escapes {
+            at: at.to_path_buf(),
+            root: root.to_path_buf(),
+        },
+        errno => io_error("open", at, errno),
+    })
+}
+
 fn open_step(
     parent: BorrowedFd<'_>,
     name: &OsStr,

@@ -1,4 +1,5 @@
-//! An image's root and config are hostile input (issue #23, items 6 and 7): the real `csi-agentd` pulls images built here from a real
+//! Plugin images run as real images do, and an image's root and config are hostile input
+//! (issue #23, items 1, 6 and 7): the real `csi-agentd` pulls images built here from a real
 //! registry on loopback (`docker-registry`) and runs them with runc. Real mounts: run under
 //! `unshare -m --propagation private`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -8,6 +9,7 @@ mod image_support;
 #[path = "../../csi-agent/tests/registry_support/mod.rs"]
 mod registry_support;
 
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
@@ -23,6 +25,8 @@ const SECOND: &str = "org.example.second";
 enum Item<'a> {
     Dir,
     File(&'a [u8], u32),
+    /// The host file at this path, as it is.
+    HostFile(&'a Path),
     Symlink(&'a str),
     HardLink(&'a str),
 }
@@ -47,6 +51,15 @@ fn layer<S: AsRef<str>>(items: &[(S, Item<'_>)]) -> Vec<u8> {
                 header.set_mode(*mode);
                 header.set_size(data.len() as u64);
                 builder.append_data(&mut header, path, *data).unwrap();
+            }
+            Item::HostFile(source) => {
+                let data = std::fs::read(source).unwrap();
+                header.set_entry_type(tar::EntryType::Regular);
+                header.set_mode(0o755);
+                header.set_size(data.len() as u64);
+                builder
+                    .append_data(&mut header, path, data.as_slice())
+                    .unwrap();
             }
             Item::Symlink(target) | Item::HardLink(target) => {
                 header.set_entry_type(if matches!(item, Item::Symlink(_)) {
@@ -102,6 +115,125 @@ async fn remove_all_plugins(daemon: &Daemon, containers: &Containers) {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// The hostpath-like case (issue #23): an image whose config has an `Entrypoint` and no
+/// `Env`, whose plugin needs `mount` from `PATH`. The image carries busybox's `sh` at
+/// `/bin/sh` and `mount` only at `/usr/local/bin/mount`: busybox's shell falls back to a
+/// built-in `PATH` of its own when the environment has none, but that one lacks
+/// `/usr/local/bin`, so only the default `PATH` csi-agent gives lets the entrypoint find
+/// `mount` (and run it) before it execs the plugin. `HOME` comes from the image's
+/// `/etc/passwd` entry of the user the plugin runs as.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_image_with_an_entrypoint_and_no_env_finds_mount_on_the_default_path() {
+    csi_agent::mounts::require_private_mount_namespace();
+    let busybox = Path::new("/bin/busybox");
+    assert!(
+        busybox.is_file() && shared_libraries(busybox).is_empty(),
+        "this test needs a static busybox at /bin/busybox (apt-get install busybox-static)"
+    );
+    let dir = tempfile::Builder::new()
+        .prefix("csi-image-")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let registry = Registry::start(&dir.path().join("registry")).unwrap();
+    let plugin_dir = dir.path().join("plugin");
+    std::fs::create_dir_all(&plugin_dir).unwrap();
+
+    let tools = layer(&[
+        ("bin/busybox", Item::HostFile(busybox)),
+        ("bin/sh", Item::Symlink("busybox")),
+        ("usr/local/bin/mount", Item::Symlink("/bin/busybox")),
+        (
+            "etc/passwd",
+            Item::File(
+                b"root:x:0:0:root:/root:/bin/sh\nplugin:x:1000:1000::/home/plugin:/bin/sh\n",
+                0o644,
+            ),
+        ),
+        ("root", Item::Dir),
+    ]);
+    let script = "command -v mount >/dev/null || { echo \"mount is not on PATH=$PATH\" >&2; exit 97; }; \
+                  mount >/dev/null || exit 98; exec /bin/csi-testplugin \"$@\"";
+    let layout = dir.path().join("layout");
+    oci_layout(
+        &layout,
+        &[plugin_layer(), tools],
+        json!({
+            "Entrypoint": ["/bin/sh", "-c", script, "sh"],
+            "Cmd": ["--work-dir", plugin_dir, "--volumes", "vol1:1M", "--node-id", "node-1"],
+        }),
+    )
+    .unwrap();
+    push(&layout, &registry, "csi/hostpath-like:v1").unwrap();
+
+    let host = registry.host();
+    let containers = Containers(dir.path().join("sockets/runc"));
+    let mut daemon = Daemon::new(
+        dir.path(),
+        &["--docker-registry", &host, "--insecure-registry", &host],
+    );
+    daemon.add_config(
+        "test.json",
+        &json!({
+            "type": PLUGIN,
+            "containers": [component(
+                &["CONTROLLER_SERVICE", "NODE_SERVICE"],
+                json!({"mesos": {"image": {"type": "DOCKER", "docker": {"name": "csi/hostpath-like:v1"}}},
+                       "volumes": [volume(&plugin_dir)]}),
+            )],
+            // The pull of a 30 MiB layer counts: generous on a busy machine.
+            "startup_timeout_ms": 55000,
+            "restart_backoff": {"initial_ms": 100, "max_ms": 500},
+        }),
+    );
+    daemon.start();
+    let api = daemon.api();
+
+    // A publish that really mounts: the plugin started, so its shell found `mount`.
+    let published = api.publish(&publish("vol1", "w1")).await.unwrap();
+    let target = PathBuf::from(&published.target_path);
+    assert!(is_mounted(&target), "{} is not mounted", target.display());
+    let info = wait_plugin(&daemon, PLUGIN, "the plugin ready", |i| {
+        ready_pid(i).is_some()
+    })
+    .await;
+    assert_eq!(info.components[0].restarts, 0, "{info:?}");
+    let pid = ready_pid(&info).unwrap();
+    // The container's init is the plugin the script exec'd after finding mount...
+    assert_eq!(
+        std::fs::read_link(format!("/proc/{pid}/exe")).unwrap(),
+        PathBuf::from("/bin/csi-testplugin")
+    );
+    // ...and it got the default PATH, HOME from the image's passwd, and csi-agent's own
+    // variables; nothing of the daemon's environment.
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+    let env: Vec<String> = environ
+        .split(|b| *b == 0)
+        .filter(|v| !v.is_empty())
+        .map(|v| String::from_utf8_lossy(v).into_owned())
+        .collect();
+    let get = |name: &str| {
+        env.iter()
+            .find_map(|v| v.strip_prefix(&format!("{name}=")))
+            .map(str::to_owned)
+    };
+    assert_eq!(
+        get("PATH").as_deref(),
+        Some(csi_agent::runtime::oci::rootpaths::DEFAULT_PATH),
+        "{env:?}"
+    );
+    assert_eq!(get("HOME").as_deref(), Some("/root"), "{env:?}");
+    assert!(get("CSI_ENDPOINT").is_some(), "{env:?}");
+    assert!(get("CSI_NODE_ID").is_some(), "{env:?}");
+    // The daemon's (cargo's, here) stays outside.
+    assert!(!env.iter().any(|v| v.starts_with("CARGO")), "{env:?}");
+
+    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    assert!(!is_mounted(&target));
+    remove_all_plugins(&daemon, &containers).await;
+    drop(daemon);
+    unmount_under(dir.path());
 }
 
 /// The M3 attack of issue #23 and the image configs that are input too. An image symlink

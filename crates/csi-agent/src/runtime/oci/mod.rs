@@ -28,8 +28,9 @@
 //!   Without, the image's flattened rootfs is the root, always read-only (every container of
 //!   the image shares it). The
 //!   image's Entrypoint/Cmd apply unless the config's `command` overrides them
-//!   ([`image_argv`]), its Env replaces the daemon's environment, its numeric User applies,
-//!   and its WorkingDir once resolved beneath the root. Every mount destination in a root of the
+//!   ([`image_argv`]); its Env replaces the daemon's environment, over a default `PATH` and
+//!   `HOME` ([`rootpaths::image_environment`]); its numeric User applies, and its
+//!   WorkingDir once resolved beneath the root. Every mount destination in a root of the
 //!   container's own (an image's, a configured rootfs) is walked beneath it without
 //!   following its symlinks before `runc create` ([`rootpaths`]).
 //! - **Identity**: container id, plus the init's pid and start time and the boot id (so a
@@ -828,7 +829,7 @@ impl OciRuntime {
                     let cwd = tree.working_dir(prepared.config.working_dir.as_deref())?;
                     Ok((tree, cwd))
                 });
-                let (_tree, cwd) = match opened {
+                let (tree, cwd) = match opened {
                     Ok(opened) => opened,
                     Err(source) => {
                         // Nothing was created: the image's overlay, if any, goes now.
@@ -839,15 +840,19 @@ impl OciRuntime {
                         });
                     }
                 };
-                // The image's environment, not the daemon's: the host's PATH and the
-                // like mean nothing inside another root file system.
-                let env: Vec<(String, String)> = prepared
-                    .config
-                    .env
+                // The image's environment, not the daemon's (the host's PATH and the like
+                // mean nothing inside another root file system), over the defaults a real
+                // image expects; the config's comes after it.
+                let config_env: Vec<(String, String)> = spec
+                    .command
+                    .environment
                     .iter()
-                    .filter_map(|var| var.split_once('='))
-                    .map(|(name, value)| (name.to_owned(), value.to_owned()))
+                    .map(|var| (var.name.clone(), var.value.clone()))
                     .collect();
+                let env = rootpaths::image_environment(&prepared.config.env, &config_env, || {
+                    tree.home_of(user.0)
+                        .unwrap_or_else(|| rootpaths::DEFAULT_HOME.to_owned())
+                });
                 (args, env, cwd, user)
             }
             _ => {
@@ -856,14 +861,16 @@ impl OciRuntime {
                 let args: Vec<String> = std::iter::once(program)
                     .chain(argv.into_iter().skip(1))
                     .collect();
-                // The same environment as the process runtime: the daemon's.
-                (args, std::env::vars().collect(), "/".to_owned(), (0, 0))
+                // The same environment as the process runtime: the daemon's, then the
+                // config's.
+                let mut env: Vec<(String, String)> = std::env::vars().collect();
+                for var in &spec.command.environment {
+                    env.push((var.name.clone(), var.value.clone()));
+                }
+                (args, env, "/".to_owned(), (0, 0))
             }
         };
-        // Then the config's, then ours.
-        for var in &spec.command.environment {
-            env.push((var.name.clone(), var.value.clone()));
-        }
+        // Then ours.
         env.push((CSI_ENDPOINT_VAR.to_owned(), endpoint.clone()));
         env.push((CSI_NODE_ID_VAR.to_owned(), spec.node_id.clone()));
         let mut seen = std::collections::BTreeSet::new();

@@ -1,5 +1,5 @@
 //! The paths the oci runtime uses inside a container's own root file system (an image's, or
-//! a configured `runtime.rootfs`).
+//! a configured `runtime.rootfs`), and the environment an image's process starts with.
 //!
 //! A root file system is input: runc resolves a mount destination and the working dir inside
 //! it *following its symlinks*, so an image symlink where the runtime binds something (`srv ->
@@ -14,9 +14,16 @@
 //! finds real directories only. The last component of a mount destination is not created
 //! (a file bind needs a file there, which runc makes), only refused if it is a symlink.
 //!
+//! The environment of an image's process ([`image_environment`]): a default `PATH` and a
+//! `HOME` first (the user's entry in the image's `/etc/passwd`, else `/`; as the Mesos
+//! launcher and Docker do), then the image's `Env`, then the config's `environment`; a later
+//! one wins.
+//!
 //! It must not mount, run or remove anything, and must not read or create anything outside
 //! the root.
 
+use std::ffi::OsStr;
+use std::io::Read;
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Component, Path, PathBuf};
 
@@ -24,6 +31,14 @@ use rustix::fs::Mode;
 
 use crate::beneath::{self, BeneathError};
 
+/// The `PATH` of a process whose image and config set none: Docker's and containerd's
+/// default, and what Mesos's launcher gives (`os::host_default_path()`).
+pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+/// The `HOME` of a user the image's `/etc/passwd` does not list (Docker's).
+pub const DEFAULT_HOME: &str = "/";
+/// The most of an image's `/etc/passwd` read: a bigger one is hostile or broken, and the
+/// user's `HOME` falls back to [`DEFAULT_HOME`].
+pub const MAX_PASSWD_BYTES: u64 = 1 << 20;
 /// Mode of the directories made for mount points and the working dir.
 const DIR_MODE: u32 = 0o755;
 
@@ -160,12 +175,126 @@ impl Root {
         }
         Ok(())
     }
+
+    /// The home dir of `uid` in the root's `/etc/passwd` (read beneath the root without
+    /// following a symlink, a regular file of at most [`MAX_PASSWD_BYTES`]); `None` when
+    /// there is no such file or entry, or its home is not an absolute path.
+    pub fn home_of(&self, uid: u32) -> Option<String> {
+        let etc = match self.dir_existing(Path::new("etc")) {
+            Ok(fd) => fd,
+            Err(err) => {
+                tracing::debug!(root = %self.path.display(), "no /etc/passwd for HOME: {err}");
+                return None;
+            }
+        };
+        let at = self.path.join("etc/passwd");
+        let file = beneath::open_file_in(etc.as_fd(), OsStr::new("passwd"), &at, &self.path)
+            .map_err(|err| tracing::debug!("no /etc/passwd for HOME: {err}"))
+            .ok()?;
+        let stat = rustix::fs::fstat(&file).ok()?;
+        if rustix::fs::FileType::from_raw_mode(stat.st_mode) != rustix::fs::FileType::RegularFile {
+            tracing::debug!(path = %at.display(), "not a regular file: not read for HOME");
+            return None;
+        }
+        let mut text = Vec::new();
+        std::fs::File::from(file)
+            .take(MAX_PASSWD_BYTES + 1)
+            .read_to_end(&mut text)
+            .ok()?;
+        if text.len() as u64 > MAX_PASSWD_BYTES {
+            tracing::warn!(path = %at.display(), "larger than {MAX_PASSWD_BYTES} bytes: not read for HOME");
+            return None;
+        }
+        home_in_passwd(&String::from_utf8_lossy(&text), uid)
+    }
+
+    /// Opens an existing directory beneath the root, creating nothing.
+    fn dir_existing(&self, relative: &Path) -> Result<OwnedFd, BeneathError> {
+        beneath::open_dir(self.fd.as_fd(), &self.path, relative, None).map(|o| o.fd)
+    }
+}
+
+/// The home field of `uid`'s line in a passwd file (`name:pw:uid:gid:gecos:home:shell`); the
+/// first line for the uid wins, as getpwuid(3) has it.
+pub fn home_in_passwd(passwd: &str, uid: u32) -> Option<String> {
+    let wanted = uid.to_string();
+    passwd
+        .lines()
+        .map(|line| line.split(':').collect::<Vec<_>>())
+        .find(|fields| fields.len() >= 7 && fields[2] == wanted)
+        .map(|fields| fields[5].to_owned())
+        .filter(|home| home.starts_with('/') && !home.contains('\0'))
+}
+
+/// The environment of a process run from an image, lowest precedence first: the defaults
+/// (`PATH`, and `HOME` from `home` when neither the image nor the config sets it), the
+/// image's `Env` (`NAME=value`; an entry without `=` is skipped), the config's environment.
+/// The caller appends its own variables after these and keeps the last of each name.
+pub fn image_environment(
+    image_env: &[String],
+    config: &[(String, String)],
+    home: impl FnOnce() -> String,
+) -> Vec<(String, String)> {
+    let from_image = image_env
+        .iter()
+        .filter_map(|var| var.split_once('='))
+        .map(|(name, value)| (name.to_owned(), value.to_owned()));
+    let given: Vec<(String, String)> = from_image.chain(config.iter().cloned()).collect();
+    let mut env = vec![("PATH".to_owned(), DEFAULT_PATH.to_owned())];
+    if !given.iter().any(|(name, _)| name == "HOME") {
+        env.push(("HOME".to_owned(), home()));
+    }
+    env.extend(given);
+    env
 }
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
+
+    fn last<'a>(env: &'a [(String, String)], name: &str) -> Option<&'a str> {
+        env.iter()
+            .rev()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    #[test]
+    fn environment_defaults_are_overridden_by_the_image_then_the_config() {
+        let none = image_environment(&[], &[], || "/root".to_owned());
+        assert_eq!(last(&none, "PATH"), Some(DEFAULT_PATH));
+        assert_eq!(last(&none, "HOME"), Some("/root"));
+
+        let image = vec!["PATH=/opt/bin".to_owned(), "HOME=/img".to_owned()];
+        let env = image_environment(&image, &[], || panic!("HOME is given: no lookup"));
+        assert_eq!(last(&env, "PATH"), Some("/opt/bin"));
+        assert_eq!(last(&env, "HOME"), Some("/img"));
+
+        let config = vec![
+            ("PATH".to_owned(), "/cfg".to_owned()),
+            ("HOME".to_owned(), "/c".to_owned()),
+        ];
+        let env = image_environment(&image, &config, || panic!("no lookup"));
+        assert_eq!(last(&env, "PATH"), Some("/cfg"));
+        assert_eq!(last(&env, "HOME"), Some("/c"));
+        // A malformed image entry is skipped, not an empty variable.
+        let env = image_environment(&["NOEQUALS".to_owned()], &[], || "/".to_owned());
+        assert!(env.iter().all(|(n, _)| n != "NOEQUALS"), "{env:?}");
+    }
+
+    #[test]
+    fn home_comes_from_the_users_passwd_line() {
+        let passwd = "root:x:0:0:root:/root:/bin/sh\nbroken\nplug:x:1000:1000::/home/plug:/bin/sh\nodd:x:7:7::relative:/bin/sh\n";
+        assert_eq!(home_in_passwd(passwd, 0).as_deref(), Some("/root"));
+        assert_eq!(home_in_passwd(passwd, 1000).as_deref(), Some("/home/plug"));
+        assert_eq!(
+            home_in_passwd(passwd, 7),
+            None,
+            "a relative home is no home"
+        );
+        assert_eq!(home_in_passwd(passwd, 42), None);
+    }
 
     struct Scene {
         _dir: tempfile::TempDir,
@@ -254,5 +383,25 @@ mod tests {
             .to_string();
         assert!(err.contains("'..'"), "{err}");
         assert_eq!(std::fs::read_dir(&scene.outside).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn home_is_read_beneath_the_root_only() {
+        let scene = scene();
+        let root = Root::open(&scene.root).unwrap();
+        assert_eq!(root.home_of(0), None, "no passwd");
+        std::fs::write(scene.root.join("etc/passwd"), "root:x:0:0::/root:/bin/sh\n").unwrap();
+        assert_eq!(root.home_of(0).as_deref(), Some("/root"));
+        // A passwd that is a symlink out of the root is not followed.
+        std::fs::write(scene.outside.join("passwd"), "root:x:0:0::/pwned:/bin/sh\n").unwrap();
+        std::fs::remove_file(scene.root.join("etc/passwd")).unwrap();
+        std::os::unix::fs::symlink(scene.outside.join("passwd"), scene.root.join("etc/passwd"))
+            .unwrap();
+        assert_eq!(root.home_of(0), None);
+        // Nor an /etc that is one.
+        std::fs::remove_file(scene.root.join("etc/passwd")).unwrap();
+        std::fs::remove_dir(scene.root.join("etc")).unwrap();
+        std::os::unix::fs::symlink(&scene.outside, scene.root.join("etc")).unwrap();
+        assert_eq!(root.home_of(0), None);
     }
 }
