@@ -241,27 +241,7 @@ pub fn open_file_in(
     at: &Path,
     root: &Path,
 ) -> Result<OwnedFd, BeneathError> {
-    rustix::fs::openat2(
-        parent,
-        name,
-        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
-        Mode::empty(),
-        resolve_flags(),
-    )
-    .map_err(|errno| match errno {
-        Errno::LOOP => BeneathError::Symlink {
-            at: at.to_path_buf(),
-            root: root.to_path_buf(),
-        },
-        Errno::NOENT => BeneathError::NotFound {
-            at: at.to_path_buf(),
-        },
-        Errno::XDEV => BeneathError::Escapes {
-            at: at.to_path_buf(),
-            root: root.to_path_buf(),
-        },
-        errno => io_error("open", at, errno),
-    })
+    open_at(parent, name, OFlags::RDONLY | OFlags::NONBLOCK, at, root)
 }
 
 fn open_step(
@@ -270,10 +250,22 @@ fn open_step(
     at: &Path,
     root: &Path,
 ) -> Result<OwnedFd, BeneathError> {
+    open_at(parent, name, OFlags::PATH | OFlags::DIRECTORY, at, root)
+}
+
+/// `openat2` of one name in `parent` with `flags`, following no link of any kind (the name
+/// itself included), each refusal typed.
+fn open_at(
+    parent: BorrowedFd<'_>,
+    name: &OsStr,
+    flags: OFlags,
+    at: &Path,
+    root: &Path,
+) -> Result<OwnedFd, BeneathError> {
     rustix::fs::openat2(
         parent,
         name,
-        OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        flags | OFlags::NOFOLLOW | OFlags::CLOEXEC,
         Mode::empty(),
         resolve_flags(),
     )
