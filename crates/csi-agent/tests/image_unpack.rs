@@ -164,6 +164,17 @@ fn apply(root: &Path, layer: &[u8]) -> Result<Report, UnpackError> {
     apply_layer(root, layer, Compression::Detect, &Limits::default())
 }
 
+/// The overlay form of [`apply`]: `layer` into `dir`, over the one lower layer `lower`.
+fn apply_over(dir: &Path, lower: &Path, layer: &[u8]) -> Result<Report, UnpackError> {
+    apply_overlay_layer(
+        dir,
+        &[lower.to_path_buf()],
+        layer,
+        Compression::Detect,
+        &Limits::default(),
+    )
+}
+
 /// A root and, beside it, an "outside" dir with a sentinel the escapes aim at.
 struct Scene {
     _dir: tempfile::TempDir,
@@ -399,13 +410,7 @@ fn the_overlay_form_refuses_hostile_entries_like_the_flattened_one() {
     for (layer, entry) in cases {
         let dir = scene.base.join("layer");
         std::fs::create_dir(&dir).unwrap();
-        let result = apply_overlay_layer(
-            &dir,
-            std::slice::from_ref(&lower),
-            layer.as_slice(),
-            Compression::Detect,
-            &Limits::default(),
-        );
+        let result = apply_over(&dir, &lower, &layer);
         assert!(result.is_err(), "{entry}: {result:?}");
         expect_final(&result, entry);
         assert!(!dir.join("stolen").exists(), "{entry}");
@@ -808,13 +813,7 @@ fn a_hard_link_to_a_missing_target_is_a_final_refusal() {
     let dir = scene.base.join("layer");
     std::fs::create_dir(&lower).unwrap();
     std::fs::create_dir(&dir).unwrap();
-    let result = apply_overlay_layer(
-        &dir,
-        std::slice::from_ref(&lower),
-        layer.as_slice(),
-        Compression::Detect,
-        &Limits::default(),
-    );
+    let result = apply_over(&dir, &lower, &layer);
     assert!(
         matches!(result, Err(UnpackError::LinkTargetMissing { .. })),
         "{result:?}"

@@ -262,15 +262,7 @@ async fn a_mesos_config_naming_an_image_runs_the_plugin_from_the_registry() {
     .await
     .unwrap();
     api.reload().await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !containers.list().is_empty() {
-        assert!(
-            Instant::now() < deadline,
-            "containers left: {:?}",
-            containers.list()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    containers.wait_gone().await;
 
     // No config names the image any more: a prune removes it, its root and its blobs.
     let pruned = api.prune_images().await.unwrap();
@@ -424,15 +416,7 @@ async fn a_daemon_killed_mid_pull_finishes_on_restart_and_keeps_no_partial_blob(
     api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
     std::fs::remove_file(daemon.configs.join("test.json")).unwrap();
     api.reload().await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !containers.list().is_empty() {
-        assert!(
-            Instant::now() < deadline,
-            "containers left: {:?}",
-            containers.list()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    containers.wait_gone().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -513,15 +497,7 @@ async fn a_registry_down_is_reported_on_the_plugin_and_the_pull_retried_once_it_
     api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
     std::fs::remove_file(daemon.configs.join("test.json")).unwrap();
     api.reload().await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !containers.list().is_empty() {
-        assert!(
-            Instant::now() < deadline,
-            "containers left: {:?}",
-            containers.list()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    containers.wait_gone().await;
 }
 
 /// The overlay mounts under `dir` in this mount namespace.

@@ -12,7 +12,6 @@ mod image_support;
 mod registry_support;
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
 
 use serde_json::json;
 
@@ -270,13 +269,5 @@ async fn archives_imported_through_the_daemon_run_the_plugin_without_a_registry(
         std::fs::remove_file(daemon.configs.join(file)).unwrap();
     }
     api.reload().await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !containers.list().is_empty() {
-        assert!(
-            Instant::now() < deadline,
-            "containers left: {:?}",
-            containers.list()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    containers.wait_gone().await;
 }

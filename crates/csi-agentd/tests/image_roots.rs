@@ -10,7 +10,6 @@ mod image_support;
 mod registry_support;
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
@@ -101,20 +100,25 @@ fn unmount_under(dir: &std::path::Path) {
     }
 }
 
+/// A test's temp dir under `parent` (prefix `prefix`), a registry on loopback in it, and
+/// the plugin's state dir.
+fn scene(parent: &str, prefix: &str) -> (tempfile::TempDir, Registry, PathBuf) {
+    let dir = tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir_in(parent)
+        .unwrap();
+    let registry = Registry::start(&dir.path().join("registry")).unwrap();
+    let plugin_dir = dir.path().join("plugin");
+    std::fs::create_dir_all(&plugin_dir).unwrap();
+    (dir, registry, plugin_dir)
+}
+
 async fn remove_all_plugins(daemon: &Daemon, containers: &Containers) {
     for entry in std::fs::read_dir(&daemon.configs).unwrap() {
         std::fs::remove_file(entry.unwrap().path()).unwrap();
     }
     daemon.api().reload().await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !containers.list().is_empty() {
-        assert!(
-            Instant::now() < deadline,
-            "containers left: {:?}",
-            containers.list()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    containers.wait_gone().await;
 }
 
 /// The hostpath-like case (issue #23): an image whose config has an `Entrypoint` and no
@@ -132,13 +136,7 @@ async fn an_image_with_an_entrypoint_and_no_env_finds_mount_on_the_default_path(
         busybox.is_file() && shared_libraries(busybox).is_empty(),
         "this test needs a static busybox at /bin/busybox (apt-get install busybox-static)"
     );
-    let dir = tempfile::Builder::new()
-        .prefix("csi-image-")
-        .tempdir_in("/tmp")
-        .unwrap();
-    let registry = Registry::start(&dir.path().join("registry")).unwrap();
-    let plugin_dir = dir.path().join("plugin");
-    std::fs::create_dir_all(&plugin_dir).unwrap();
+    let (dir, registry, plugin_dir) = scene("/tmp", "csi-image-");
 
     let tools = layer(&[
         ("bin/busybox", Item::HostFile(busybox)),
@@ -167,25 +165,17 @@ async fn an_image_with_an_entrypoint_and_no_env_finds_mount_on_the_default_path(
     .unwrap();
     push(&layout, &registry, "csi/hostpath-like:v1").unwrap();
 
-    let host = registry.host();
     let containers = Containers(dir.path().join("sockets/runc"));
-    let mut daemon = Daemon::new(
-        dir.path(),
-        &["--docker-registry", &host, "--insecure-registry", &host],
-    );
+    let mut daemon = registry_daemon(dir.path(), &registry.host());
+    // The pull of a 30 MiB layer counts: generous on a busy machine.
     daemon.add_config(
         "test.json",
-        &json!({
-            "type": PLUGIN,
-            "containers": [component(
-                &["CONTROLLER_SERVICE", "NODE_SERVICE"],
-                json!({"mesos": {"image": {"type": "DOCKER", "docker": {"name": "csi/hostpath-like:v1"}}},
-                       "volumes": [volume(&plugin_dir)]}),
-            )],
-            // The pull of a 30 MiB layer counts: generous on a busy machine.
-            "startup_timeout_ms": 55000,
-            "restart_backoff": {"initial_ms": 100, "max_ms": 500},
-        }),
+        &image_plugin(
+            PLUGIN,
+            "csi/hostpath-like:v1",
+            vec![volume(&plugin_dir)],
+            55000,
+        ),
     );
     daemon.start();
     let api = daemon.api();
@@ -249,24 +239,14 @@ async fn an_image_symlink_at_a_mount_point_and_a_proc_working_dir_are_refused() 
     csi_agent::mounts::require_private_mount_namespace();
     // Not under /tmp: the container gets a /tmp of its own, which would hide the image's
     // symlink from runc and so prove nothing.
-    let dir = tempfile::Builder::new()
-        .prefix("csi-roots-")
-        .tempdir_in("/var/tmp")
-        .unwrap();
-    let registry = Registry::start(&dir.path().join("registry")).unwrap();
-    let plugin_dir = dir.path().join("plugin");
+    let (dir, registry, plugin_dir) = scene("/var/tmp", "csi-roots-");
     let advstate = dir.path().join("advstate");
-    std::fs::create_dir_all(&plugin_dir).unwrap();
     std::fs::create_dir_all(&advstate).unwrap();
     // A BIDIRECTIONAL volume needs its host dir on a shared mount.
     csi_agent::runtime::oci::share_mount_root(&advstate).unwrap();
 
-    let host = registry.host();
     let containers = Containers(dir.path().join("sockets/runc"));
-    let mut daemon = Daemon::new(
-        dir.path(),
-        &["--docker-registry", &host, "--insecure-registry", &host],
-    );
+    let mut daemon = registry_daemon(dir.path(), &registry.host());
     // The image: real dirs down to the plugin's dir in the work dir, then the symlink.
     let plugin_parent = daemon.work.join("csi").join(PLUGIN);
     let relative = plugin_parent.strip_prefix("/").unwrap().to_str().unwrap();
@@ -311,29 +291,16 @@ async fn an_image_symlink_at_a_mount_point_and_a_proc_working_dir_are_refused() 
                    "mount_propagation": {"mode": "BIDIRECTIONAL"}}}});
     daemon.add_config(
         "test.json",
-        &json!({
-            "type": PLUGIN,
-            "containers": [component(
-                &["CONTROLLER_SERVICE", "NODE_SERVICE"],
-                json!({"mesos": {"image": {"type": "DOCKER", "docker": {"name": "csi/evil:v1"}}},
-                       "volumes": [volume(&plugin_dir), bidirectional]}),
-            )],
-            "startup_timeout_ms": 20000,
-            "restart_backoff": {"initial_ms": 100, "max_ms": 500},
-        }),
+        &image_plugin(
+            PLUGIN,
+            "csi/evil:v1",
+            vec![volume(&plugin_dir), bidirectional],
+            20000,
+        ),
     );
     daemon.add_config(
         "second.json",
-        &json!({
-            "type": SECOND,
-            "containers": [component(
-                &["CONTROLLER_SERVICE", "NODE_SERVICE"],
-                json!({"mesos": {"image": {"type": "DOCKER", "docker": {"name": "csi/evil-cwd:v1"}}},
-                       "volumes": [volume(&plugin_dir)]}),
-            )],
-            "startup_timeout_ms": 20000,
-            "restart_backoff": {"initial_ms": 100, "max_ms": 500},
-        }),
+        &image_plugin(SECOND, "csi/evil-cwd:v1", vec![volume(&plugin_dir)], 20000),
     );
     daemon.start();
     let api = daemon.api();

@@ -61,6 +61,35 @@ pub fn component(services: &[&str], container: Value) -> Value {
     json!({"services": services, "container": container})
 }
 
+/// A daemon (not started) in `dir` pulling from the registry at `host` over plain HTTP.
+pub fn registry_daemon(dir: &Path, host: &str) -> Daemon {
+    Daemon::new(
+        dir,
+        &["--docker-registry", host, "--insecure-registry", host],
+    )
+}
+
+/// A plugin config of `plugin_type` whose one component (both services) runs `image`, named
+/// the Mesos way (`container.mesos.image`), with `volumes`; failed launches are retried after
+/// 100 ms, backing off to 500 ms.
+pub fn image_plugin(
+    plugin_type: &str,
+    image: &str,
+    volumes: Vec<Value>,
+    startup_timeout_ms: u64,
+) -> Value {
+    json!({
+        "type": plugin_type,
+        "containers": [component(
+            &["CONTROLLER_SERVICE", "NODE_SERVICE"],
+            json!({"mesos": {"image": {"type": "DOCKER", "docker": {"name": image}}},
+                   "volumes": volumes}),
+        )],
+        "startup_timeout_ms": startup_timeout_ms,
+        "restart_backoff": {"initial_ms": 100, "max_ms": 500},
+    })
+}
+
 pub fn volume(dir: &Path) -> Value {
     json!({"container_path": dir, "host_path": dir, "mode": "RW"})
 }
@@ -113,6 +142,21 @@ impl Containers {
             .lines()
             .map(str::to_owned)
             .collect()
+    }
+}
+
+impl Containers {
+    /// Waits (20 s at most) until runc lists none: the daemon stopped and deleted them.
+    pub async fn wait_gone(&self) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !self.list().is_empty() {
+            assert!(
+                Instant::now() < deadline,
+                "containers left: {:?}",
+                self.list()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 }
 
