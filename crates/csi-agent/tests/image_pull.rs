@@ -219,10 +219,14 @@ async fn limits_refuse_before_downloading() {
             .pull(&reference, &store)
             .await
             .unwrap_err();
+        // The manifest is read under its cap (issue #23): over it, the answer is refused as
+        // too large, with the registry named; the declared sizes are limits.
         assert!(
-            matches!(err, PullError::Limit { what: w, .. } if w == what),
+            matches!(&err, PullError::Limit { what: w, .. } if *w == what)
+                || matches!(&err, PullError::AnswerTooLarge { what: w, max: 100, .. } if w == what),
             "{what}: {err:?}"
         );
+        assert!(!err.is_transient(), "{what}: {err}");
         assert_eq!(registry.blob_gets(None), gets, "{what}: a blob was fetched");
     }
 }
@@ -472,7 +476,8 @@ async fn a_registry_stalling_mid_blob_fails_the_pull_within_the_read_timeout() {
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
             .collect();
-        assert_eq!(blobs, vec![image.config_hex.clone()], "{stall:?}");
+        // Issue #23: not even the config this failed pull stored stays (nothing indexes it).
+        assert!(blobs.is_empty(), "{stall:?}: {blobs:?}");
         assert!(store.list().is_empty(), "{stall:?}");
         assert_eq!(std::fs::read_dir(dir.join("rootfs")).unwrap().count(), 0);
 

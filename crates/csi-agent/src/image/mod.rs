@@ -4,8 +4,10 @@
 //! It owns these:
 //! - [`reference`]: image names resolved as Docker and Mesos do, and the registry settings
 //!   (default registry, insecure registries, credentials from a docker `config.json`).
-//! - [`pull`]: the registry conversation (oci-client), every blob verified into [`blobs`],
+//! - [`pull`]: a pull (manifest, index, config, layers), every blob verified into [`blobs`],
 //!   every size and wait bounded, typed errors that say which ones are transient.
+//! - [`registry`]: the HTTP conversation with a registry (on reqwest), every answer read
+//!   under a size cap before it is buffered.
 //! - [`store`]: the image store of the daemon (`<work_dir>/images`): the blob store, a
 //!   durable index, each layer unpacked once (overlayfs) or a flattened rootfs per image,
 //!   garbage collection, Mesos `cached`.
@@ -22,7 +24,7 @@
 //!   relative to a parent fd reached beneath the root without following symlinks
 //!   ([`crate::beneath`]), within configurable limits.
 //!
-//! Only [`pull`] talks to the network. None of it decides where in the work dir the store lives,
+//! Only [`pull`] and [`registry`] talk to the network. None of it decides where in the work dir the store lives,
 //! nor which roots are safe to unpack into: the caller hands it a directory it owns
 //! (an empty temp dir it will rename into place once every layer is applied). Layer tars are
 //! treated as hostile input; the root directory given is trusted as the operator's.
@@ -33,5 +35,6 @@ pub mod overlay;
 pub mod progress;
 pub mod pull;
 pub mod reference;
+pub mod registry;
 pub mod store;
 pub mod unpack;

@@ -20,24 +20,19 @@
 //! - only `sha256` digests (validated by [`Digest::parse`]) ever become names or requests, and
 //!   layers' foreign `urls` are never fetched.
 //!
-//! ## Why `oci-client` 0.18
-//! `oci-client` (the ORAS project's Rust distribution client, github.com/oras-project) speaks
-//! the distribution API with bearer-token and basic auth, a token cache, and HTTP allowed per
-//! registry (`ClientProtocol::HttpsExcept`, exactly the `--insecure-registry` semantics).
-//! 0.18.0 is the newest release on crates.io (checked when this was written); it is built on
-//! reqwest 0.13 over hyper 1 and tokio 1, the hyper and tokio this workspace already uses, and
-//! on `oci-spec` 0.10, the version `runtime::oci` already builds bundles with (so one copy of
-//! it). Its `rustls-tls` feature is used: no OpenSSL on the node. Shelling out to `skopeo`
-//! instead would add a runtime dependency and lose the typed errors.
-//!
-//! Limits of the crate worked around here: `Client::new` silently falls back to a default
-//! client when its config cannot be built (so `try_from` is used); it unwraps a header value
-//! built from a registry's token (so a pull runs on a task of its own); its manifest read has
-//! no size bound (so the
-//! request runs under a deadline and the size is checked afterwards: a hostile registry can
-//! make one manifest request cost at most what it can send before the deadline), and index
-//! resolution is done here rather than by its platform resolver, so the platform manifest's
-//! digest is checked against the index entry.
+//! ## Every byte from the registry bounded before it is buffered (issue #23)
+//! The HTTP conversation is `super::registry`'s, on reqwest directly rather than through the
+//! `oci-client` crate used before: that crate read manifests, `/v2/` and token answers and
+//! every error body whole before anyone could check their size (an endless manifest took
+//! 3 GB in 1.6 s), and its HTTP client cannot be wrapped. Now a manifest or index is read
+//! under [`PullLimits::max_manifest_bytes`], a token answer under
+//! [`PullLimits::max_token_bytes`], a `/v2/` answer and every error body under
+//! [`PullLimits::max_error_bytes`]; configs and layers stream into the store, which stops at
+//! the size the manifest declared (a config's declared size is capped by
+//! [`PullLimits::max_config_bytes`] first). An answer over its cap fails the pull at once as
+//! [`PullError::AnswerTooLarge`]: final (the same registry would send the same), naming the
+//! registry, the reference and the cap. Index resolution is done here, so the platform
+//! manifest's digest is checked against the index entry.
 
 use std::collections::BTreeSet;
 use std::io::{self, Read};
@@ -45,15 +40,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt};
-use oci_client::client::{ClientConfig, ClientProtocol};
-use oci_client::errors::{OciDistributionError, OciErrorCode};
-use oci_client::secrets::RegistryAuth;
-use oci_client::{Client, RegistryOperation};
 use serde::Deserialize;
 
-use super::blobs::{BlobError, BlobStore, Digest, Put};
+use super::blobs::{BlobError, BlobHolds, BlobStore, Digest, Put};
 use super::progress::{BlobProgress, PullGuard, PullProgress};
 use super::reference::{ImageRef, RegistrySettings};
+use super::registry::{AnswerCaps, RegistryError, Session};
 use super::unpack::Compression;
 
 pub const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
@@ -82,7 +74,13 @@ const ACCEPTED: &[&str] = &[
 /// under 50 layers) with a wide margin.
 #[derive(Clone, Debug)]
 pub struct PullLimits {
+    /// A manifest or index, read under this cap.
     pub max_manifest_bytes: u64,
+    /// A token service's answer, read under this cap (real tokens are a few KiB).
+    pub max_token_bytes: u64,
+    /// The `/v2/` answer and every error answer's body (a 404's, a 401's), read under this
+    /// cap (only its start is shown in messages).
+    pub max_error_bytes: u64,
     pub max_config_bytes: u64,
     pub max_layers: usize,
     /// The sum of the layer sizes the manifest declares (each enforced while streaming).
@@ -107,6 +105,8 @@ impl Default for PullLimits {
     fn default() -> Self {
         Self {
             max_manifest_bytes: 4 << 20,
+            max_token_bytes: 256 << 10,
+            max_error_bytes: 64 << 10,
             max_config_bytes: 4 << 20,
             max_layers: 128,
             max_total_bytes: 8 << 30,
@@ -157,6 +157,99 @@ impl Pulled {
     }
 }
 
+/// The blobs one pull holds (from before it looks for each until [`Fetched::release`]) and
+/// those it stored. Kept by the caller, so that it outlives a pull that failed: the image
+/// store removes what a failed pull stored unless an indexed image names it, and while held
+/// no prune or cleanup of another pull removes it. A blob whose writer finishes after the
+/// release (a download the failure of another one abandoned: its blocking writer cannot be
+/// stopped mid-rename) is removed by that writer.
+#[derive(Debug)]
+pub struct Fetched {
+    store: Arc<BlobStore>,
+    holds: Mutex<BlobHolds>,
+    state: Mutex<FetchedState>,
+    /// Blob writers running (each on a blocking thread): a pull returns only once it is 0.
+    writers: tokio::sync::watch::Sender<usize>,
+}
+
+/// Counts one blob writer while it lives.
+struct WriterRunning(Arc<Fetched>);
+
+impl Drop for WriterRunning {
+    fn drop(&mut self) {
+        self.0.writers.send_modify(|n| *n = n.saturating_sub(1));
+    }
+}
+
+#[derive(Debug, Default)]
+struct FetchedState {
+    stored: Vec<Digest>,
+    released: bool,
+}
+
+impl Fetched {
+    pub fn new(store: &Arc<BlobStore>) -> Arc<Self> {
+        Arc::new(Self {
+            store: Arc::clone(store),
+            holds: Mutex::new(store.holds()),
+            state: Mutex::default(),
+            writers: tokio::sync::watch::Sender::new(0),
+        })
+    }
+
+    fn writer_running(self: &Arc<Self>) -> WriterRunning {
+        self.writers.send_modify(|n| *n += 1);
+        WriterRunning(Arc::clone(self))
+    }
+
+    /// Waits until no blob writer of this pull runs (one whose download was dropped ends at
+    /// once: its source reports the end).
+    async fn writers_finished(&self) {
+        let _ = self.writers.subscribe().wait_for(|n| *n == 0).await;
+    }
+
+    fn hold(&self, digest: &Digest) {
+        self.holds
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .hold(digest);
+    }
+
+    fn lock_state(&self) -> std::sync::MutexGuard<'_, FetchedState> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Notes a blob this pull stored; false when the pull was released already (the
+    /// writer then removes it: nobody else will).
+    fn note_stored(&self, digest: &Digest) -> bool {
+        let mut state = self.lock_state();
+        if state.released {
+            return false;
+        }
+        state.stored.push(digest.clone());
+        true
+    }
+
+    /// Drops every hold and returns the blobs this pull stored (the caller decides whether
+    /// they are garbage); a writer finishing later removes its blob itself.
+    pub fn release(&self) -> Vec<Digest> {
+        // Holds first: a late writer that finds the pull released can then remove its blob.
+        let holds = std::mem::replace(
+            &mut *self
+                .holds
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+            self.store.holds(),
+        );
+        drop(holds);
+        let mut state = self.lock_state();
+        state.released = true;
+        std::mem::take(&mut state.stored)
+    }
+}
+
 /// Why a pull failed. [`PullError::is_transient`] says whether retrying may help.
 #[derive(Debug, thiserror::Error)]
 pub enum PullError {
@@ -165,7 +258,7 @@ pub enum PullError {
     NotFound {
         reference: String,
         #[source]
-        source: OciDistributionError,
+        source: Box<RegistryError>,
     },
     /// Connecting or talking to the registry failed (refused, reset, DNS, TLS, a read timed
     /// out). Transient.
@@ -174,7 +267,7 @@ pub enum PullError {
         reference: String,
         registry: String,
         #[source]
-        source: OciDistributionError,
+        source: Box<RegistryError>,
     },
     /// The registry or its token service refused the credentials (or their absence).
     #[error("{reference}: registry {registry} refused access: {source}")]
@@ -182,7 +275,7 @@ pub enum PullError {
         reference: String,
         registry: String,
         #[source]
-        source: OciDistributionError,
+        source: Box<RegistryError>,
     },
     /// Content does not hash to the digest it was asked for; nothing was kept.
     #[error("{reference}: {what} {expected}: the registry sent content hashing to {actual}")]
@@ -213,6 +306,18 @@ pub enum PullError {
         os: &'static str,
         architecture: &'static str,
         available: String,
+    },
+    /// The registry (or its token service) sent an answer larger than its cap: reading
+    /// stopped there, nothing of it was kept. Final: the same registry would send the same.
+    #[error(
+        "{reference}: registry {registry} sent {what} of more than {max} bytes (at least {received} received); refused without reading further (that answer is capped at {max} bytes: fix the registry or the image)"
+    )]
+    AnswerTooLarge {
+        reference: String,
+        registry: String,
+        what: String,
+        received: u64,
+        max: u64,
     },
     #[error("{reference}: {what} is {actual}, over the limit of {max}")]
     Limit {
@@ -257,7 +362,7 @@ pub enum PullError {
         registry: String,
         transient: bool,
         #[source]
-        source: OciDistributionError,
+        source: Box<RegistryError>,
     },
     /// The store failed (disk full, I/O): transient, as the operator may free space.
     #[error("{reference}: storing: {source}")]
@@ -270,7 +375,7 @@ pub enum PullError {
     #[error("cannot set up the registry client: {source}")]
     Client {
         #[source]
-        source: OciDistributionError,
+        source: reqwest::Error,
     },
     /// A download task failed or panicked.
     #[error("{reference}: download task failed: {reason}")]
@@ -295,19 +400,20 @@ impl PullError {
             | Self::UnsupportedMediaType { .. }
             | Self::UnsupportedPlatform { .. }
             | Self::Limit { .. }
+            | Self::AnswerTooLarge { .. }
             | Self::Malformed { .. }
             | Self::Client { .. } => false,
         }
     }
 }
 
-/// The registry client of one daemon: settings, limits and oci-client's token cache (shared
-/// by clones).
+/// The registry client of one daemon: settings, limits and the HTTP client (shared by
+/// clones).
 #[derive(Clone)]
 pub struct Puller {
     /// Built on the first pull: the HTTP client and its TLS roots cost the daemon a few MiB of
     /// memory, which a node whose plugins use no image should not pay.
-    client: Arc<Mutex<Option<Client>>>,
+    client: Arc<Mutex<Option<reqwest::Client>>>,
     settings: RegistrySettings,
     limits: PullLimits,
     /// Shared by the clones: every pull of the daemon reports here.
@@ -335,10 +441,9 @@ impl Puller {
         }
     }
 
-    /// The HTTP client, built once. Not `Client::new`: that falls back silently to a default
-    /// client, without our timeouts or insecure list; a client that cannot be built (its TLS
-    /// setup) fails the pull instead, and the next pull tries again.
-    fn client(&self) -> Result<Client, PullError> {
+    /// The HTTP client, built once; one that cannot be built (its TLS setup) fails the pull,
+    /// and the next pull tries again.
+    fn client(&self) -> Result<reqwest::Client, PullError> {
         let mut slot = self
             .client
             .lock()
@@ -346,19 +451,23 @@ impl Puller {
         if let Some(client) = slot.as_ref() {
             return Ok(client.clone());
         }
-        let config = ClientConfig {
-            protocol: ClientProtocol::HttpsExcept(self.settings.insecure.clone()),
-            connect_timeout: Some(self.limits.connect_timeout),
-            // A backstop: a blob download's own idle bound (`read_timeout`) fires first and
-            // says which blob stalled (`fetch_blob`).
-            read_timeout: Some(self.limits.read_timeout.saturating_mul(2)),
-            max_concurrent_download: self.limits.parallel.max(1),
-            // Proxies: reqwest's default, i.e. the daemon's HTTPS_PROXY / HTTP_PROXY / NO_PROXY.
-            ..ClientConfig::default()
-        };
-        let client = Client::try_from(config).map_err(|source| PullError::Client { source })?;
+        // The read timeout is a backstop: a blob download's own idle bound (`read_timeout`)
+        // fires first and says which blob stalled (`fetch_blob`).
+        let client = super::registry::http_client(
+            self.limits.connect_timeout,
+            self.limits.read_timeout.saturating_mul(2),
+        )
+        .map_err(|source| PullError::Client { source })?;
         *slot = Some(client.clone());
         Ok(client)
+    }
+
+    fn caps(&self) -> AnswerCaps {
+        AnswerCaps {
+            manifest: self.limits.max_manifest_bytes,
+            token: self.limits.max_token_bytes,
+            error: self.limits.max_error_bytes,
+        }
     }
 
     /// The pulls in flight, with their bytes per blob.
@@ -375,10 +484,23 @@ impl Puller {
     }
 
     /// Pulls `reference` into `blobs`: the whole pull under [`PullLimits::total_timeout`].
+    /// What it stored stays, even when it fails (see [`Puller::pull_into`]).
     pub async fn pull(
         &self,
         reference: &ImageRef,
         blobs: &Arc<BlobStore>,
+    ) -> Result<Pulled, PullError> {
+        self.pull_into(reference, blobs, &Fetched::new(blobs)).await
+    }
+
+    /// [`Puller::pull`], holding each blob in `fetched` before it looks for it and noting
+    /// there each blob it stores, so that the caller can remove them when the pull (or what
+    /// it does next with the image) fails.
+    pub async fn pull_into(
+        &self,
+        reference: &ImageRef,
+        blobs: &Arc<BlobStore>,
+        fetched: &Arc<Fetched>,
     ) -> Result<Pulled, PullError> {
         let name = reference.to_string();
         // Registered for as long as this call runs, whatever ends it.
@@ -387,16 +509,20 @@ impl Puller {
         // unwraps a header value built from the registry's token) becomes this pull's error
         // instead of taking down the caller's task (a plugin's supervisor).
         let this = self.clone();
-        let (owned, blobs) = (reference.clone(), Arc::clone(blobs));
+        let (owned, blobs, held) = (reference.clone(), Arc::clone(blobs), Arc::clone(fetched));
         let mut task = AbortOnDrop(tokio::spawn(async move {
             tokio::time::timeout(
                 this.limits.total_timeout,
-                this.pull_inner(&owned, &blobs, &progress),
+                this.pull_inner(&owned, &blobs, &progress, &held),
             )
             .await
         }));
         // A caller that gives up (its future dropped) stops the pull too.
-        match (&mut task.0).await {
+        let ended = (&mut task.0).await;
+        // A failed pull drops the downloads still running; their writers end at once, and
+        // what the caller sees next (the store's files) must not change after it returns.
+        fetched.writers_finished().await;
+        match ended {
             Ok(Ok(result)) => result,
             Ok(Err(_)) => Err(PullError::Timeout {
                 reference: name,
@@ -415,33 +541,29 @@ impl Puller {
         reference: &ImageRef,
         blobs: &Arc<BlobStore>,
         progress: &PullGuard,
+        fetched: &Arc<Fetched>,
     ) -> Result<Pulled, PullError> {
         let name = reference.to_string();
-        let auth = match self.settings.credentials.for_registry(reference.registry()) {
-            Some((user, password)) => RegistryAuth::Basic(user.to_owned(), password.to_owned()),
-            None => RegistryAuth::Anonymous,
-        };
-        let oci_ref = reference.to_oci();
-        // Explicitly first, so a refused token is reported as such (oci-client otherwise
-        // drops the failure and the request goes out without credentials).
-        let client = self.client()?;
-        self.bounded(&name, "authenticating", async {
-            client
-                .auth(&oci_ref, &auth, RegistryOperation::Pull)
-                .await
-                .map(|_| ())
-                .map_err(|err| self.classify(reference, err))
-        })
-        .await?;
+        // The `/v2/` ping and the token first, so that a refused token is reported as such.
+        let http = self.client()?;
+        let session = self
+            .bounded(&name, "authenticating", async {
+                Session::start(http, &self.settings, self.caps(), reference)
+                    .await
+                    .map_err(|err| self.classify(reference, err))
+            })
+            .await?;
 
-        let (body, manifest_digest) = self.fetch_manifest(reference, &auth, reference).await?;
+        let (body, manifest_digest) = self.fetch_manifest(reference, &session, reference).await?;
         let top = parse_manifest(&name, &body)?;
         let (manifest, manifest_digest, index) = match top {
             Manifest::Image(image) => (image, manifest_digest, None),
             Manifest::Index(entries) => {
                 let chosen = choose_platform(&name, &entries)?;
                 let platform_ref = reference.with_digest(chosen.clone());
-                let (body, digest) = self.fetch_manifest(reference, &auth, &platform_ref).await?;
+                let (body, digest) = self
+                    .fetch_manifest(reference, &session, &platform_ref)
+                    .await?;
                 match parse_manifest(&name, &body)? {
                     Manifest::Image(image) => (image, digest, Some(manifest_digest)),
                     Manifest::Index(_) => {
@@ -495,7 +617,7 @@ impl Puller {
         let downloaded: Vec<Option<Digest>> = futures::stream::iter(wanted)
             .map(|blob| {
                 let counted = progress.blob(&blob.digest.to_string(), blob.size);
-                self.fetch_blob(reference, &oci_ref, blob, blobs, counted)
+                self.fetch_blob(reference, &session, blob, blobs, counted, fetched)
             })
             .buffer_unordered(self.limits.parallel.max(1))
             .try_collect()
@@ -514,16 +636,15 @@ impl Puller {
     async fn fetch_manifest(
         &self,
         reference: &ImageRef,
-        auth: &RegistryAuth,
+        session: &Session,
         target: &ImageRef,
     ) -> Result<(Vec<u8>, Digest), PullError> {
         let name = reference.to_string();
-        let oci_ref = target.to_oci();
-        let client = self.client()?;
-        let (body, _) = self
+        let tag_or_digest = target.manifest_target();
+        let body = self
             .bounded(&name, "fetching the manifest", async {
-                client
-                    .pull_manifest_raw(&oci_ref, auth, ACCEPTED)
+                session
+                    .manifest(&tag_or_digest, &ACCEPTED.join(", "))
                     .await
                     .map_err(|err| self.classify(reference, err))
             })
@@ -547,7 +668,7 @@ impl Puller {
                 actual: digest.to_string(),
             });
         }
-        Ok((body.to_vec(), digest))
+        Ok((body, digest))
     }
 
     /// Streams one blob into the store unless it is there already. Returns its digest when
@@ -555,12 +676,15 @@ impl Puller {
     async fn fetch_blob(
         &self,
         reference: &ImageRef,
-        oci_ref: &oci_client::Reference,
+        session: &Session,
         blob: BlobRef,
         blobs: &Arc<BlobStore>,
         progress: Arc<BlobProgress>,
+        fetched: &Arc<Fetched>,
     ) -> Result<Option<Digest>, PullError> {
         let name = reference.to_string();
+        // Before looking: a blob found present is not removed before it is indexed.
+        fetched.hold(&blob.digest);
         let store_err = |source| PullError::Store {
             reference: name.clone(),
             source,
@@ -570,7 +694,6 @@ impl Puller {
             return Ok(None);
         }
         let digest_text = blob.digest.to_string();
-        let client = self.client()?;
         let idle = self.limits.read_timeout;
         let stalled = |what: &'static str, received: u64| PullError::Stalled {
             reference: name.clone(),
@@ -582,12 +705,11 @@ impl Puller {
             after: idle,
         };
         let work = async {
-            let sized =
-                tokio::time::timeout(idle, client.pull_blob_stream(oci_ref, digest_text.as_str()))
-                    .await
-                    .map_err(|_| stalled("the answer", 0))?
-                    .map_err(|err| self.classify(reference, err))?;
-            if let Some(length) = sized.content_length
+            let mut response = tokio::time::timeout(idle, session.blob(digest_text.as_str()))
+                .await
+                .map_err(|_| stalled("the answer", 0))?
+                .map_err(|err| self.classify(reference, err))?;
+            if let Some(length) = response.content_length()
                 && length != blob.size
             {
                 return Err(PullError::BlobRefused {
@@ -611,18 +733,28 @@ impl Puller {
             let (tx, rx) = tokio::sync::mpsc::channel::<io::Result<bytes::Bytes>>(16);
             let store = Arc::clone(blobs);
             let (digest, size) = (blob.digest.clone(), blob.size);
+            let noted = Arc::clone(fetched);
+            let running = fetched.writer_running();
             let writer = tokio::task::spawn_blocking(move || {
-                store.put(ChannelReader::new(rx), &digest, size)
+                let _running = running;
+                let put = store.put(ChannelReader::new(rx), &digest, size);
+                if matches!(put, Ok(Put::Stored)) && !noted.note_stored(&digest) {
+                    // The pull failed (or was dropped) while this blob was being renamed in.
+                    if let Err(err) = store.remove(&digest) {
+                        tracing::warn!(blob = %digest, error = %err, "cannot remove a blob stored after its pull failed; the next start removes it");
+                    }
+                }
+                put
             });
-            let mut stream = sized.stream;
             let mut sent: u64 = 0;
             let started = std::time::Instant::now();
             let mut next_report = started + PROGRESS_EVERY;
             let mut stall = None;
             loop {
-                let item = match tokio::time::timeout(idle, stream.next()).await {
-                    Ok(Some(item)) => item,
-                    Ok(None) => break,
+                let item = match tokio::time::timeout(idle, response.chunk()).await {
+                    Ok(Ok(Some(chunk))) => Ok(chunk),
+                    Ok(Ok(None)) => break,
+                    Ok(Err(err)) => Err(io::Error::other(err)),
                     Err(_) => {
                         // The writer is told, so that it discards what it has (a temp file,
                         // never the blob's name).
@@ -650,9 +782,6 @@ impl Puller {
                             break;
                         }
                     }
-                    // oci-client's own check fails at the end of a whole body that does not
-                    // hash right: the store's check (authoritative, and typed) says so.
-                    Err(_) if sent == blob.size => break,
                     Err(err) => {
                         let _ = tx.send(Err(err)).await;
                         break;
@@ -728,7 +857,10 @@ impl Puller {
                 registry: reference_registry.to_owned(),
                 reference,
                 transient: true,
-                source: OciDistributionError::IoError(io::Error::other(err.to_string())),
+                source: Box::new(RegistryError::BrokenOff {
+                    url: format!("{reference_registry} (a blob)"),
+                    reason: err.to_string(),
+                }),
             },
             other => PullError::Store {
                 reference,
@@ -737,83 +869,65 @@ impl Puller {
         }
     }
 
-    fn classify(&self, reference: &ImageRef, err: OciDistributionError) -> PullError {
+    fn classify(&self, reference: &ImageRef, err: RegistryError) -> PullError {
         let name = reference.to_string();
         let registry = reference.registry().to_owned();
-        let not_found = |source| PullError::NotFound {
-            reference: name.clone(),
-            source,
-        };
-        let refused = |source| PullError::AuthRefused {
-            reference: name.clone(),
-            registry: registry.clone(),
-            source,
-        };
         match &err {
-            OciDistributionError::RequestError(_) | OciDistributionError::IoError(_) => {
+            RegistryError::Request { .. } | RegistryError::BrokenOff { .. } => {
                 PullError::Unreachable {
-                    reference: name.clone(),
-                    registry: registry.clone(),
-                    source: err,
+                    reference: name,
+                    registry,
+                    source: Box::new(err),
                 }
             }
-            OciDistributionError::ImageManifestNotFoundError(_) => not_found(err),
-            OciDistributionError::AuthenticationFailure(_)
-            | OciDistributionError::UnauthorizedError { .. } => refused(err),
-            OciDistributionError::RegistryError { envelope, .. } => {
-                let codes: Vec<&OciErrorCode> = envelope.errors.iter().map(|e| &e.code).collect();
-                if codes.iter().any(|c| {
-                    matches!(
-                        c,
-                        OciErrorCode::ManifestUnknown
-                            | OciErrorCode::NameUnknown
-                            | OciErrorCode::BlobUnknown
-                            | OciErrorCode::NotFound
-                    )
-                }) {
-                    not_found(err)
-                } else if codes
-                    .iter()
-                    .any(|c| matches!(c, OciErrorCode::Unauthorized | OciErrorCode::Denied))
+            RegistryError::TooLarge {
+                what,
+                received,
+                max,
+                ..
+            } => PullError::AnswerTooLarge {
+                reference: name,
+                registry,
+                what: what.clone(),
+                received: *received,
+                max: *max,
+            },
+            RegistryError::Auth { .. } => PullError::AuthRefused {
+                reference: name,
+                registry,
+                source: Box::new(err),
+            },
+            RegistryError::Status { status, codes, .. } => {
+                let has = |wanted: &[&str]| codes.iter().any(|c| wanted.contains(&c.as_str()));
+                if *status == 404
+                    || has(&[
+                        "MANIFEST_UNKNOWN",
+                        "NAME_UNKNOWN",
+                        "BLOB_UNKNOWN",
+                        "NOT_FOUND",
+                    ])
                 {
-                    refused(err)
+                    PullError::NotFound {
+                        reference: name,
+                        source: Box::new(err),
+                    }
+                } else if *status == 401 || *status == 403 || has(&["UNAUTHORIZED", "DENIED"]) {
+                    PullError::AuthRefused {
+                        reference: name,
+                        registry,
+                        source: Box::new(err),
+                    }
                 } else {
-                    let transient = codes
-                        .iter()
-                        .any(|c| matches!(c, OciErrorCode::Toomanyrequests));
+                    let transient =
+                        *status == 429 || (500..600).contains(status) || has(&["TOOMANYREQUESTS"]);
                     PullError::Registry {
-                        reference: name.clone(),
-                        registry: registry.clone(),
+                        reference: name,
+                        registry,
                         transient,
-                        source: err,
+                        source: Box::new(err),
                     }
                 }
             }
-            OciDistributionError::ServerError { code, .. } => match code {
-                404 => not_found(err),
-                401 | 403 => refused(err),
-                code => PullError::Registry {
-                    reference: name.clone(),
-                    registry: registry.clone(),
-                    transient: *code == 429 || (500..600).contains(code),
-                    source: err,
-                },
-            },
-            OciDistributionError::DigestError(_) => PullError::DigestMismatch {
-                reference: name.clone(),
-                what: "manifest",
-                expected: reference.digest().map_or_else(
-                    || "(the Docker-Content-Digest header)".to_owned(),
-                    |d| d.to_string(),
-                ),
-                actual: err.to_string(),
-            },
-            _ => PullError::Registry {
-                reference: name.clone(),
-                registry: registry.clone(),
-                transient: false,
-                source: err,
-            },
         }
     }
 }

@@ -142,6 +142,15 @@ impl ImageRef {
         self.digest.as_ref()
     }
 
+    /// What the manifest is asked for by: the digest when pinned (it wins over a tag), else
+    /// the tag.
+    pub fn manifest_target(&self) -> String {
+        match (&self.digest, &self.tag) {
+            (Some(digest), _) => digest.to_string(),
+            (None, tag) => tag.clone().unwrap_or_else(|| DEFAULT_TAG.to_owned()),
+        }
+    }
+
     /// The same image pinned to `digest` (for the platform manifest an index points to).
     pub fn with_digest(&self, digest: Digest) -> Self {
         Self {
@@ -149,22 +158,6 @@ impl ImageRef {
             repository: self.repository.clone(),
             tag: None,
             digest: Some(digest),
-        }
-    }
-
-    /// The reference as oci-client takes it: by digest when pinned, else by tag.
-    pub(crate) fn to_oci(&self) -> oci_client::Reference {
-        match (&self.digest, &self.tag) {
-            (Some(digest), _) => oci_client::Reference::with_digest(
-                self.registry.clone(),
-                self.repository.clone(),
-                digest.to_string(),
-            ),
-            (None, tag) => oci_client::Reference::with_tag(
-                self.registry.clone(),
-                self.repository.clone(),
-                tag.clone().unwrap_or_else(|| DEFAULT_TAG.to_owned()),
-            ),
         }
     }
 }
@@ -540,7 +533,12 @@ mod tests {
         assert_eq!(r.digest().unwrap().hex(), hex);
         let r = parse(&format!("app:v2@sha256:{hex}"));
         assert_eq!(r.tag(), Some("v2"));
-        assert!(r.to_oci().digest().is_some(), "the digest wins");
+        assert_eq!(
+            r.manifest_target(),
+            format!("sha256:{hex}"),
+            "the digest wins"
+        );
+        assert_eq!(parse("app:v2").manifest_target(), "v2");
         // A private default registry: names without a host go there.
         let r = ImageRef::parse("busybox", "https://mirror.example:5000/").unwrap();
         assert_eq!(

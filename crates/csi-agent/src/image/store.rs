@@ -18,10 +18,16 @@
 //!
 //! Either is built in a `.tmp-<hex>-<random>/` dir beside its final name, the file system
 //! synced, and renamed into place only when complete. So a SIGKILL at any point leaves at
-//! worst temp files and temp dirs (names starting with `.`, never a digest) which
-//! [`ImageStore::open`] removes, an index that is the old or the new one, and possibly
-//! complete layers or rootfs the index does not name yet (used by the next
-//! [`ImageStore::ensure`], or removed by [`ImageStore::prune`]).
+//! worst temp files and temp dirs (names starting with `.`, never a digest), an index that is
+//! the old or the new one, and possibly blobs, complete layers or rootfs the index does not
+//! name: [`ImageStore::open`] removes all of these (the start-up sweep).
+//!
+//! Nothing unindexed outlives its pull (issue #23): an [`ImageStore::ensure`] that fails (its
+//! pull, its unpacking, its config) or is abandoned removes the blobs its pull stored and the
+//! layer or rootfs dirs prepared for it, unless an indexed image names them. A pull holds
+//! each blob ([`super::blobs::BlobHolds`]) from before it looks for it until the ensure ends,
+//! so neither this cleanup nor a prune removes a blob another pull or import is fetching or
+//! about to index.
 //!
 //! It owns when to pull (Mesos `cached` semantics), the index, the rootfs dirs and which blobs
 //! are garbage. It must not decide which images are in use (the caller says, from the plugin
@@ -226,6 +232,32 @@ pub struct ImageStore {
     busy: tokio::sync::Mutex<()>,
 }
 
+/// What the index names (see [`ImageStore::kept`]).
+#[derive(Default)]
+struct Kept {
+    rootfs: BTreeSet<String>,
+    layers: BTreeSet<String>,
+    blobs: BTreeSet<Digest>,
+}
+
+/// Removes, when dropped unless the ensure succeeded, what its pull stored and prepared
+/// ([`ImageStore::remove_failed`]); a dropped (abandoned) ensure included.
+struct FailedPullCleanup<'a> {
+    store: &'a ImageStore,
+    fetched: Arc<super::pull::Fetched>,
+    entry: Option<IndexEntry>,
+    succeeded: bool,
+}
+
+impl Drop for FailedPullCleanup<'_> {
+    fn drop(&mut self) {
+        let stored = self.fetched.release();
+        if !self.succeeded {
+            self.store.remove_failed(&stored, self.entry.as_ref());
+        }
+    }
+}
+
 fn io_err<'a>(op: &'static str, at: &'a Path) -> impl FnOnce(io::Error) -> StoreError + 'a {
     move |source| StoreError::Io {
         op,
@@ -277,7 +309,7 @@ impl ImageStore {
             }
         }
         let index = read_index(&dir.join(INDEX_FILE))?;
-        Ok(Self {
+        let store = Self {
             dir: dir.to_path_buf(),
             blobs,
             puller,
@@ -289,7 +321,19 @@ impl ImageStore {
             }),
             index: Mutex::new(index),
             busy: tokio::sync::Mutex::new(()),
-        })
+        };
+        // Nothing runs yet: whatever the index does not name is what a crash mid-pull (or
+        // mid-prepare) left, and nothing will ever use it.
+        let swept = store.remove_unindexed()?;
+        if swept != Pruned::default() {
+            tracing::info!(
+                blobs = swept.blobs,
+                layers = swept.layers,
+                rootfs = swept.rootfs,
+                "image store: unindexed leftovers of an interrupted pull removed at start"
+            );
+        }
+        Ok(store)
     }
 
     pub fn dir(&self) -> &Path {
@@ -373,6 +417,14 @@ impl ImageStore {
         policy: PullPolicy,
     ) -> Result<Prepared, StoreError> {
         let _busy = self.busy.lock().await;
+        // Dropped before `_busy`: what a failed (or abandoned) pull stored is removed while
+        // no other ensure or prune runs.
+        let mut cleanup = FailedPullCleanup {
+            store: self,
+            fetched: super::pull::Fetched::new(&self.blobs),
+            entry: None,
+            succeeded: false,
+        };
         let key = reference.to_string();
         let known = self.lock_index().images.get(&key).cloned();
         // A digest-pinned reference never changes; a tag is re-checked only when asked.
@@ -384,7 +436,10 @@ impl ImageStore {
         let (entry, downloaded) = match local {
             Some(entry) => (entry, Vec::new()),
             None => {
-                let pulled = self.puller.pull(reference, &self.blobs).await?;
+                let pulled = self
+                    .puller
+                    .pull_into(reference, &self.blobs, &cleanup.fetched)
+                    .await?;
                 let entry = IndexEntry {
                     manifest: pulled.manifest.to_string(),
                     config: pulled.config.digest.to_string(),
@@ -402,12 +457,120 @@ impl ImageStore {
                 (entry, pulled.downloaded)
             }
         };
+        cleanup.entry = Some(entry.clone());
         let mut prepared = self
             .prepare_and_record(vec![(key, entry, downloaded)])
             .await?;
-        prepared
+        let prepared = prepared
             .pop()
-            .ok_or_else(|| StoreError::Task("nothing prepared".to_owned()))
+            .ok_or_else(|| StoreError::Task("nothing prepared".to_owned()))?;
+        cleanup.succeeded = true;
+        Ok(prepared)
+    }
+
+    /// After a failed ensure (the caller holds the busy lock): removes the blobs the pull
+    /// stored and the layer and rootfs dirs prepared for `entry`, each unless an indexed image
+    /// names it (or, for a blob, another pull or import holds it).
+    fn remove_failed(&self, stored: &[Digest], entry: Option<&IndexEntry>) {
+        let kept = match self.kept() {
+            Ok(kept) => kept,
+            Err(err) => {
+                tracing::warn!(error = %err, "after a failed pull: cannot read the index; what it stored stays until the next start or prune");
+                return;
+            }
+        };
+        let mut removed = 0usize;
+        for digest in stored {
+            if kept.blobs.contains(digest) {
+                continue;
+            }
+            match self.blobs.remove(digest) {
+                Ok(true) => removed += 1,
+                Ok(false) => {}
+                Err(err) => {
+                    tracing::warn!(blob = %digest, error = %err, "after a failed pull: cannot remove a blob it stored")
+                }
+            }
+        }
+        if let Some(entry) = entry {
+            let path = self.index_path();
+            let mut dirs = Vec::new();
+            if let Ok(manifest) = parse_digest(&path, &entry.manifest)
+                && !kept.rootfs.contains(manifest.hex())
+            {
+                dirs.push(self.rootfs_path(&manifest));
+            }
+            if let Ok(layers) = layer_digests(&path, entry) {
+                for chain in chain_ids(&layers) {
+                    if !kept.layers.contains(chain.hex()) {
+                        dirs.push(self.dir.join(LAYERS_DIR).join(chain.hex()));
+                    }
+                }
+            }
+            for dir in dirs.iter().filter(|d| d.exists()) {
+                match remove_tree(dir) {
+                    Ok(()) => removed += 1,
+                    Err(err) => {
+                        tracing::warn!(error = %err, "after a failed pull: cannot remove what it prepared")
+                    }
+                }
+            }
+        }
+        if removed > 0 {
+            tracing::info!(
+                removed,
+                "a failed pull's blobs and prepared dirs removed (no indexed image names them)"
+            );
+        }
+    }
+
+    /// What the index names: rootfs and layer dir names, blobs.
+    fn kept(&self) -> Result<Kept, StoreError> {
+        let path = self.index_path();
+        let mut kept = Kept::default();
+        for entry in self.lock_index().images.values() {
+            kept.rootfs
+                .insert(parse_digest(&path, &entry.manifest)?.hex().to_owned());
+            kept.blobs.insert(parse_digest(&path, &entry.config)?);
+            let layers = layer_digests(&path, entry)?;
+            for chain in chain_ids(&layers) {
+                kept.layers.insert(chain.hex().to_owned());
+            }
+            kept.blobs.extend(layers);
+        }
+        Ok(kept)
+    }
+
+    /// Removes the rootfs dirs, layer dirs and blobs the index does not name (blobs a pull
+    /// or import holds excepted): the sweep at open and the second half of a prune.
+    fn remove_unindexed(&self) -> Result<Pruned, StoreError> {
+        let kept = self.kept()?;
+        let mut pruned = Pruned {
+            rootfs: self.remove_unkept(ROOTFS_DIR, &kept.rootfs)?,
+            layers: self.remove_unkept(LAYERS_DIR, &kept.layers)?,
+            ..Pruned::default()
+        };
+        for digest in self.blobs.list()? {
+            // A blob a pull or import holds is about to be indexed (or removed by it).
+            if !kept.blobs.contains(&digest) && self.blobs.remove(&digest)? {
+                pruned.blobs += 1;
+            }
+        }
+        Ok(pruned)
+    }
+
+    /// The bytes of every blob in the store (the compressed images as pulled).
+    pub fn blob_bytes(&self) -> Result<u64, StoreError> {
+        let mut total = 0u64;
+        for digest in self.blobs.list()? {
+            match self.blobs.size_of(&digest) {
+                Ok(size) => total = total.saturating_add(size),
+                // Removed between the listing and the stat.
+                Err(BlobError::NotFound { .. }) => {}
+                Err(err) => return Err(err.into()),
+            }
+        }
+        Ok(total)
     }
 
     /// Waits for the store's one-at-a-time lock (see `busy`); the import holds it while it
@@ -573,8 +736,6 @@ impl ImageStore {
     /// (an import stores its blobs before it takes the busy lock to index them).
     pub async fn prune(&self, used: &BTreeSet<String>) -> Result<Pruned, StoreError> {
         let _busy = self.busy.lock().await;
-        let path = self.index_path();
-        let mut pruned = Pruned::default();
         let removed: Vec<String> = self
             .lock_index()
             .images
@@ -589,27 +750,10 @@ impl ImageStore {
                 }
             })?;
         }
-        pruned.references = removed;
-        let (mut keep_rootfs, mut keep_layers, mut keep_blobs) =
-            (BTreeSet::new(), BTreeSet::new(), BTreeSet::new());
-        for entry in self.lock_index().images.values() {
-            keep_rootfs.insert(parse_digest(&path, &entry.manifest)?.hex().to_owned());
-            keep_blobs.insert(parse_digest(&path, &entry.config)?);
-            let layers = layer_digests(&path, entry)?;
-            for chain in chain_ids(&layers) {
-                keep_layers.insert(chain.hex().to_owned());
-            }
-            keep_blobs.extend(layers);
-        }
-        pruned.rootfs = self.remove_unkept(ROOTFS_DIR, &keep_rootfs)?;
-        pruned.layers = self.remove_unkept(LAYERS_DIR, &keep_layers)?;
-        for digest in self.blobs.list()? {
-            // A blob an import holds is about to be indexed (or removed by that import).
-            if !keep_blobs.contains(&digest) && self.blobs.remove(&digest)? {
-                pruned.blobs += 1;
-            }
-        }
-        Ok(pruned)
+        Ok(Pruned {
+            references: removed,
+            ..self.remove_unindexed()?
+        })
     }
 
     /// Removes the dirs of `sub` whose names are digests' hex not in `keep` (temp dirs are

@@ -3,6 +3,8 @@
 //! `skopeo`. Shared by csi-agent's and csi-agentd's image tests (included with `#[path]`).
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
+pub mod hostile;
+
 use std::io::Write;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};

@@ -1,0 +1,313 @@
+//! Issue #23, items 2 and 5, against a hostile registry on loopback
+//! (`registry_support::hostile`): every answer bounded before it is buffered (an endless
+//! manifest, 404 body, `/v2/` answer or token answer fails the pull at its cap with a final
+//! error), and nothing a failed pull fetched outlives it (20 fresh refused layers leave the
+//! store as it was; a start sweeps what a crash left unindexed).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod registry_support;
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use csi_agent::image::blobs::BlobStore;
+use csi_agent::image::pull::{PullError, PullLimits, Puller};
+use csi_agent::image::reference::ImageRef;
+use csi_agent::image::store::{Composition, ImageStore, PullPolicy, StoreError};
+use registry_support::hostile::{HostileRegistry, Hostility, listing};
+use registry_support::*;
+
+fn good_image(dir: &std::path::Path) -> Image {
+    let layer1 = layer_tar_gz(&[
+        Entry::Dir { path: "bin" },
+        Entry::File {
+            path: "bin/plugin",
+            data: b"#!/bin/sh\necho plugin\n",
+            mode: 0o755,
+        },
+    ]);
+    let layer2 = layer_tar_gz(&[Entry::File {
+        path: "etc/motd",
+        data: b"hello\n",
+        mode: 0o644,
+    }]);
+    oci_layout(
+        dir,
+        &[layer1, layer2],
+        serde_json::json!({"Cmd": ["/bin/plugin"]}),
+    )
+    .unwrap()
+}
+
+fn limits() -> PullLimits {
+    PullLimits {
+        connect_timeout: Duration::from_secs(2),
+        read_timeout: Duration::from_secs(5),
+        manifest_timeout: Duration::from_secs(20),
+        ..PullLimits::default()
+    }
+}
+
+/// Each endless answer fails the pull at its cap, fast, with a final error naming the
+/// registry, the reference and the cap; the registry then cannot write any more (the
+/// connection was dropped, not drained).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn endless_answers_fail_the_pull_at_their_cap() {
+    let tmp = tempfile::tempdir().unwrap();
+    let layout = tmp.path().join("layout");
+    let good = good_image(&layout);
+    let defaults = PullLimits::default();
+    for (hostility, name, cap, what) in [
+        (
+            Hostility::EndlessManifest,
+            "csi/bad:v1",
+            defaults.max_manifest_bytes,
+            "the manifest",
+        ),
+        (
+            Hostility::Endless404,
+            "csi/bad:v1",
+            defaults.max_error_bytes,
+            "an error answer (HTTP 404)",
+        ),
+        (
+            Hostility::EndlessPing,
+            "csi/good:v1",
+            defaults.max_error_bytes,
+            "the /v2/ answer",
+        ),
+        (
+            Hostility::EndlessToken,
+            "csi/good:v1",
+            defaults.max_token_bytes,
+            "the token answer",
+        ),
+    ] {
+        let registry = HostileRegistry::start(&layout, &good, hostility);
+        let store = Arc::new(BlobStore::open(&tmp.path().join(format!("{hostility:?}"))).unwrap());
+        let reference = ImageRef::parse(name, &registry.host()).unwrap();
+        let started = Instant::now();
+        let err = Puller::new(loopback_registry(&registry.host()), limits())
+            .pull(&reference, &store)
+            .await
+            .unwrap_err();
+        let took = started.elapsed();
+        let PullError::AnswerTooLarge {
+            registry: r,
+            reference: n,
+            what: w,
+            received,
+            max,
+        } = &err
+        else {
+            panic!("{hostility:?}: {err:?}");
+        };
+        assert_eq!(*r, registry.host(), "{hostility:?}");
+        assert_eq!(*n, reference.to_string(), "{hostility:?}");
+        assert_eq!(w, what, "{hostility:?}");
+        assert_eq!(*max, cap, "{hostility:?}");
+        // Refused as soon as the cap was passed: at most one more chunk was read.
+        assert!(
+            *received > cap && *received <= cap + (1 << 20),
+            "{hostility:?}: {received}"
+        );
+        assert!(
+            !err.is_transient(),
+            "{hostility:?}: a retry would get the same"
+        );
+        let text = err.to_string();
+        for part in [registry.host(), reference.to_string(), cap.to_string()] {
+            assert!(text.contains(&part), "{hostility:?}: {text} lacks {part}");
+        }
+        assert!(
+            took < Duration::from_secs(5),
+            "{hostility:?}: took {took:?}"
+        );
+        // The connection is gone: the registry's writes stop (socket buffers aside).
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let sent = registry.endless_bytes.load(Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(
+            registry.endless_bytes.load(Ordering::SeqCst),
+            sent,
+            "{hostility:?}: still being read"
+        );
+        assert!(store.list().unwrap().is_empty(), "{hostility:?}");
+    }
+}
+
+/// A plain-HTTP token realm on a host not in `--insecure-registry` is refused: the
+/// credentials a registry would have us send there stay home.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_realm_over_plain_http_elsewhere_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let layout = tmp.path().join("layout");
+    let good = good_image(&layout);
+    let registry = HostileRegistry::start(&layout, &good, Hostility::EndlessToken);
+    // The registry reached by its name `localhost:PORT` (insecure), its realm at
+    // `127.0.0.1:PORT`, which is not in the insecure list.
+    let host = format!("localhost:{}", registry.port);
+    let settings = loopback_registry(&host);
+    let store = Arc::new(BlobStore::open(&tmp.path().join("store")).unwrap());
+    let reference = ImageRef::parse("csi/good:v1", &host).unwrap();
+    let err = Puller::new(settings, limits())
+        .pull(&reference, &store)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, PullError::AuthRefused { .. }), "{err:?}");
+    assert!(err.to_string().contains("only https"), "{err}");
+    assert_eq!(registry.endless_bytes.load(Ordering::SeqCst), 0);
+}
+
+/// 20 failed pulls of fresh hostile layers (10 whose tar escapes with `../`, refused when
+/// unpacked; 10 whose bytes do not match their digest, refused while stored) leave the image
+/// store exactly as it was, the good image's files included; and the good image is still
+/// usable without the registry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_pulls_of_fresh_hostile_layers_leave_the_store_as_it_was() {
+    let tmp = tempfile::tempdir().unwrap();
+    let layout = tmp.path().join("layout");
+    let good = good_image(&layout);
+    for composition in [Composition::Flattened, Composition::Overlay] {
+        if composition == Composition::Overlay
+            && Composition::detect(&tmp.path().join("probe")).0 != Composition::Overlay
+        {
+            eprintln!("overlay not usable here (not root?): only the flattened store is checked");
+            continue;
+        }
+        let dir = tmp.path().join(format!("store-{composition:?}"));
+        let mut before = None;
+        let mut last_host = String::new();
+        for hostility in [
+            Hostility::FreshEscapingLayer,
+            Hostility::FreshMismatchingLayer,
+        ] {
+            let registry = HostileRegistry::start(&layout, &good, hostility);
+            last_host = registry.host();
+            let store = ImageStore::open(
+                &dir,
+                Puller::new(loopback_registry(&registry.host()), limits()),
+                Some(composition),
+            )
+            .unwrap();
+            let good_ref = store.resolve("csi/good:v1").unwrap();
+            store
+                .ensure(&good_ref, PullPolicy::IfMissing)
+                .await
+                .unwrap();
+            // Per registry: each has its own port, so the good image is indexed again under
+            // another reference (the same blobs).
+            let expected = listing(&dir);
+            before = Some(expected.clone());
+            let bad_ref = store.resolve("csi/bad:v1").unwrap();
+            for i in 0..10 {
+                let err = store
+                    .ensure(&bad_ref, PullPolicy::Always)
+                    .await
+                    .unwrap_err();
+                match hostility {
+                    Hostility::FreshEscapingLayer => {
+                        assert!(matches!(err, StoreError::Unpack { .. }), "{i}: {err:?}");
+                    }
+                    _ => assert!(
+                        matches!(err, StoreError::Pull(PullError::DigestMismatch { .. })),
+                        "{i}: {err:?}"
+                    ),
+                }
+                assert!(!err.is_transient(), "{i}: {err}");
+                assert_eq!(
+                    listing(&dir),
+                    expected,
+                    "{composition:?} {hostility:?} pull {i}"
+                );
+            }
+            assert_eq!(
+                registry.bad_manifests.load(Ordering::SeqCst),
+                10,
+                "a fresh image each time"
+            );
+            let indexed: Vec<String> = store.list().into_keys().collect();
+            assert!(
+                indexed.iter().all(|k| k.ends_with("csi/good:v1")),
+                "{indexed:?}"
+            );
+        }
+        // The registry gone: the good image is still prepared from the store alone.
+        let store = ImageStore::open(
+            &dir,
+            Puller::new(loopback_registry("127.0.0.1:9"), limits()),
+            Some(composition),
+        )
+        .unwrap();
+        let good_ref = ImageRef::parse("csi/good:v1", &last_host).unwrap();
+        store
+            .ensure(&good_ref, PullPolicy::IfMissing)
+            .await
+            .unwrap();
+        assert_eq!(Some(listing(&dir)), before);
+    }
+}
+
+/// What a crash mid-pull leaves (a blob, a layer dir and a rootfs dir no index entry names)
+/// is swept when the store opens; the indexed image's blobs and rootfs stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_sweeps_unindexed_leftovers_and_keeps_indexed_blobs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let layout = tmp.path().join("layout");
+    let good = good_image(&layout);
+    let registry = HostileRegistry::start(&layout, &good, Hostility::Endless404);
+    let dir = tmp.path().join("store");
+    let open = || {
+        ImageStore::open(
+            &dir,
+            Puller::new(loopback_registry(&registry.host()), limits()),
+            Some(Composition::Flattened),
+        )
+        .unwrap()
+    };
+    let store = open();
+    let good_ref = store.resolve("csi/good:v1").unwrap();
+    store
+        .ensure(&good_ref, PullPolicy::IfMissing)
+        .await
+        .unwrap();
+    let indexed = listing(&dir);
+    drop(store);
+
+    let orphan = b"a layer a crashed pull stored, never indexed";
+    let orphan_hex = sha256_hex(orphan);
+    let blob = dir.join("blobs/sha256").join(&orphan_hex);
+    std::fs::write(&blob, orphan).unwrap();
+    let layer_dir = dir.join("layers").join(&orphan_hex);
+    std::fs::create_dir_all(layer_dir.join("usr/bin")).unwrap();
+    std::fs::write(layer_dir.join("usr/bin/x"), b"x").unwrap();
+    let rootfs_dir = dir.join("rootfs").join(sha256_hex(b"another manifest"));
+    std::fs::create_dir_all(rootfs_dir.join("etc")).unwrap();
+    // Not ours (not a digest name): left alone.
+    let foreign = dir.join("blobs/sha256/README");
+    std::fs::write(&foreign, b"operator's note").unwrap();
+
+    let store = open();
+    assert!(!blob.exists() && !layer_dir.exists() && !rootfs_dir.exists());
+    assert!(foreign.exists());
+    std::fs::remove_file(&foreign).unwrap();
+    assert_eq!(listing(&dir), indexed, "the indexed image's files stay");
+    for hex in good.layer_hexes.iter().chain([&good.config_hex]) {
+        assert!(dir.join("blobs/sha256").join(hex).exists(), "{hex}");
+    }
+    assert_eq!(
+        store.blob_bytes().unwrap(),
+        good.layer_hexes
+            .iter()
+            .chain([&good.config_hex])
+            .map(|h| std::fs::metadata(dir.join("blobs/sha256").join(h))
+                .unwrap()
+                .len())
+            .sum::<u64>()
+    );
+    store
+        .ensure(&good_ref, PullPolicy::IfMissing)
+        .await
+        .unwrap();
+}
