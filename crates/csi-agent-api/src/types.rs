@@ -447,6 +447,11 @@ pub struct ImageInfo {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ImageList {
     pub images: Vec<ImageInfo>,
+    /// The bytes of every blob in the image store: the images as downloaded (compressed),
+    /// shared layers counted once. Unpacked layers and roots are not counted. 0 from a daemon
+    /// older than this field.
+    #[serde(default)]
+    pub blob_bytes: u64,
 }
 
 /// A pull in flight: bytes stored of each blob, out of the manifest's sizes.

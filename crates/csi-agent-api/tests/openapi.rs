@@ -373,8 +373,12 @@ fn cases() -> Result<Vec<Case>> {
             "ImageList",
             ImageList {
                 images: vec![image.clone()],
+                blob_bytes: 1234,
             },
-            ImageList { images: vec![] },
+            ImageList {
+                images: vec![],
+                blob_bytes: 0,
+            },
         )?,
         request(
             "ImagePullRequest",

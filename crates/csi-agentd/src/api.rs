@@ -456,7 +456,11 @@ async fn images(State(state): State<AppState>) -> ApiResult<api::ImageList> {
             pulled_at_unix: entry.pulled_at,
         })
         .collect();
-    Ok(Json(api::ImageList { images }))
+    // A listing and a stat per blob; no lock of a pull is taken.
+    let blob_bytes = store
+        .blob_bytes()
+        .map_err(|err| ApiFailure::new(api::ErrorCode::Unavailable, err.to_string()))?;
+    Ok(Json(api::ImageList { images, blob_bytes }))
 }
 
 async fn prune_images(State(state): State<AppState>) -> ApiResult<api::ImagePruneResponse> {

@@ -236,6 +236,13 @@ async fn a_mesos_config_naming_an_image_runs_the_plugin_from_the_registry() {
     assert_eq!(listed.manifest.len(), "sha256:".len() + 64, "{listed:?}");
     // Sorted by plugin type.
     assert_eq!(listed.used_by, vec![SECOND.to_owned(), PLUGIN.to_owned()]);
+    // The store's size: one image, so its blobs are exactly its declared config and layers.
+    assert_eq!(images.blob_bytes, listed.size, "{images:?}");
+    let text = String::from_utf8(daemon.csictl(&["images"]).stdout).unwrap();
+    assert!(
+        text.contains(&format!("store: {} bytes of blobs", listed.size)),
+        "{text}"
+    );
     let gets = registry.blob_gets(None);
     let pulled = api.pull_image("csi/testplugin:v1").await.unwrap();
     assert!(pulled.downloaded.is_empty(), "{pulled:?}");

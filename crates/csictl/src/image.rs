@@ -189,7 +189,11 @@ fn images_table(list: &ImageList) -> String {
             cell(&image.used_by.join(",")),
         ]);
     }
-    table.render()
+    format!(
+        "{}store: {} bytes of blobs (images as downloaded)\n",
+        table.render(),
+        list.blob_bytes
+    )
 }
 
 fn pruned(answer: &ImagePruneResponse) -> String {
@@ -235,6 +239,7 @@ mod tests {
                 pulled_at_unix: 1,
                 used_by: vec!["org.example.a".to_owned(), "org.example.b".to_owned()],
             }],
+            blob_bytes: 98765,
         };
         let text = images_table(&list);
         let row = text.lines().nth(1).unwrap_or_default();
@@ -249,6 +254,10 @@ mod tests {
         assert!(
             !row.contains(&"ab".repeat(20)),
             "the digest is not shortened"
+        );
+        assert!(
+            text.lines().last().unwrap_or_default().contains("98765"),
+            "the store's size: {text}"
         );
     }
 
