@@ -1,7 +1,8 @@
 //! Pulling an image from a registry into the [`BlobStore`]: the manifest (an image index
 //! resolved to this host's platform first), the config and every layer, each verified.
 //!
-//! It owns the registry conversation and its bounds. It must not unpack anything, decide
+//! It owns a pull's steps and their bounds (the HTTP conversation itself is
+//! [`super::registry`]'s). It must not unpack anything, decide
 //! which images are kept (the image store does), nor trust anything the registry says:
 //! manifests, indexes, configs, blobs, headers and tokens are hostile input. So:
 //! - every blob goes through [`BlobStore::put`], which hashes and counts while streaming and
@@ -11,7 +12,7 @@
 //! - a blob already in the store is never requested again;
 //! - sizes are bounded before anything is fetched where the manifest declares them (config,
 //!   layer count, the sum of the layer sizes) and the declared size is enforced while
-//!   streaming; a manifest is refused when larger than [`PullLimits::max_manifest_bytes`];
+//!   streaming; every answer read into memory is read under a cap (below);
 //! - every wait is bounded: a connect timeout, a deadline per manifest request, per blob and
 //!   for the whole pull, and an idle bound on every blob download: a registry that sends
 //!   nothing for [`PullLimits::read_timeout`], before a blob's headers or mid-body, fails the
