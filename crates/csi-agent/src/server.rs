@@ -51,6 +51,9 @@ pub struct ServerOptions {
     pub registry: crate::image::reference::RegistrySettings,
     /// The records' writer: its note flush and commit delay (`--commit-delay-us`).
     pub store: crate::store::StoreOptions,
+    /// Caps on each image's unpacked bytes and inodes, and the image store's quota
+    /// (`--image-max-unpacked-bytes`, `--image-max-inodes`, `--image-store-max-bytes`).
+    pub image_limits: crate::image::budget::ImageLimits,
 }
 
 /// The image store's dir in the work dir (docs/operations.md, "Image store").
@@ -258,7 +261,9 @@ impl CsiServer {
             crate::image::pull::PullLimits::default(),
         );
         let images = match crate::image::store::ImageStore::open(&images_dir, puller, None) {
-            Ok(images) => Some(Arc::new(images)),
+            Ok(images) => Some(Arc::new(
+                images.with_image_limits(options.image_limits.clone()),
+            )),
             Err(err) => {
                 tracing::error!(dir = %images_dir.display(), "the image store cannot be opened; plugins naming an image will not start: {err}");
                 None

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, bail};
+use csi_agent::image::budget::ImageLimits;
 use csi_agent::image::reference::{Credentials, DOCKER_HUB, RegistrySettings, normalize_registry};
 use csi_agent::metrics::Metrics;
 use csi_agent::server::{CsiServer, ServerOptions};
@@ -115,6 +116,19 @@ pub struct ServeArgs {
     /// bytes (default 8 GiB); larger is answered 413. Every other route keeps its 1 MiB limit.
     #[arg(long)]
     image_import_max_bytes: Option<NonZeroU64>,
+    /// The most bytes preparing one plugin image may write, all its layers together (file
+    /// data, symlink targets, directory metadata), checked while writing (default 8 GiB).
+    #[arg(long)]
+    image_max_unpacked_bytes: Option<NonZeroU64>,
+    /// The most files, directories and links preparing one plugin image may make, all its
+    /// layers together (default 1000000).
+    #[arg(long)]
+    image_max_inodes: Option<NonZeroU64>,
+    /// The image store's quota (`<work_dir>/images`: blobs, unpacked layers, root file
+    /// systems), in bytes: checked before an image is prepared and while it is written
+    /// (default 32 GiB).
+    #[arg(long)]
+    image_store_max_bytes: Option<NonZeroU64>,
     /// How long, in microseconds, a durable write waits for others to share its commit (one
     /// fsync) when they have been arriving closer together than this; 0 commits at once
     /// (default 1000, at most 100000). A lone operation never waits.
@@ -154,6 +168,9 @@ struct FileSettings {
     #[serde(default)]
     insecure_registries: Vec<String>,
     image_import_max_bytes: Option<NonZeroU64>,
+    image_max_unpacked_bytes: Option<NonZeroU64>,
+    image_max_inodes: Option<NonZeroU64>,
+    image_store_max_bytes: Option<NonZeroU64>,
     commit_delay_us: Option<u64>,
     worker_threads: Option<NonZeroUsize>,
 }
@@ -177,6 +194,8 @@ pub struct Settings {
     pub start_plugins: bool,
     pub registry: RegistrySettings,
     pub store: StoreOptions,
+    /// `--image-max-unpacked-bytes`, `--image-max-inodes`, `--image-store-max-bytes`.
+    pub image_limits: ImageLimits,
     /// The async runtime's worker threads (`--worker-threads`).
     pub worker_threads: NonZeroUsize,
 }
@@ -280,8 +299,24 @@ pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
              (docs/configuration.md says when more than 1 helps)"
         );
     }
+    let defaults = ImageLimits::default();
+    let image_limits = ImageLimits {
+        max_unpacked_bytes: args
+            .image_max_unpacked_bytes
+            .or(file.image_max_unpacked_bytes)
+            .map_or(defaults.max_unpacked_bytes, NonZeroU64::get),
+        max_inodes: args
+            .image_max_inodes
+            .or(file.image_max_inodes)
+            .map_or(defaults.max_inodes, NonZeroU64::get),
+        store_max_bytes: args
+            .image_store_max_bytes
+            .or(file.image_store_max_bytes)
+            .map_or(defaults.store_max_bytes, NonZeroU64::get),
+    };
     Ok(Settings {
         store,
+        image_limits,
         worker_threads,
         start_plugins: args.start_plugins || file.start_plugins == Some(true),
         registry,
@@ -455,6 +490,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
             start_plugins: settings.start_plugins,
             registry: settings.registry.clone(),
             store: settings.store,
+            image_limits: settings.image_limits.clone(),
         },
         metrics,
     )

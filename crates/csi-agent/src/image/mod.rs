@@ -12,6 +12,8 @@
 //!   durable index, each layer unpacked once (overlayfs) or a flattened rootfs per image,
 //!   garbage collection, Mesos `cached`.
 //! - [`progress`]: the pulls in flight and their bytes, per blob, for the API and csictl.
+//! - [`budget`]: the per-image caps on unpacked bytes and inodes and the store's quota,
+//!   charged while writing; the store's disk usage.
 //! - [`blobs`]: `blobs/sha256/<hex>` under a directory the caller chooses. A blob enters only
 //!   whole and verified (digest and size checked while streaming, fsynced, renamed into place,
 //!   the directory fsynced); a partial or mismatching blob is never visible under its name.
@@ -30,6 +32,7 @@
 //! treated as hostile input; the root directory given is trusted as the operator's.
 
 pub mod blobs;
+pub mod budget;
 pub mod import;
 pub mod overlay;
 pub mod progress;

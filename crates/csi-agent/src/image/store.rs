@@ -44,6 +44,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 
 use super::blobs::{BlobError, BlobStore, Digest};
+use super::budget::{Budget, ImageLimits};
 use super::pull::{PullError, Puller};
 use super::reference::ImageRef;
 use super::unpack::{self, Compression, Limits, UnpackError};
@@ -223,6 +224,8 @@ pub struct ImageStore {
     blobs: Arc<BlobStore>,
     puller: Puller,
     limits: Limits,
+    /// Caps on each image's unpacked bytes and inodes, and the store's quota.
+    image_limits: ImageLimits,
     /// Given to [`ImageStore::open`], or detected by the first image prepared (the probe
     /// mounts, which a daemon that never runs an image need not do).
     composition: std::sync::OnceLock<Composition>,
@@ -314,6 +317,7 @@ impl ImageStore {
             blobs,
             puller,
             limits: Limits::default(),
+            image_limits: ImageLimits::default(),
             composition: composition.map_or_else(std::sync::OnceLock::new, |c| {
                 let cell = std::sync::OnceLock::new();
                 let _ = cell.set(c);
@@ -338,6 +342,17 @@ impl ImageStore {
 
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// Sets the per-image caps and the store's quota (`--image-max-unpacked-bytes`,
+    /// `--image-max-inodes`, `--image-store-max-bytes`).
+    pub fn with_image_limits(mut self, limits: ImageLimits) -> Self {
+        self.image_limits = limits;
+        self
+    }
+
+    pub fn image_limits(&self) -> &ImageLimits {
+        &self.image_limits
     }
 
     /// How images are prepared (detected now if it was not given and is not known yet).
@@ -599,6 +614,7 @@ impl ImageStore {
                         blobs: Arc::clone(&self.blobs),
                         dir: self.dir.clone(),
                         limits: self.limits.clone(),
+                        image_limits: self.image_limits.clone(),
                     };
                     let (key2, entry2, manifest2) = (key.clone(), entry.clone(), manifest.clone());
                     let composition = self.composition();
@@ -798,9 +814,25 @@ struct BlobsAndDir {
     blobs: Arc<BlobStore>,
     dir: PathBuf,
     limits: Limits,
+    image_limits: ImageLimits,
 }
 
 impl BlobsAndDir {
+    /// The budget of one image's preparation: its caps, within what the store's quota
+    /// leaves now (refused at once when nothing is left; `first` names the layer).
+    fn budget(&self, key: &str, first: Option<&IndexLayer>) -> Result<Budget, StoreError> {
+        let used = super::budget::disk_usage(&self.dir).map_err(io_err("measure", &self.dir))?;
+        Budget::new(&self.image_limits, used).map_err(|exceeded| StoreError::Unpack {
+            reference: key.to_owned(),
+            layer: first.map_or_else(String::new, |l| l.digest.clone()),
+            source: Box::new(UnpackError::Limit {
+                entry: "<image>".to_owned(),
+                limit: exceeded.limit,
+                max: exceeded.max,
+            }),
+        })
+    }
+
     /// Applies the layers in order into a temp dir, syncs it, renames it into place.
     fn prepare(&self, key: &str, entry: &IndexEntry, manifest: &Digest) -> Result<(), StoreError> {
         use std::os::unix::fs::DirBuilderExt;
@@ -815,8 +847,10 @@ impl BlobsAndDir {
             .mode(0o755)
             .create(&temp)
             .map_err(io_err("mkdir", &temp))?;
+        let layers = distinct_layers(entry);
         let result = (|| {
-            for layer in &entry.layers {
+            let budget = self.budget(key, layers.first())?;
+            for layer in &layers {
                 let digest = parse_digest(&index_path, &layer.digest)?;
                 let blob = self.blobs.open_blob(&digest)?;
                 let compression = if layer.gzip {
@@ -824,12 +858,18 @@ impl BlobsAndDir {
                 } else {
                     Compression::None
                 };
-                unpack::apply_layer(&temp, io::BufReader::new(blob), compression, &self.limits)
-                    .map_err(|source| StoreError::Unpack {
-                        reference: key.to_owned(),
-                        layer: digest.to_string(),
-                        source: Box::new(source),
-                    })?;
+                unpack::apply_layer_within(
+                    &temp,
+                    io::BufReader::new(blob),
+                    compression,
+                    &self.limits,
+                    &budget,
+                )
+                .map_err(|source| StoreError::Unpack {
+                    reference: key.to_owned(),
+                    layer: digest.to_string(),
+                    source: Box::new(source),
+                })?;
             }
             sync_and_rename(&temp, &parent.join(manifest.hex()))?;
             fsync_dir(&parent)
@@ -853,8 +893,13 @@ impl BlobsAndDir {
         let parent = self.dir.join(LAYERS_DIR);
         let digests = layer_digests(&index_path, entry)?;
         let chains = chain_ids(&digests);
+        let layers = distinct_layers(entry);
+        let budget = self.budget(key, layers.first())?;
         let mut below: Vec<PathBuf> = Vec::with_capacity(chains.len());
-        for ((digest, chain), layer) in digests.iter().zip(&chains).zip(&entry.layers) {
+        // Layers this call completed: removed again if a later one is refused, since no
+        // indexed image names them (the busy lock keeps other preparations out).
+        let mut made: Vec<PathBuf> = Vec::new();
+        for ((digest, chain), layer) in digests.iter().zip(&chains).zip(&layers) {
             let target = parent.join(chain.hex());
             if !target.is_dir() {
                 let temp = parent.join(format!(
@@ -874,12 +919,13 @@ impl BlobsAndDir {
                         Compression::None
                     };
                     let lowers: Vec<PathBuf> = below.iter().rev().cloned().collect();
-                    unpack::apply_overlay_layer(
+                    unpack::apply_overlay_layer_within(
                         &temp,
                         &lowers,
                         io::BufReader::new(blob),
                         compression,
                         &self.limits,
+                        &budget,
                     )
                     .map_err(|source| StoreError::Unpack {
                         reference: key.to_owned(),
@@ -894,7 +940,15 @@ impl BlobsAndDir {
                 {
                     tracing::warn!(path = %temp.display(), %err, "partial layer not removed");
                 }
-                result?;
+                if let Err(err) = result {
+                    for done in &made {
+                        if let Err(err) = remove_tree(done) {
+                            tracing::warn!(path = %done.display(), %err, "layer of a refused image not removed");
+                        }
+                    }
+                    return Err(err);
+                }
+                made.push(target.clone());
             }
             below.push(target);
         }
@@ -928,13 +982,23 @@ fn sync_and_rename(temp: &Path, target: &Path) -> Result<(), StoreError> {
     }
 }
 
-/// The layer digests of an index entry, parsed.
+/// The layer digests of an index entry ([`distinct_layers`]), parsed.
 fn layer_digests(index: &Path, entry: &IndexEntry) -> Result<Vec<Digest>, StoreError> {
-    entry
-        .layers
+    distinct_layers(entry)
         .iter()
         .map(|layer| parse_digest(index, &layer.digest))
         .collect()
+}
+
+/// An entry's layers with each run of one layer repeated (the same blob listed twice in a
+/// row) kept once: applying a layer again on top of itself changes nothing, so it is never
+/// written twice (a gzip bomb listed eight times is unpacked, and refused, once). A layer
+/// repeated with others between is applied again (what lies between may have changed what
+/// it overrides), within the image's caps.
+fn distinct_layers(entry: &IndexEntry) -> Vec<IndexLayer> {
+    let mut layers = entry.layers.clone();
+    layers.dedup_by(|a, b| a.digest == b.digest);
+    layers
 }
 
 /// Each layer's chain id (module doc): the first layer's digest, then

@@ -40,7 +40,20 @@
 //!   A skipped or failing attribute is counted in [`Report::xattrs_not_kept`], not an error.
 //! - Limits ([`Limits`]) bound the entry count, name length and depth, the bytes written to
 //!   files (sparse files counted as expanded) and the decompressed stream, so a hostile layer
-//!   cannot fill the disk or run unbounded. Known gap: the tar crate reads a GNU long name
+//!   cannot fill the disk or run unbounded. Across the layers of one image, a
+//!   [`Budget`] (given to [`apply_layer_within`] / [`apply_overlay_layer_within`]) is charged
+//!   every byte and every inode before it is written or made, so an image is refused at its
+//!   cap (or the store's quota) while it is written.
+//! - Memory per layer does not grow with what an entry carries, and grows with the number of
+//!   entries only by a fixed 16-byte key (plus the hash table's slack) per path: the paths
+//!   this layer made are kept as keyed 128-bit hashes, not as names; the metadata of each
+//!   directory (its path, owner, mode, times, extended attributes) waits for the layer's end
+//!   in an unnamed temp file inside the root (`O_TMPFILE`, or a name unlinked at once),
+//!   which is read back one record at a time; the extended attributes kept for one entry
+//!   are capped at [`MAX_XATTR_BYTES_PER_ENTRY`] (the rest are counted in
+//!   [`Report::xattrs_not_kept`]), and the temp file's bytes are charged to the [`Budget`].
+//!   So 200 directories with megabytes of PAX xattrs each, or 300,000 long paths, stay within
+//!   tens of MiB (tests/image_bounds.rs). Known gap: the tar crate reads a GNU long name
 //!   or long link record, and a PAX record, whole into memory before the entry it describes
 //!   reaches this module, so the memory one such record takes is bounded only by
 //!   `max_layer_bytes`. Closing it means iterating the tar raw and parsing those records
@@ -71,9 +84,11 @@ use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
 use std::ffi::OsStr;
 use std::fs::File;
+use std::hash::{BuildHasher, RandomState};
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 
@@ -83,6 +98,7 @@ use rustix::fs::{
 };
 use rustix::io::Errno;
 
+use super::budget::{Budget, Exceeded};
 use crate::beneath::{self, BeneathError};
 
 /// The prefix of a whiteout's name.
@@ -98,6 +114,10 @@ const CHUNK: usize = 64 * 1024;
 /// Linux's limits on one extended attribute.
 const XATTR_NAME_MAX: usize = 255;
 const XATTR_SIZE_MAX: usize = 64 * 1024;
+/// Bytes of extended attributes (names and values) kept for one entry; the rest are skipped
+/// and counted. Linux file systems hold a few KiB per inode; this bounds what a directory's
+/// deferred metadata carries.
+pub const MAX_XATTR_BYTES_PER_ENTRY: usize = 64 * 1024;
 
 /// Bounds on what one layer may make; every one has a typed error ([`UnpackError::Limit`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -137,6 +157,12 @@ pub enum LimitKind {
     Depth,
     FileBytes,
     LayerBytes,
+    /// The image's unpacked bytes, all layers ([`Budget`]).
+    ImageBytes,
+    /// The image's inodes, all layers ([`Budget`]).
+    ImageInodes,
+    /// The room the image store's quota left for this image ([`Budget`]).
+    StoreBytes,
 }
 
 impl std::fmt::Display for LimitKind {
@@ -148,6 +174,11 @@ impl std::fmt::Display for LimitKind {
             Self::Depth => "name components",
             Self::FileBytes => "bytes written to files",
             Self::LayerBytes => "bytes of the decompressed layer",
+            Self::ImageBytes => "bytes unpacked for the image (--image-max-unpacked-bytes)",
+            Self::ImageInodes => {
+                "files, directories and links made for the image (--image-max-inodes)"
+            }
+            Self::StoreBytes => "bytes the image store's quota leaves (--image-store-max-bytes)",
         })
     }
 }
@@ -300,7 +331,18 @@ pub fn apply_layer<R: Read>(
     compression: Compression,
     limits: &Limits,
 ) -> Result<Report, UnpackError> {
-    apply(root, None, layer, compression, limits)
+    apply(root, None, layer, compression, limits, &Budget::unlimited())
+}
+
+/// [`apply_layer`], charging what it writes to `budget` (the image's, shared by its layers).
+pub fn apply_layer_within<R: Read>(
+    root: &Path,
+    layer: R,
+    compression: Compression,
+    limits: &Limits,
+    budget: &Budget,
+) -> Result<Report, UnpackError> {
+    apply(root, None, layer, compression, limits, budget)
 }
 
 /// Unpacks one layer tar into `dir` (an empty directory the caller owns) in the overlay
@@ -314,6 +356,25 @@ pub fn apply_overlay_layer<R: Read>(
     compression: Compression,
     limits: &Limits,
 ) -> Result<Report, UnpackError> {
+    apply_overlay_layer_within(
+        dir,
+        lowers,
+        layer,
+        compression,
+        limits,
+        &Budget::unlimited(),
+    )
+}
+
+/// [`apply_overlay_layer`], charging what it writes to `budget` (the image's).
+pub fn apply_overlay_layer_within<R: Read>(
+    dir: &Path,
+    lowers: &[PathBuf],
+    layer: R,
+    compression: Compression,
+    limits: &Limits,
+    budget: &Budget,
+) -> Result<Report, UnpackError> {
     let mut fds = Vec::with_capacity(lowers.len());
     for lower in lowers {
         fds.push(
@@ -323,7 +384,7 @@ pub fn apply_overlay_layer<R: Read>(
             })?,
         );
     }
-    apply(dir, Some(fds), layer, compression, limits)
+    apply(dir, Some(fds), layer, compression, limits, budget)
 }
 
 fn apply<R: Read>(
@@ -332,6 +393,7 @@ fn apply<R: Read>(
     layer: R,
     compression: Compression,
     limits: &Limits,
+    budget: &Budget,
 ) -> Result<Report, UnpackError> {
     let root_fd = beneath::open_root(root).map_err(|source| UnpackError::Root {
         root: root.to_path_buf(),
@@ -372,8 +434,10 @@ fn apply<R: Read>(
         limits,
         as_root: rustix::process::geteuid().is_root(),
         report: Report::default(),
+        budget,
         ours: HashSet::new(),
-        dirs: Vec::new(),
+        keys: (RandomState::new(), RandomState::new()),
+        dirs: DeferredDirs::default(),
         lowers,
     };
     let entries = archive.entries().map_err(read_error)?;
@@ -394,11 +458,16 @@ struct Meta {
     xattrs: Vec<(Vec<u8>, Vec<u8>)>,
 }
 
-#[derive(Debug)]
-struct DirMeta {
-    components: Vec<Vec<u8>>,
-    shown: String,
-    meta: Meta,
+/// Directory metadata waiting for the layer's end, on disk (module doc): records appended
+/// to an unnamed file, each followed by its length so that [`Layer::finish`] reads them
+/// back last first, one at a time.
+#[derive(Default)]
+struct DeferredDirs {
+    /// Made on the first directory entry.
+    file: Option<File>,
+    len: u64,
+    /// A directory's path key → the offset of its last record (the last entry wins).
+    last: HashMap<u128, u64>,
 }
 
 struct Layer<'a> {
@@ -407,11 +476,15 @@ struct Layer<'a> {
     limits: &'a Limits,
     as_root: bool,
     report: Report,
-    /// Every path this layer created, with all its ancestors (`a`, `a/b`, ...): whiteouts
-    /// hide only what lower layers left.
-    ours: HashSet<Vec<u8>>,
+    /// The image's caps, shared by its layers.
+    budget: &'a Budget,
+    /// The key ([`Layer::key`]) of every path this layer created, with all its ancestors
+    /// (`a`, `a/b`, ...): whiteouts hide only what lower layers left.
+    ours: HashSet<u128>,
+    /// Two independently keyed hashers: a path's key is 128 bits no layer can aim at.
+    keys: (RandomState, RandomState),
     /// Directory metadata, applied by [`Layer::finish`].
-    dirs: Vec<DirMeta>,
+    dirs: DeferredDirs,
     /// The overlay form: the lower layers' directories, nearest first (`None`: flattened).
     lowers: Option<Vec<OwnedFd>>,
 }
@@ -466,13 +539,10 @@ impl Layer<'_> {
                 Err(Errno::NOENT) => self.mkdir(parent_fd, name, &shown)?,
                 Err(errno) => return Err(io_error(&shown, "stat", errno)),
             }
-            self.dirs.push(DirMeta {
-                components: components.clone(),
-                shown: shown.clone(),
-                meta,
-            });
+            self.defer_dir(&components, &meta, &shown)?;
         } else if kind.is_file() || kind.is_contiguous() || kind.is_gnu_sparse() {
             self.remove_existing(parent_fd, name, depth, &shown)?;
+            self.charge_inode(&shown)?;
             let fd = rustix::fs::openat(
                 parent_fd,
                 name.as_slice(),
@@ -486,6 +556,8 @@ impl Layer<'_> {
         } else if kind.is_symlink() {
             let target = self.link_target(entry, &shown)?;
             self.remove_existing(parent_fd, name, depth, &shown)?;
+            self.charge_inode(&shown)?;
+            self.charge_bytes(target.len() as u64, &shown)?;
             rustix::fs::symlinkat(target.as_slice(), parent_fd, name.as_slice())
                 .map_err(|errno| io_error(&shown, "symlink", errno))?;
             if self.as_root {
@@ -546,6 +618,7 @@ impl Layer<'_> {
                 return Ok(());
             };
             self.remove_existing(parent_fd, name, depth, &shown)?;
+            self.charge_inode(&shown)?;
             // No AT_SYMLINK_FOLLOW: a target that is a symlink is linked itself.
             rustix::fs::linkat(
                 &target_dir,
@@ -575,6 +648,7 @@ impl Layer<'_> {
                 .map_err(|source| malformed(&shown, "device minor", source))?
                 .unwrap_or(0);
             self.remove_existing(parent_fd, name, depth, &shown)?;
+            self.charge_inode(&shown)?;
             rustix::fs::mknodat(
                 parent_fd,
                 name.as_slice(),
@@ -677,6 +751,7 @@ impl Layer<'_> {
         )
         .unwrap_or(i64::MAX);
         let mut xattrs = Vec::new();
+        let mut xattr_bytes = 0usize;
         let extensions = entry.pax_extensions().map_err(read_error)?;
         for extension in extensions.into_iter().flatten() {
             let extension = extension.map_err(|source| malformed(shown, "PAX record", source))?;
@@ -696,10 +771,13 @@ impl Layer<'_> {
                 }
                 _ => {
                     if let Some(name) = key.strip_prefix(b"SCHILY.xattr.") {
+                        let size = name.len() + value.len();
                         if kept_xattr(name)
                             && name.len() <= XATTR_NAME_MAX
                             && value.len() <= XATTR_SIZE_MAX
+                            && xattr_bytes + size <= MAX_XATTR_BYTES_PER_ENTRY
                         {
+                            xattr_bytes += size;
                             xattrs.push((name.to_vec(), value.to_vec()));
                         } else {
                             self.report.xattrs_not_kept += 1;
@@ -740,6 +818,7 @@ impl Layer<'_> {
                 Err(err) if err.kind() == io::ErrorKind::Interrupted => continue,
                 Err(err) => return Err(read_error(err)),
             };
+            self.charge_bytes(n as u64, shown)?;
             self.report.bytes_written = self.report.bytes_written.saturating_add(n as u64);
             if self.report.bytes_written > self.limits.max_file_bytes {
                 return Err(limit(
@@ -758,6 +837,7 @@ impl Layer<'_> {
     }
 
     fn mkdir(&self, parent: BorrowedFd<'_>, name: &[u8], shown: &str) -> Result<(), UnpackError> {
+        self.charge_inode(shown)?;
         // Owner-only until `finish` sets the entry's mode.
         rustix::fs::mkdirat(parent, name, Mode::from_raw_mode(0o700))
             .map_err(|errno| io_error(shown, "mkdir", errno))
@@ -777,6 +857,7 @@ impl Layer<'_> {
             let next = match beneath::open_dir(fd.as_fd(), &at, name, None) {
                 Ok(opened) => opened.fd,
                 Err(BeneathError::NotFound { .. }) => {
+                    self.charge_inode(shown)?;
                     let made = match rustix::fs::mkdirat(&fd, name, Mode::from_raw_mode(0o755)) {
                         Ok(()) => true,
                         Err(Errno::EXIST) => false,
@@ -851,7 +932,7 @@ impl Layer<'_> {
         }
         let mut path = parent.to_vec();
         path.push(target.to_vec());
-        if self.ours.contains(&join(&path)) {
+        if self.is_ours(&path) {
             return Ok(());
         }
         if overlay {
@@ -861,6 +942,7 @@ impl Layer<'_> {
                 return Ok(());
             }
             let dir = self.create_parent(parent, shown)?;
+            self.charge_inode(shown)?;
             rustix::fs::mknodat(
                 &dir,
                 target,
@@ -882,7 +964,7 @@ impl Layer<'_> {
     /// layer's.
     fn mark_opaque(&mut self, dir: &[Vec<u8>], shown: &str) -> Result<(), UnpackError> {
         // A directory neither this layer nor a lower one has hides nothing.
-        if !self.ours.contains(&join(dir)) && !dir.is_empty() && !self.lower_shows(dir, shown)? {
+        if !self.is_ours(dir) && !dir.is_empty() && !self.lower_shows(dir, shown)? {
             return Ok(());
         }
         let opened = if let Some((name, parent)) = dir.split_last() {
@@ -1080,6 +1162,9 @@ impl Layer<'_> {
                 };
                 return match FileType::from_raw_mode(stat.st_mode) {
                     FileType::RegularFile => {
+                        // Charged before the copy is written, at the size it has.
+                        self.charge_inode(shown)?;
+                        self.charge_bytes(stat.st_size.max(0) as u64, shown)?;
                         let source = rustix::fs::openat(
                             &dir,
                             target_name,
@@ -1122,6 +1207,8 @@ impl Layer<'_> {
                     FileType::Symlink => {
                         let target = rustix::fs::readlinkat(&dir, target_name, Vec::new())
                             .map_err(|errno| io_error(shown, "read the link target", errno))?;
+                        self.charge_inode(shown)?;
+                        self.charge_bytes(target.as_bytes().len() as u64, shown)?;
                         rustix::fs::symlinkat(target.as_bytes(), parent, name)
                             .map_err(|errno| io_error(shown, "symlink", errno))?;
                         Ok(true)
@@ -1148,7 +1235,7 @@ impl Layer<'_> {
         for child in children {
             let mut path = dir_components.clone();
             path.push(child.clone());
-            if !self.ours.contains(&join(&path)) {
+            if !self.is_ours(&path) {
                 self.remove_existing(dir, &child, path.len(), shown)?;
                 continue;
             }
@@ -1203,13 +1290,93 @@ impl Layer<'_> {
     fn record(&mut self, components: &[Vec<u8>]) {
         // An ancestor of a recorded path is recorded: stop at the first one already there.
         for len in (1..=components.len()).rev() {
-            if !self
-                .ours
-                .insert(join(components.get(..len).unwrap_or_default()))
-            {
+            let key = self.key(components.get(..len).unwrap_or_default());
+            if !self.ours.insert(key) {
                 break;
             }
         }
+    }
+
+    /// Whether this layer made `components` (or something beneath it).
+    fn is_ours(&self, components: &[Vec<u8>]) -> bool {
+        self.ours.contains(&self.key(components))
+    }
+
+    /// A path's 128-bit key (two independently, randomly keyed SipHashes of its joined
+    /// components): what `ours` and the deferred directories keep instead of the path.
+    fn key(&self, components: &[Vec<u8>]) -> u128 {
+        let joined = join(components);
+        (u128::from(self.keys.0.hash_one(&joined)) << 64)
+            | u128::from(self.keys.1.hash_one(&joined))
+    }
+
+    fn charge_inode(&self, shown: &str) -> Result<(), UnpackError> {
+        self.budget.inode().map_err(|e| exceeded(shown, e))
+    }
+
+    fn charge_bytes(&self, n: u64, shown: &str) -> Result<(), UnpackError> {
+        self.budget.bytes(n).map_err(|e| exceeded(shown, e))
+    }
+
+    /// Appends a directory's metadata to the deferred file (made in the root on first use).
+    fn defer_dir(
+        &mut self,
+        components: &[Vec<u8>],
+        meta: &Meta,
+        shown: &str,
+    ) -> Result<(), UnpackError> {
+        let record = encode_dir(components, meta);
+        let with_len = record.len() as u64 + 8;
+        self.charge_bytes(with_len, shown)?;
+        if self.dirs.file.is_none() {
+            self.dirs.file = Some(self.deferred_file(shown)?);
+        }
+        let key = self.key(components);
+        let Some(file) = &self.dirs.file else {
+            return Ok(());
+        };
+        let at = self.dirs.len;
+        let write_err = |source| UnpackError::Io {
+            entry: shown.to_owned(),
+            op: "write deferred directory metadata",
+            source,
+        };
+        file.write_all_at(&record, at).map_err(write_err)?;
+        file.write_all_at(
+            &(record.len() as u64).to_le_bytes(),
+            at + record.len() as u64,
+        )
+        .map_err(write_err)?;
+        self.dirs.len = at + with_len;
+        self.dirs.last.insert(key, at);
+        Ok(())
+    }
+
+    /// An unnamed file in the root: `O_TMPFILE`, or (where the file system has none) a
+    /// random name made exclusively and unlinked at once. Either way nothing of it stays in
+    /// the tree, and its blocks are freed when the layer ends, whatever way it ends.
+    fn deferred_file(&self, shown: &str) -> Result<File, UnpackError> {
+        let err = |source: Errno| io_error(shown, "create the deferred metadata file", source);
+        match rustix::fs::openat(
+            &self.root_fd,
+            ".",
+            OFlags::TMPFILE | OFlags::RDWR | OFlags::CLOEXEC,
+            Mode::from_raw_mode(0o600),
+        ) {
+            Ok(fd) => return Ok(File::from(fd)),
+            Err(Errno::OPNOTSUPP | Errno::ISDIR | Errno::INVAL | Errno::NOENT) => {}
+            Err(errno) => return Err(err(errno)),
+        }
+        let name = format!(".csi-agent-dirs-{:016x}", rand::random::<u64>());
+        let fd = rustix::fs::openat(
+            &self.root_fd,
+            name.as_str(),
+            OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::RDWR | OFlags::CLOEXEC,
+            Mode::from_raw_mode(0o600),
+        )
+        .map_err(err)?;
+        rustix::fs::unlinkat(&self.root_fd, name.as_str(), AtFlags::empty()).map_err(err)?;
+        Ok(File::from(fd))
     }
 
     /// Owner, mode, extended attributes and times of a file or directory open for reading
@@ -1280,21 +1447,40 @@ impl Layer<'_> {
     }
 
     /// Applies directory metadata, the last entry for a directory winning, deepest (latest)
-    /// first; a directory a later entry replaced (by a file or symlink) is skipped.
+    /// first; a directory a later entry replaced (by a file or symlink) is skipped. Records
+    /// are read back from the deferred file one at a time, last first.
     fn finish(mut self) -> Result<Report, UnpackError> {
         let dirs = std::mem::take(&mut self.dirs);
-        let mut last: HashMap<&[Vec<u8>], usize> = HashMap::new();
-        for (index, dir) in dirs.iter().enumerate() {
-            last.insert(dir.components.as_slice(), index);
-        }
-        for (index, dir) in dirs.iter().enumerate().rev() {
-            if last.get(dir.components.as_slice()) != Some(&index) {
+        let Some(file) = dirs.file else {
+            return Ok(self.report);
+        };
+        let read_err = |source| UnpackError::Io {
+            entry: "<deferred directory metadata>".to_owned(),
+            op: "read",
+            source,
+        };
+        let mut end = dirs.len;
+        let mut record = Vec::new();
+        while end >= 8 {
+            let mut len = [0u8; 8];
+            file.read_exact_at(&mut len, end - 8).map_err(read_err)?;
+            let len = u64::from_le_bytes(len);
+            let start = (end - 8)
+                .checked_sub(len)
+                .ok_or_else(|| read_err(io::Error::other("a record runs past the start")))?;
+            record.resize(usize::try_from(len).unwrap_or(usize::MAX), 0);
+            file.read_exact_at(&mut record, start).map_err(read_err)?;
+            end = start;
+            let (components, meta) = decode_dir(&record)
+                .ok_or_else(|| read_err(io::Error::other("a record does not decode")))?;
+            if dirs.last.get(&self.key(&components)) != Some(&start) {
                 continue;
             }
+            let shown = show(&join(&components));
             let opened = match beneath::open_dir(
                 self.root_fd.as_fd(),
                 self.root,
-                &relative(&dir.components),
+                &relative(&components),
                 None,
             ) {
                 Ok(opened) => opened.fd,
@@ -1303,7 +1489,7 @@ impl Layer<'_> {
                     | BeneathError::Symlink { .. }
                     | BeneathError::NotADirectory { .. },
                 ) => continue,
-                Err(source) => return Err(beneath_error(&dir.shown, source)),
+                Err(source) => return Err(beneath_error(&shown, source)),
             };
             let fd = rustix::fs::openat(
                 &opened,
@@ -1311,11 +1497,77 @@ impl Layer<'_> {
                 OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
                 Mode::empty(),
             )
-            .map_err(|errno| io_error(&dir.shown, "open", errno))?;
-            self.set_meta_fd(fd.as_fd(), &dir.meta, &dir.shown)?;
+            .map_err(|errno| io_error(&shown, "open", errno))?;
+            self.set_meta_fd(fd.as_fd(), &meta, &shown)?;
         }
         Ok(self.report)
     }
+}
+
+/// One deferred directory: its components, then mode, uid, gid, mtime and its extended
+/// attributes, every length a little-endian u32 (names are at most `PATH_MAX`, attributes
+/// at most [`MAX_XATTR_BYTES_PER_ENTRY`]).
+fn encode_dir(components: &[Vec<u8>], meta: &Meta) -> Vec<u8> {
+    fn put(out: &mut Vec<u8>, bytes: &[u8]) {
+        out.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
+        out.extend_from_slice(bytes);
+    }
+    let mut out = Vec::new();
+    out.extend_from_slice(&(components.len() as u32).to_le_bytes());
+    for component in components {
+        put(&mut out, component);
+    }
+    out.extend_from_slice(&meta.mode.to_le_bytes());
+    out.extend_from_slice(&meta.uid.to_le_bytes());
+    out.extend_from_slice(&meta.gid.to_le_bytes());
+    out.extend_from_slice(&meta.mtime.to_le_bytes());
+    out.extend_from_slice(&(meta.xattrs.len() as u32).to_le_bytes());
+    for (name, value) in &meta.xattrs {
+        put(&mut out, name);
+        put(&mut out, value);
+    }
+    out
+}
+
+/// The inverse of [`encode_dir`]; `None` for a record it did not write.
+fn decode_dir(mut record: &[u8]) -> Option<(Vec<Vec<u8>>, Meta)> {
+    fn take<'r>(record: &mut &'r [u8], n: usize) -> Option<&'r [u8]> {
+        let (head, rest) = record.split_at_checked(n)?;
+        *record = rest;
+        Some(head)
+    }
+    fn u32_of(record: &mut &[u8]) -> Option<u32> {
+        Some(u32::from_le_bytes(take(record, 4)?.try_into().ok()?))
+    }
+    fn bytes(record: &mut &[u8]) -> Option<Vec<u8>> {
+        let len = u32_of(record)? as usize;
+        Some(take(record, len)?.to_vec())
+    }
+    let count = u32_of(&mut record)?;
+    let mut components = Vec::new();
+    for _ in 0..count {
+        components.push(bytes(&mut record)?);
+    }
+    let mode = u32_of(&mut record)?;
+    let uid = u32_of(&mut record)?;
+    let gid = u32_of(&mut record)?;
+    let mtime = i64::from_le_bytes(take(&mut record, 8)?.try_into().ok()?);
+    let mut xattrs = Vec::new();
+    for _ in 0..u32_of(&mut record)? {
+        let name = bytes(&mut record)?;
+        let value = bytes(&mut record)?;
+        xattrs.push((name, value));
+    }
+    record.is_empty().then_some((
+        components,
+        Meta {
+            mode,
+            uid,
+            gid,
+            mtime,
+            xattrs,
+        },
+    ))
 }
 
 /// Opens `name` in `dir` as a directory, beneath `dir` and following no link.
@@ -1507,6 +1759,14 @@ fn limit(shown: &str, limit: LimitKind, max: impl TryInto<u64>) -> UnpackError {
     }
 }
 
+fn exceeded(shown: &str, exceeded: Exceeded) -> UnpackError {
+    UnpackError::Limit {
+        entry: shown.to_owned(),
+        limit: exceeded.limit,
+        max: exceeded.max,
+    }
+}
+
 fn malformed(shown: &str, field: &'static str, source: io::Error) -> UnpackError {
     UnpackError::Malformed {
         entry: shown.to_owned(),
@@ -1542,8 +1802,10 @@ mod tests {
             limits,
             as_root: false,
             report: Report::default(),
+            budget: Box::leak(Box::new(Budget::unlimited())),
             ours: HashSet::new(),
-            dirs: Vec::new(),
+            keys: (RandomState::new(), RandomState::new()),
+            dirs: DeferredDirs::default(),
             lowers: None,
         }
     }
@@ -1607,11 +1869,37 @@ mod tests {
         let limits = Limits::default();
         let mut layer = layer(&limits);
         layer.record(&[b"a".to_vec(), b"b".to_vec(), b"c".to_vec()]);
+        let parts = |path: &str| -> Vec<Vec<u8>> {
+            path.split('/').map(|c| c.as_bytes().to_vec()).collect()
+        };
         for path in ["a", "a/b", "a/b/c"] {
-            assert!(layer.ours.contains(path.as_bytes()), "{path}");
+            assert!(layer.is_ours(&parts(path)), "{path}");
         }
-        assert!(!layer.ours.contains(&b"a/b/d"[..]));
+        assert!(!layer.is_ours(&parts("a/b/d")));
         assert_eq!(layer.ours.len(), 3);
+    }
+
+    #[test]
+    fn deferred_directory_records_decode_to_what_was_encoded() {
+        let components = vec![b"a".to_vec(), vec![0xff; 255]];
+        let meta = Meta {
+            mode: 0o1755,
+            uid: 7,
+            gid: 8,
+            mtime: -5,
+            xattrs: vec![(b"user.x".to_vec(), vec![1; 1000])],
+        };
+        let record = encode_dir(&components, &meta);
+        let (back, got) = decode_dir(&record).unwrap();
+        assert_eq!(back, components);
+        assert_eq!(
+            (got.mode, got.uid, got.gid, got.mtime, got.xattrs),
+            (meta.mode, meta.uid, meta.gid, meta.mtime, meta.xattrs)
+        );
+        assert!(decode_dir(&record[..record.len() - 1]).is_none());
+        let mut longer = record.clone();
+        longer.push(0);
+        assert!(decode_dir(&longer).is_none());
     }
 
     #[test]
