@@ -588,3 +588,75 @@ mod one_line_tests {
         assert_eq!(one_line(b"\n\n"), b"\\n\n");
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod image_limit_tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+
+    fn parse(args: &[&str]) -> anyhow::Result<Settings> {
+        let argv = std::iter::once("csi-agentd").chain(args.iter().copied());
+        settings(Cli::try_parse_from(argv)?.serve)
+    }
+
+    #[test]
+    fn image_caps_come_from_the_flags_then_the_file_then_the_defaults() {
+        let tmp = tempfile::tempdir().unwrap();
+        let work = tmp.path().join("work");
+        let work = work.to_str().unwrap();
+        let defaults = parse(&["--work-dir", work]).unwrap().image_limits;
+        assert_eq!(defaults, ImageLimits::default());
+        assert_eq!(defaults.max_unpacked_bytes, 8 << 30);
+
+        let config = tmp.path().join("csi-agentd.toml");
+        std::fs::write(
+            &config,
+            "image_max_unpacked_bytes = 1000\nimage_max_inodes = 20\nimage_store_max_bytes = 3000\n",
+        )
+        .unwrap();
+        let config = config.to_str().unwrap();
+        let from_file = parse(&["--work-dir", work, "--config", config])
+            .unwrap()
+            .image_limits;
+        assert_eq!(
+            from_file,
+            ImageLimits {
+                max_unpacked_bytes: 1000,
+                max_inodes: 20,
+                store_max_bytes: 3000,
+            }
+        );
+        let flags_win = parse(&[
+            "--work-dir",
+            work,
+            "--config",
+            config,
+            "--image-max-unpacked-bytes",
+            "5",
+            "--image-max-inodes",
+            "6",
+            "--image-store-max-bytes",
+            "7",
+        ])
+        .unwrap()
+        .image_limits;
+        assert_eq!(
+            (
+                flags_win.max_unpacked_bytes,
+                flags_win.max_inodes,
+                flags_win.store_max_bytes
+            ),
+            (5, 6, 7)
+        );
+        // Zero would refuse every image: a typed error naming the flag, not a silent cap.
+        let zero = parse(&["--work-dir", work, "--image-max-inodes", "0"]).unwrap_err();
+        assert!(zero.to_string().contains("--image-max-inodes"), "{zero}");
+    }
+}

@@ -115,6 +115,28 @@ pub struct IndexLayer {
     pub gzip: bool,
 }
 
+impl IndexLayer {
+    fn compression(&self) -> Compression {
+        if self.gzip {
+            Compression::Gzip
+        } else {
+            Compression::None
+        }
+    }
+}
+
+/// A layer's refusal, naming the image and the layer.
+fn unpack_err<'a>(
+    reference: &'a str,
+    layer: &'a Digest,
+) -> impl FnOnce(UnpackError) -> StoreError + 'a {
+    move |source| StoreError::Unpack {
+        reference: reference.to_owned(),
+        layer: layer.to_string(),
+        source: Box::new(source),
+    }
+}
+
 #[derive(Debug, Default, Serialize, Deserialize)]
 struct IndexFile {
     version: u32,
@@ -853,23 +875,14 @@ impl BlobsAndDir {
             for layer in &layers {
                 let digest = parse_digest(&index_path, &layer.digest)?;
                 let blob = self.blobs.open_blob(&digest)?;
-                let compression = if layer.gzip {
-                    Compression::Gzip
-                } else {
-                    Compression::None
-                };
                 unpack::apply_layer_within(
                     &temp,
                     io::BufReader::new(blob),
-                    compression,
+                    layer.compression(),
                     &self.limits,
                     &budget,
                 )
-                .map_err(|source| StoreError::Unpack {
-                    reference: key.to_owned(),
-                    layer: digest.to_string(),
-                    source: Box::new(source),
-                })?;
+                .map_err(unpack_err(key, &digest))?;
             }
             sync_and_rename(&temp, &parent.join(manifest.hex()))?;
             fsync_dir(&parent)
@@ -913,25 +926,16 @@ impl BlobsAndDir {
                     .map_err(io_err("mkdir", &temp))?;
                 let result = (|| {
                     let blob = self.blobs.open_blob(digest)?;
-                    let compression = if layer.gzip {
-                        Compression::Gzip
-                    } else {
-                        Compression::None
-                    };
                     let lowers: Vec<PathBuf> = below.iter().rev().cloned().collect();
                     unpack::apply_overlay_layer_within(
                         &temp,
                         &lowers,
                         io::BufReader::new(blob),
-                        compression,
+                        layer.compression(),
                         &self.limits,
                         &budget,
                     )
-                    .map_err(|source| StoreError::Unpack {
-                        reference: key.to_owned(),
-                        layer: digest.to_string(),
-                        source: Box::new(source),
-                    })?;
+                    .map_err(unpack_err(key, digest))?;
                     sync_and_rename(&temp, &target)?;
                     fsync_dir(&parent)
                 })();

@@ -255,6 +255,31 @@ pub fn oci_layout(
     layers: &[Vec<u8>],
     config: serde_json::Value,
 ) -> anyhow::Result<Image> {
+    let mut with_ids = Vec::with_capacity(layers.len());
+    for layer in layers {
+        // Gzipped, or a plain tar (big layers: no time spent compressing in a test).
+        let diff_id = if layer.starts_with(&[0x1f, 0x8b]) {
+            let mut plain = Vec::new();
+            std::io::Read::read_to_end(
+                &mut flate2::read::GzDecoder::new(layer.as_slice()),
+                &mut plain,
+            )?;
+            sha256_hex(&plain)
+        } else {
+            sha256_hex(layer)
+        };
+        with_ids.push((layer.as_slice(), diff_id));
+    }
+    oci_layout_with_diff_ids(dir, &with_ids, config)
+}
+
+/// [`oci_layout`] with each layer's diff id (the hex sha256 of its uncompressed tar) given,
+/// for layers too large to decompress in memory (a gzip bomb). Layers may repeat.
+pub fn oci_layout_with_diff_ids(
+    dir: &Path,
+    layers: &[(&[u8], String)],
+    config: serde_json::Value,
+) -> anyhow::Result<Image> {
     let blobs = dir.join("blobs/sha256");
     std::fs::create_dir_all(&blobs)?;
     let put = |bytes: &[u8]| -> anyhow::Result<String> {
@@ -265,19 +290,8 @@ pub fn oci_layout(
     let mut diff_ids = Vec::new();
     let mut layer_descs = Vec::new();
     let mut layer_hexes = Vec::new();
-    for layer in layers {
-        // Gzipped, or a plain tar (big layers: no time spent compressing in a test).
+    for (layer, diff_id) in layers {
         let gzip = layer.starts_with(&[0x1f, 0x8b]);
-        let diff_id = if gzip {
-            let mut plain = Vec::new();
-            std::io::Read::read_to_end(
-                &mut flate2::read::GzDecoder::new(layer.as_slice()),
-                &mut plain,
-            )?;
-            sha256_hex(&plain)
-        } else {
-            sha256_hex(layer)
-        };
         diff_ids.push(format!("sha256:{diff_id}"));
         let hex = put(layer)?;
         layer_descs.push(serde_json::json!({
