@@ -267,6 +267,19 @@ pub fn mounts_under(dir: &Path) -> Vec<PathBuf> {
         .collect()
 }
 
+/// Unmounts, innermost first, what a test left mounted beneath its temp dir on purpose: the
+/// dir's removal cannot go through a mount point and would leave it in /tmp (issue #30).
+pub fn unmount_leftovers(dir: &Path) {
+    let mut mounts = mounts_under(dir);
+    mounts.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+    for mount in mounts {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&mount)
+            .status();
+    }
+}
+
 /// Volume records left in the work dir's database (volume ids), as committed so far.
 pub fn records(work_dir: &Path) -> Vec<String> {
     csi_agent::store::db::dump(work_dir)

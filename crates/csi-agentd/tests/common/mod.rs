@@ -185,10 +185,19 @@ impl Drop for Daemon {
         }
         self.kill9();
         // The daemon leaves its plugins running on purpose; the test does not.
+        let test_dir = self.work.parent().unwrap();
         let _ = Command::new("pkill")
             .arg("-f")
-            .arg(self.work.parent().unwrap().to_string_lossy().as_ref())
+            .arg(test_dir.to_string_lossy().as_ref())
             .status();
+        // Nor its mounts (the plugin's, a test's own tmpfs): the temp dir's removal cannot go
+        // through a mount point and would leave the dir in /tmp (issue #30). Innermost first,
+        // detached, since a plugin killed a moment ago may still hold one.
+        let mut mounts = mounts_under(test_dir);
+        mounts.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+        for mount in mounts {
+            let _ = Command::new("umount").arg("-l").arg(&mount).status();
+        }
     }
 }
 

@@ -212,6 +212,22 @@ impl Drop for Plugin {
             let _ = child.kill();
             let _ = child.wait();
         }
+        // What a test left mounted beneath the temp dir (a failed step, a fault): its removal
+        // cannot go through a mount point and would leave the dir in /tmp (issue #30).
+        // Innermost first; the dir's paths hold no character mountinfo escapes.
+        let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        let mut mounts: Vec<&str> = mountinfo
+            .lines()
+            .filter_map(|line| line.split(' ').nth(4))
+            .filter(|point| Path::new(point).starts_with(self.dir.path()))
+            .collect();
+        mounts.sort_by_key(|p| std::cmp::Reverse(p.len()));
+        for mount in mounts {
+            let _ = std::process::Command::new("umount")
+                .arg("-l")
+                .arg(mount)
+                .status();
+        }
     }
 }
 
