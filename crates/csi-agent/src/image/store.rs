@@ -29,6 +29,18 @@
 //! so neither this cleanup nor a prune removes a blob another pull or import is fetching or
 //! about to index.
 //!
+//! ## Locking: a pull blocks nobody (issue #23)
+//! No lock is held across the network. The store-wide `busy` lock is taken only for local
+//! work: checking the index for a cached image, preparing (unpacking) and indexing, a prune,
+//! an import's check-prepare-record, and the removal of the `layers/`/`rootfs/` dirs a failed
+//! ensure prepared. So the prepared dirs are only ever created, indexed or removed under it,
+//! and a blob a pull is fetching is protected by its hold instead. A cached image
+//! ([`PullPolicy::IfMissing`] or a digest) is checked and made ready under `busy` alone, so
+//! another plugin's slow or stuck pull never delays it (a registry trickling bytes is cut by
+//! [`super::pull::PullLimits::min_bytes_per_sec`]). Two ensures that must pull the same
+//! reference are serialized by a per-reference lock (the second then usually finds it cached
+//! instead of downloading it again); it is never taken on the cached path.
+//!
 //! It owns when to pull (Mesos `cached` semantics), the index, the rootfs dirs and which blobs
 //! are garbage. It must not decide which images are in use (the caller says, from the plugin
 //! configs), nor run containers. Everything read back from disk is checked: index digests are
@@ -252,9 +264,13 @@ pub struct ImageStore {
     /// mounts, which a daemon that never runs an image need not do).
     composition: std::sync::OnceLock<Composition>,
     index: Mutex<IndexFile>,
-    /// One ensure or prune at a time: a prune must never remove what an ensure is about to
-    /// use, and two ensures of one image must not build its rootfs twice.
+    /// Local work only, never the network (module doc, "Locking"): checking the index for a
+    /// cached image, preparing and indexing, a prune, an import, a failed ensure's cleanup of
+    /// its prepared dirs. A prune must never remove what an ensure is about to use, and two
+    /// ensures of one image must not build its rootfs twice.
     busy: tokio::sync::Mutex<()>,
+    /// One pull per reference at a time (module doc); entries go when no ensure uses them.
+    pulling: Mutex<BTreeMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 /// What the index names (see [`ImageStore::kept`]).
@@ -267,10 +283,15 @@ struct Kept {
 
 /// Removes, when dropped unless the ensure succeeded, what its pull stored and prepared
 /// ([`ImageStore::remove_failed`]); a dropped (abandoned) ensure included.
+///
+/// `entry` (the prepared dirs to remove) is set only while `busy` holds the store's lock, so
+/// those dirs are removed under it (dropped after `drop` runs); the blobs need no lock (their
+/// holds protect another pull's).
 struct FailedPullCleanup<'a> {
     store: &'a ImageStore,
     fetched: Arc<super::pull::Fetched>,
     entry: Option<IndexEntry>,
+    busy: Option<tokio::sync::MutexGuard<'a, ()>>,
     succeeded: bool,
 }
 
@@ -278,7 +299,29 @@ impl Drop for FailedPullCleanup<'_> {
     fn drop(&mut self) {
         let stored = self.fetched.release();
         if !self.succeeded {
-            self.store.remove_failed(&stored, self.entry.as_ref());
+            let entry = self.busy.as_ref().and(self.entry.as_ref());
+            self.store.remove_failed(&stored, entry);
+        }
+    }
+}
+
+/// The per-reference pull lock of one ensure; forgets the reference when the last user goes.
+struct PullingRef<'a> {
+    store: &'a ImageStore,
+    key: String,
+    lock: Arc<tokio::sync::Mutex<()>>,
+}
+
+impl Drop for PullingRef<'_> {
+    fn drop(&mut self) {
+        let mut pulling = self
+            .store
+            .pulling
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // The map's and ours: nobody else waits for it.
+        if Arc::strong_count(&self.lock) <= 2 {
+            pulling.remove(&self.key);
         }
     }
 }
@@ -347,6 +390,7 @@ impl ImageStore {
             }),
             index: Mutex::new(index),
             busy: tokio::sync::Mutex::new(()),
+            pulling: Mutex::new(BTreeMap::new()),
         };
         // Nothing runs yet: whatever the index does not name is what a crash mid-pull (or
         // mid-prepare) left, and nothing will ever use it.
@@ -448,53 +492,93 @@ impl ImageStore {
     }
 
     /// Makes `reference` ready: pulled (per `policy`), its rootfs prepared, its config read.
+    ///
+    /// Holds the store's lock only for local work (module doc, "Locking"): a cached image is
+    /// ready without waiting for any pull, and a pull waits only for another pull of the same
+    /// reference, never holding the store's lock while it talks to the registry.
     pub async fn ensure(
         &self,
         reference: &ImageRef,
         policy: PullPolicy,
     ) -> Result<Prepared, StoreError> {
-        let _busy = self.busy.lock().await;
-        // Dropped before `_busy`: what a failed (or abandoned) pull stored is removed while
-        // no other ensure or prune runs.
+        // Dropped last: what a failed (or abandoned) ensure stored is removed (its prepared
+        // dirs only while it holds the store's lock).
         let mut cleanup = FailedPullCleanup {
             store: self,
             fetched: super::pull::Fetched::new(&self.blobs),
             entry: None,
+            busy: None,
             succeeded: false,
         };
         let key = reference.to_string();
-        let known = self.lock_index().images.get(&key).cloned();
         // A digest-pinned reference never changes; a tag is re-checked only when asked.
         let use_local = policy == PullPolicy::IfMissing || reference.digest().is_some();
-        let local = match known {
-            Some(entry) if use_local => self.usable(&key, &entry)?,
-            _ => None,
+        if use_local && self.cached(&key, &mut cleanup).await? {
+            return self.record_one(key, Vec::new(), cleanup).await;
+        }
+        let pulling = self.pulling_ref(&key);
+        let _pulling = pulling.lock.lock().await;
+        // Another ensure of this reference may have pulled it while this one waited.
+        if use_local && self.cached(&key, &mut cleanup).await? {
+            return self.record_one(key, Vec::new(), cleanup).await;
+        }
+        // No store lock here: a slow registry delays this reference only.
+        let pulled = self
+            .puller
+            .pull_into(reference, &self.blobs, &cleanup.fetched)
+            .await?;
+        cleanup.entry = Some(IndexEntry {
+            manifest: pulled.manifest.to_string(),
+            config: pulled.config.digest.to_string(),
+            size: pulled.size(),
+            layers: pulled
+                .layers
+                .iter()
+                .map(|l| IndexLayer {
+                    digest: l.blob.digest.to_string(),
+                    gzip: l.compression == Compression::Gzip,
+                })
+                .collect(),
+            pulled_at: now_secs(),
+        });
+        cleanup.busy = Some(self.busy.lock().await);
+        self.record_one(key, pulled.downloaded, cleanup).await
+    }
+
+    /// Takes the store's lock and checks whether `key` can be made ready from what the store
+    /// has: if so, true, with the lock and the entry kept in `cleanup` until the ensure ends;
+    /// if not, false, the lock released.
+    async fn cached<'a>(
+        &'a self,
+        key: &str,
+        cleanup: &mut FailedPullCleanup<'a>,
+    ) -> Result<bool, StoreError> {
+        let busy = self.busy.lock().await;
+        let known = self.lock_index().images.get(key).cloned();
+        let Some(entry) = known
+            .map(|entry| self.usable(key, &entry))
+            .transpose()?
+            .flatten()
+        else {
+            return Ok(false);
         };
-        let (entry, downloaded) = match local {
-            Some(entry) => (entry, Vec::new()),
-            None => {
-                let pulled = self
-                    .puller
-                    .pull_into(reference, &self.blobs, &cleanup.fetched)
-                    .await?;
-                let entry = IndexEntry {
-                    manifest: pulled.manifest.to_string(),
-                    config: pulled.config.digest.to_string(),
-                    size: pulled.size(),
-                    layers: pulled
-                        .layers
-                        .iter()
-                        .map(|l| IndexLayer {
-                            digest: l.blob.digest.to_string(),
-                            gzip: l.compression == Compression::Gzip,
-                        })
-                        .collect(),
-                    pulled_at: now_secs(),
-                };
-                (entry, pulled.downloaded)
-            }
-        };
-        cleanup.entry = Some(entry.clone());
+        cleanup.entry = Some(entry);
+        cleanup.busy = Some(busy);
+        Ok(true)
+    }
+
+    /// Prepares and indexes the image of `cleanup.entry` (`cleanup` holds the store's lock),
+    /// marking the ensure succeeded.
+    async fn record_one<'a>(
+        &'a self,
+        key: String,
+        downloaded: Vec<Digest>,
+        mut cleanup: FailedPullCleanup<'a>,
+    ) -> Result<Prepared, StoreError> {
+        let entry = cleanup
+            .entry
+            .clone()
+            .ok_or_else(|| StoreError::Task(format!("{key}: nothing to prepare")))?;
         let mut prepared = self
             .prepare_and_record(vec![(key, entry, downloaded)])
             .await?;
@@ -505,9 +589,25 @@ impl ImageStore {
         Ok(prepared)
     }
 
-    /// After a failed ensure (the caller holds the busy lock): removes the blobs the pull
-    /// stored and the layer and rootfs dirs prepared for `entry`, each unless an indexed image
-    /// names it (or, for a blob, another pull or import holds it).
+    /// The pull lock of `key` (shared with every ensure pulling it now).
+    fn pulling_ref(&self, key: &str) -> PullingRef<'_> {
+        let lock = Arc::clone(
+            self.pulling
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .entry(key.to_owned())
+                .or_default(),
+        );
+        PullingRef {
+            store: self,
+            key: key.to_owned(),
+            lock,
+        }
+    }
+
+    /// After a failed ensure: removes the blobs the pull stored and (when given: the caller
+    /// then holds the busy lock) the layer and rootfs dirs prepared for `entry`, each unless an
+    /// indexed image names it (or, for a blob, another pull or import holds it).
     fn remove_failed(&self, stored: &[Digest], entry: Option<&IndexEntry>) {
         let kept = match self.kept() {
             Ok(kept) => kept,
@@ -685,8 +785,8 @@ impl ImageStore {
 
     /// Removes those of `candidates` that no index entry names and no other import holds
     /// (blobs an import stored and then did not use, or used by nothing because it failed).
-    /// The caller holds the busy lock (no pull is between storing a blob and indexing it) and
-    /// has dropped its own [`super::blobs::BlobHolds`].
+    /// The caller holds the busy lock and has dropped its own [`super::blobs::BlobHolds`]; a
+    /// pull between storing a blob and indexing it holds it, so it is not removed.
     pub(super) fn remove_unreferenced(&self, candidates: &[Digest]) -> Result<usize, StoreError> {
         let path = self.index_path();
         let mut keep = BTreeSet::new();
@@ -770,8 +870,8 @@ impl ImageStore {
     }
 
     /// Removes every image whose reference is not in `used`, the rootfs dirs no remaining
-    /// image has, and the blobs no remaining image names and no import in progress holds
-    /// (an import stores its blobs before it takes the busy lock to index them).
+    /// image has, and the blobs no remaining image names and no pull or import in progress
+    /// holds (both store their blobs before they take the busy lock to index them).
     pub async fn prune(&self, used: &BTreeSet<String>) -> Result<Pruned, StoreError> {
         let _busy = self.busy.lock().await;
         let removed: Vec<String> = self
