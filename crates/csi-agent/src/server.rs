@@ -49,6 +49,8 @@ pub struct ServerOptions {
     /// Registries of plugin images (`--docker-registry`, `--docker-config`,
     /// `--insecure-registry`).
     pub registry: crate::image::reference::RegistrySettings,
+    /// Bounds on image pulls (`--image-pull-min-bytes-per-sec` and its window).
+    pub pull_limits: crate::image::pull::PullLimits,
     /// The records' writer: its note flush and commit delay (`--commit-delay-us`).
     pub store: crate::store::StoreOptions,
     /// Caps on each image's unpacked bytes and inodes, and the image store's quota
@@ -256,10 +258,8 @@ impl CsiServer {
         let (started, _) = watch::channel(false);
         let binder = Arc::new(Binder::new(options.bind_roots.clone(), layout.work_dir()));
         let images_dir = layout.work_dir().join(IMAGES_DIR);
-        let puller = crate::image::pull::Puller::new(
-            options.registry.clone(),
-            crate::image::pull::PullLimits::default(),
-        );
+        let puller =
+            crate::image::pull::Puller::new(options.registry.clone(), options.pull_limits.clone());
         let images = match crate::image::store::ImageStore::open(&images_dir, puller, None) {
             Ok(images) => Some(Arc::new(
                 images.with_image_limits(options.image_limits.clone()),

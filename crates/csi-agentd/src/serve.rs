@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, bail};
 use csi_agent::image::budget::ImageLimits;
+use csi_agent::image::pull::PullLimits;
 use csi_agent::image::reference::{Credentials, DOCKER_HUB, RegistrySettings, normalize_registry};
 use csi_agent::metrics::Metrics;
 use csi_agent::server::{CsiServer, ServerOptions};
@@ -129,6 +130,14 @@ pub struct ServeArgs {
     /// (default 32 GiB).
     #[arg(long)]
     image_store_max_bytes: Option<NonZeroU64>,
+    /// The throughput floor of an image pull, per blob, in bytes per second averaged over
+    /// `--image-pull-floor-window-secs` (default 10240); a blob under it fails the pull
+    /// (retried like any slow registry). 0 turns it off, leaving only the 30 s stall bound.
+    #[arg(long)]
+    image_pull_min_bytes_per_sec: Option<u64>,
+    /// The window of `--image-pull-min-bytes-per-sec`, in seconds (default 60).
+    #[arg(long)]
+    image_pull_floor_window_secs: Option<NonZeroU64>,
     /// How long, in microseconds, a durable write waits for others to share its commit (one
     /// fsync) when they have been arriving closer together than this; 0 commits at once
     /// (default 1000, at most 100000). A lone operation never waits.
@@ -171,6 +180,8 @@ struct FileSettings {
     image_max_unpacked_bytes: Option<NonZeroU64>,
     image_max_inodes: Option<NonZeroU64>,
     image_store_max_bytes: Option<NonZeroU64>,
+    image_pull_min_bytes_per_sec: Option<u64>,
+    image_pull_floor_window_secs: Option<NonZeroU64>,
     commit_delay_us: Option<u64>,
     worker_threads: Option<NonZeroUsize>,
 }
@@ -193,6 +204,8 @@ pub struct Settings {
     pub oci_runtime: PathBuf,
     pub start_plugins: bool,
     pub registry: RegistrySettings,
+    /// Bounds on image pulls (the throughput floor from its flags, the rest defaults).
+    pub pull_limits: PullLimits,
     pub store: StoreOptions,
     /// `--image-max-unpacked-bytes`, `--image-max-inodes`, `--image-store-max-bytes`.
     pub image_limits: ImageLimits,
@@ -279,6 +292,19 @@ pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
             None => Credentials::default(),
         },
     };
+    let mut pull_limits = PullLimits::default();
+    if let Some(floor) = args
+        .image_pull_min_bytes_per_sec
+        .or(file.image_pull_min_bytes_per_sec)
+    {
+        pull_limits.min_bytes_per_sec = floor;
+    }
+    if let Some(window) = args
+        .image_pull_floor_window_secs
+        .or(file.image_pull_floor_window_secs)
+    {
+        pull_limits.throughput_window = std::time::Duration::from_secs(window.get());
+    }
     let mut store = StoreOptions::default();
     if let Some(delay) = args.commit_delay_us.or(file.commit_delay_us) {
         if delay > MAX_COMMIT_DELAY_US {
@@ -320,6 +346,7 @@ pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
         worker_threads,
         start_plugins: args.start_plugins || file.start_plugins == Some(true),
         registry,
+        pull_limits,
         bind_roots,
         oci_runtime: args
             .oci_runtime
@@ -489,6 +516,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
             oci_runtime: settings.oci_runtime.clone(),
             start_plugins: settings.start_plugins,
             registry: settings.registry.clone(),
+            pull_limits: settings.pull_limits.clone(),
             store: settings.store,
             image_limits: settings.image_limits.clone(),
         },

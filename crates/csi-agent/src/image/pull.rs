@@ -94,6 +94,15 @@ pub struct PullLimits {
     /// timeout is twice this, a backstop for the other requests (each is under
     /// `manifest_timeout` too).
     pub read_timeout: Duration,
+    /// The throughput floor of a blob's body, beside the idle bound of `read_timeout`: a
+    /// blob that, once its answer's headers arrived, receives fewer than `min_bytes_per_sec` ×
+    /// `throughput_window` bytes in any whole `throughput_window` fails the pull as
+    /// [`PullError::TooSlow`] (a registry trickling a byte every 20 s never goes idle for
+    /// 30 s). 0 turns it off.
+    pub min_bytes_per_sec: u64,
+    /// The window over which `min_bytes_per_sec` is averaged (consecutive windows from the
+    /// answer's headers; a blob that completes within one is never judged).
+    pub throughput_window: Duration,
     /// Deadline of one manifest request (auth included).
     pub manifest_timeout: Duration,
     /// Deadline of one blob's download.
@@ -114,6 +123,8 @@ impl Default for PullLimits {
             parallel: 4,
             connect_timeout: Duration::from_secs(10),
             read_timeout: Duration::from_secs(30),
+            min_bytes_per_sec: 10 << 10,
+            throughput_window: Duration::from_secs(60),
             manifest_timeout: Duration::from_secs(60),
             blob_timeout: Duration::from_secs(30 * 60),
             total_timeout: Duration::from_secs(60 * 60),
@@ -356,6 +367,22 @@ pub enum PullError {
         size: u64,
         after: Duration,
     },
+    /// A blob's body arrived slower than [`PullLimits::min_bytes_per_sec`] over a whole
+    /// [`PullLimits::throughput_window`]; what it had sent was discarded. Transient: a slow
+    /// registry or link may be faster later, and the retry holds no lock meanwhile (the
+    /// image store locks only local work), so retrying it costs other plugins nothing.
+    #[error(
+        "{reference}: registry {registry} too slow: {received_in_window} bytes of blob {blob} in {window:?}, under the floor of {floor} bytes/s ({received} bytes received in all); the partial blob was discarded"
+    )]
+    TooSlow {
+        reference: String,
+        registry: String,
+        blob: String,
+        received_in_window: u64,
+        window: Duration,
+        floor: u64,
+        received: u64,
+    },
     /// Any other registry answer (5xx, 429 are transient; see [`PullError::is_transient`]).
     #[error("{reference}: registry {registry}: {source}")]
     Registry {
@@ -391,6 +418,7 @@ impl PullError {
             Self::Unreachable { .. }
             | Self::Timeout { .. }
             | Self::Stalled { .. }
+            | Self::TooSlow { .. }
             | Self::Task { .. } => true,
             Self::Registry { transient, .. } => *transient,
             Self::Store { .. } => true,
@@ -751,24 +779,51 @@ impl Puller {
             let started = std::time::Instant::now();
             let mut next_report = started + PROGRESS_EVERY;
             let mut stall = None;
+            let mut floor = Floor::new(&self.limits, started);
+            let mut last_chunk = started;
             loop {
-                let item = match tokio::time::timeout(idle, response.chunk()).await {
+                // Wakes at the idle bound or the window's end, whichever is first (reqwest's
+                // `chunk` is cancel-safe: a wake-up for the window loses no bytes).
+                let idle_at = last_chunk + idle;
+                let wake = floor.window_end().map_or(idle_at, |end| end.min(idle_at));
+                let polled = tokio::time::timeout_at(wake.into(), response.chunk()).await;
+                let now = std::time::Instant::now();
+                let arrived = match &polled {
+                    Ok(Ok(Some(chunk))) => chunk.len() as u64,
+                    _ => 0,
+                };
+                if let Some(received_in_window) = floor.too_slow(now, sent.saturating_add(arrived))
+                {
+                    stall = Some(PullError::TooSlow {
+                        reference: name.clone(),
+                        registry: reference.registry().to_owned(),
+                        blob: blob.digest.to_string(),
+                        received_in_window,
+                        window: self.limits.throughput_window,
+                        floor: self.limits.min_bytes_per_sec,
+                        received: sent,
+                    });
+                }
+                let item = match polled {
+                    _ if stall.is_some() => Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "the registry sent under the throughput floor",
+                    )),
                     Ok(Ok(Some(chunk))) => Ok(chunk),
                     Ok(Ok(None)) => break,
                     Ok(Err(err)) => Err(io::Error::other(err)),
+                    Err(_) if now < idle_at => continue,
                     Err(_) => {
-                        // The writer is told, so that it discards what it has (a temp file,
-                        // never the blob's name).
-                        let _ = tx
-                            .send(Err(io::Error::new(
-                                io::ErrorKind::TimedOut,
-                                format!("the registry sent nothing for {idle:?}"),
-                            )))
-                            .await;
                         stall = Some(stalled("the body", sent));
-                        break;
+                        Err(io::Error::new(
+                            io::ErrorKind::TimedOut,
+                            format!("the registry sent nothing for {idle:?}"),
+                        ))
                     }
                 };
+                if item.is_ok() {
+                    last_chunk = now;
+                }
                 match item {
                     Ok(chunk) => {
                         sent = sent.saturating_add(chunk.len() as u64);
@@ -939,6 +994,54 @@ struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
 impl<T> Drop for AbortOnDrop<T> {
     fn drop(&mut self) {
         self.0.abort();
+    }
+}
+
+/// One blob body's throughput floor ([`PullLimits::min_bytes_per_sec`] over consecutive
+/// [`PullLimits::throughput_window`]s): a registry that keeps sending, but too little to ever
+/// go idle, is cut at the end of the first window under the floor.
+struct Floor {
+    /// Bytes a whole window must bring.
+    per_window: u64,
+    window: Duration,
+    /// The current window's end (`None`: no floor).
+    end: Option<std::time::Instant>,
+    /// Bytes received when the current window began.
+    at_start: u64,
+}
+
+impl Floor {
+    fn new(limits: &PullLimits, started: std::time::Instant) -> Self {
+        let window = limits.throughput_window;
+        let millis = u64::try_from(window.as_millis()).unwrap_or(u64::MAX);
+        let per_window = limits.min_bytes_per_sec.saturating_mul(millis) / 1000;
+        Self {
+            per_window,
+            window,
+            end: (per_window > 0).then(|| started + window),
+            at_start: 0,
+        }
+    }
+
+    fn window_end(&self) -> Option<std::time::Instant> {
+        self.end
+    }
+
+    /// At or after the current window's end, with `received` bytes so far: the window's
+    /// bytes when under the floor; otherwise (or before the end) `None`, the next window
+    /// begun if this one ended.
+    fn too_slow(&mut self, now: std::time::Instant, received: u64) -> Option<u64> {
+        let end = self.end?;
+        if now < end {
+            return None;
+        }
+        let in_window = received.saturating_sub(self.at_start);
+        if in_window < self.per_window {
+            return Some(in_window);
+        }
+        self.end = Some(now + self.window);
+        self.at_start = received;
+        None
     }
 }
 
