@@ -2,11 +2,13 @@
 //! (`registry_support::hostile`): every answer bounded before it is buffered (an endless
 //! manifest, 404 body, `/v2/` answer or token answer fails the pull at its cap with a final
 //! error), and nothing a failed pull fetched outlives it (20 fresh refused layers leave the
-//! store as it was; a start sweeps what a crash left unindexed).
+//! store as it was; a start sweeps what a crash left unindexed); and item 4: a pull trickled
+//! below the throughput floor blocks no other image and fails by the floor.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod registry_support;
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -310,4 +312,167 @@ async fn a_start_sweeps_unindexed_leftovers_and_keeps_indexed_blobs() {
         .ensure(&good_ref, PullPolicy::IfMissing)
         .await
         .unwrap();
+}
+
+/// The issue's stalled pull scaled down 20×: a layer trickled at 1 byte per second (the issue:
+/// per 20 s) under a stall bound of 3 s (30 s), with the floor at 64 bytes/s over 4 s. While
+/// it trickles, the cached image is made ready (each time within 1 s), another registry's
+/// image is pulled (its manifest fetched again) and a prune runs, none waiting for it; then it
+/// fails by the floor (not the stall bound) as a transient error, leaving the store as it
+/// was. In both compositions (overlay where the host can).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trickled_pull_blocks_no_other_image_and_fails_by_the_floor() {
+    let tmp = tempfile::tempdir().unwrap();
+    let layout = tmp.path().join("layout");
+    let good = good_image(&layout);
+    let limits = PullLimits {
+        read_timeout: Duration::from_secs(3),
+        min_bytes_per_sec: 64,
+        throughput_window: Duration::from_secs(4),
+        ..limits()
+    };
+    for composition in [Composition::Flattened, Composition::Overlay] {
+        if composition == Composition::Overlay
+            && Composition::detect(&tmp.path().join("probe")).0 != Composition::Overlay
+        {
+            eprintln!("overlay not usable here (not root?): only the flattened store is checked");
+            continue;
+        }
+        let slow_registry = HostileRegistry::start(
+            &layout,
+            &good,
+            Hostility::TrickleLayer(Duration::from_secs(1)),
+        );
+        let other_registry = HostileRegistry::start(&layout, &good, Hostility::Endless404);
+        let mut settings = loopback_registry(&slow_registry.host());
+        settings.insecure.push(other_registry.host());
+        let dir = tmp.path().join(format!("store-{composition:?}"));
+        let store = Arc::new(
+            ImageStore::open(
+                &dir,
+                Puller::new(settings, limits.clone()),
+                Some(composition),
+            )
+            .unwrap(),
+        );
+        let good_ref = store.resolve("csi/good:v1").unwrap();
+        store
+            .ensure(&good_ref, PullPolicy::IfMissing)
+            .await
+            .unwrap();
+        let before = listing(&dir);
+
+        let bad_ref = store.resolve("csi/bad:v1").unwrap();
+        let slow = tokio::spawn({
+            let store = Arc::clone(&store);
+            async move {
+                let started = Instant::now();
+                let result = store.ensure(&bad_ref, PullPolicy::Always).await;
+                (result, started.elapsed())
+            }
+        });
+        // Until the layer trickles: the pull is in its longest wait.
+        let waited = Instant::now();
+        while slow_registry.trickled.load(Ordering::SeqCst) == 0 {
+            assert!(waited.elapsed() < Duration::from_secs(10), "no trickle");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        for i in 0..3 {
+            let started = Instant::now();
+            let prepared = store
+                .ensure(&good_ref, PullPolicy::IfMissing)
+                .await
+                .unwrap();
+            let took = started.elapsed();
+            assert!(
+                took < Duration::from_secs(1),
+                "{composition:?} {i}: {took:?}"
+            );
+            assert!(prepared.downloaded.is_empty());
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+        let other_ref = ImageRef::parse("csi/good:v1", &other_registry.host()).unwrap();
+        let started = Instant::now();
+        store.ensure(&other_ref, PullPolicy::Always).await.unwrap();
+        let took = started.elapsed();
+        assert!(
+            took < Duration::from_secs(1),
+            "{composition:?} pull: {took:?}"
+        );
+        let started = Instant::now();
+        store
+            .prune(&BTreeSet::from([good_ref.to_string()]))
+            .await
+            .unwrap();
+        let took = started.elapsed();
+        assert!(
+            took < Duration::from_secs(1),
+            "{composition:?} prune: {took:?}"
+        );
+        assert!(!slow.is_finished(), "the trickled pull ended too early");
+
+        let (result, took) = slow.await.unwrap();
+        let err = result.unwrap_err();
+        let StoreError::Pull(PullError::TooSlow {
+            received_in_window,
+            floor,
+            window,
+            ..
+        }) = &err
+        else {
+            panic!("{composition:?}: {err:?}");
+        };
+        assert_eq!((*floor, *window), (64, Duration::from_secs(4)));
+        assert!(*received_in_window < 64 * 4, "{received_in_window}");
+        assert!(err.is_transient(), "a slow registry may be faster later");
+        assert!(err.to_string().contains("too slow"), "{err}");
+        // Failed at the first window's end (after the manifest and config), not later.
+        assert!(
+            took >= Duration::from_secs(4) && took < Duration::from_secs(8),
+            "{composition:?}: {took:?}"
+        );
+        let sent = slow_registry.trickled.load(Ordering::SeqCst);
+        assert!((2..=8).contains(&sent), "{sent} bytes trickled");
+        assert_eq!(
+            listing(&dir),
+            before,
+            "{composition:?}: the failed pull left nothing"
+        );
+    }
+}
+
+/// The floor's abuse test from the other side: a layer that arrives slowly but above the
+/// floor (about 40 bytes/s against 10 bytes/s over 500 ms windows) is pulled and prepared.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_pull_above_the_floor_succeeds() {
+    let tmp = tempfile::tempdir().unwrap();
+    let layout = tmp.path().join("layout");
+    let good = good_image(&layout);
+    let registry = HostileRegistry::start(
+        &layout,
+        &good,
+        Hostility::TrickleLayer(Duration::from_millis(20)),
+    );
+    let limits = PullLimits {
+        read_timeout: Duration::from_secs(3),
+        min_bytes_per_sec: 10,
+        throughput_window: Duration::from_millis(500),
+        ..limits()
+    };
+    let store = ImageStore::open(
+        &tmp.path().join("store"),
+        Puller::new(loopback_registry(&registry.host()), limits),
+        Some(Composition::Flattened),
+    )
+    .unwrap();
+    let started = Instant::now();
+    let prepared = store
+        .ensure(&store.resolve("csi/bad:v1").unwrap(), PullPolicy::Always)
+        .await
+        .unwrap();
+    let sent = registry.trickled.load(Ordering::SeqCst);
+    // Long enough to have been judged more than once.
+    assert!(started.elapsed() > Duration::from_secs(1), "{sent} bytes");
+    assert!(prepared.flattened().unwrap().join("ok").is_file());
+    assert_eq!(prepared.downloaded.len(), 2, "config and layer");
 }

@@ -78,16 +78,7 @@ async fn a_pull_in_flight_shows_its_bytes_on_the_api_and_on_the_waiting_plugin()
     let plugin_dir = dir.path().join("plugin");
     std::fs::create_dir_all(&plugin_dir).unwrap();
     let layout = dir.path().join("layout");
-    oci_layout(
-        &layout,
-        &[plugin_layer()],
-        json!({
-            "Entrypoint": ["/bin/csi-testplugin"],
-            "Cmd": ["--volumes", "vol1:1M", "--node-id", "node-1"],
-            "Env": [format!("CSI_TESTPLUGIN_WORK_DIR={}", plugin_dir.display())],
-        }),
-    )
-    .unwrap();
+    plugin_image(&layout, &plugin_dir);
     push(&layout, &registry, "csi/testplugin:v1").unwrap();
     let stop = Arc::new(AtomicBool::new(false));
     let proxy = format!(

@@ -2,7 +2,8 @@
 //! speaking just enough of the distribution API: `/v2/`, a token realm, manifests and blobs.
 //! It serves a well-behaved image, `csi/good:v1`, from an OCI layout the test wrote, and a
 //! hostile one, `csi/bad:v1`, as its [`Hostility`] says: endless answers (manifest, 404 body,
-//! `/v2/`, token), or a fresh refused layer per manifest request. It counts what it sent.
+//! `/v2/`, token), a fresh refused layer per manifest request, or a layer trickled one byte
+//! at a time. It counts what it sent.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::HashMap;
@@ -32,6 +33,10 @@ pub enum Hostility {
     /// Each manifest request names a new layer, served with one byte changed (refused by its
     /// digest).
     FreshMismatchingLayer,
+    /// Each manifest request names a new valid image whose layer is sent one byte per this
+    /// interval, with its true `Content-Length`: never idle long enough to trip a stall
+    /// bound longer than the interval. `trickled` counts the bytes sent so.
+    TrickleLayer(std::time::Duration),
 }
 
 /// The registry; stopped (its listener closed, endless answers cut) on drop.
@@ -41,6 +46,8 @@ pub struct HostileRegistry {
     pub endless_bytes: Arc<AtomicU64>,
     /// Manifest requests for `csi/bad`.
     pub bad_manifests: Arc<AtomicUsize>,
+    /// Bytes of trickled layers sent so far ([`Hostility::TrickleLayer`]).
+    pub trickled: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
 }
 
@@ -53,6 +60,9 @@ struct Shared {
     port: u16,
     endless_bytes: Arc<AtomicU64>,
     bad_manifests: Arc<AtomicUsize>,
+    trickled: Arc<AtomicU64>,
+    /// The paths of the layers to trickle.
+    trickle_paths: Mutex<std::collections::HashSet<String>>,
     stop: Arc<AtomicBool>,
     counter: AtomicU64,
 }
@@ -86,6 +96,7 @@ impl HostileRegistry {
             Arc::new(AtomicUsize::new(0)),
             Arc::new(AtomicBool::new(false)),
         );
+        let trickled = Arc::new(AtomicU64::new(0));
         let shared = Arc::new(Shared {
             good: map,
             good_manifest_hex: good.manifest_hex.clone(),
@@ -94,6 +105,8 @@ impl HostileRegistry {
             port,
             endless_bytes: Arc::clone(&endless_bytes),
             bad_manifests: Arc::clone(&bad_manifests),
+            trickled: Arc::clone(&trickled),
+            trickle_paths: Mutex::default(),
             stop: Arc::clone(&stop),
             counter: AtomicU64::new(0),
         });
@@ -114,6 +127,7 @@ impl HostileRegistry {
             port,
             endless_bytes,
             bad_manifests,
+            trickled,
             stop,
         }
     }
@@ -246,7 +260,9 @@ fn answer(shared: &Shared, conn: &mut TcpStream, method: &str, path: &str) -> bo
             Hostility::Endless404 => {
                 return endless(shared, conn, "404 Not Found", "application/json");
             }
-            Hostility::FreshEscapingLayer | Hostility::FreshMismatchingLayer => {
+            Hostility::FreshEscapingLayer
+            | Hostility::FreshMismatchingLayer
+            | Hostility::TrickleLayer(_) => {
                 let manifest = fresh_bad_image(shared);
                 return reply(
                     conn,
@@ -259,7 +275,14 @@ fn answer(shared: &Shared, conn: &mut TcpStream, method: &str, path: &str) -> bo
             Hostility::EndlessPing | Hostility::EndlessToken => {}
         }
     }
-    if let Some(body) = shared.bad_blobs.lock().unwrap().get(path).cloned() {
+    // Not in the `if let`: its lock would be held for the whole answer (a trickle's too).
+    let bad = shared.bad_blobs.lock().unwrap().get(path).cloned();
+    if let Some(body) = bad {
+        if let Hostility::TrickleLayer(every) = shared.hostility
+            && shared.trickle_paths.lock().unwrap().contains(path)
+        {
+            return trickle(shared, conn, method, &body, every);
+        }
         return reply(
             conn,
             method,
@@ -275,6 +298,38 @@ fn answer(shared: &Shared, conn: &mut TcpStream, method: &str, path: &str) -> bo
         json,
         br#"{"errors": [{"code": "MANIFEST_UNKNOWN", "message": "unknown"}]}"#,
     )
+}
+
+/// Sends `body` one byte per `every` after a true head; stops when the client goes away or
+/// the registry stops. Returns false (the connection is done).
+fn trickle(
+    shared: &Shared,
+    conn: &mut TcpStream,
+    method: &str,
+    body: &[u8],
+    every: std::time::Duration,
+) -> bool {
+    if !reply(
+        conn,
+        "HEAD",
+        "200 OK",
+        "Content-Type: application/octet-stream\r\n",
+        body,
+    ) || method == "HEAD"
+    {
+        return false;
+    }
+    for byte in body {
+        if shared.stop.load(Ordering::SeqCst) || conn.write_all(&[*byte]).is_err() {
+            return false;
+        }
+        shared.trickled.fetch_add(1, Ordering::SeqCst);
+        let until = std::time::Instant::now() + every;
+        while std::time::Instant::now() < until && !shared.stop.load(Ordering::SeqCst) {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+    false
 }
 
 /// A new bad image: its own config (a counter in it) and one layer never served before;
@@ -316,6 +371,13 @@ fn fresh_bad_image(shared: &Shared) -> Vec<u8> {
     {
         let mut blobs = shared.bad_blobs.lock().unwrap();
         blobs.insert(format!("/v2/csi/bad/blobs/sha256:{layer_hex}"), served);
+        if let Hostility::TrickleLayer(_) = shared.hostility {
+            shared
+                .trickle_paths
+                .lock()
+                .unwrap()
+                .insert(format!("/v2/csi/bad/blobs/sha256:{layer_hex}"));
+        }
         blobs.insert(
             format!("/v2/csi/bad/blobs/sha256:{config_hex}"),
             config.clone(),

@@ -57,6 +57,21 @@ pub fn plugin_layer() -> Vec<u8> {
     builder.into_inner().unwrap()
 }
 
+/// The test plugin's image, written as an OCI layout at `layout`: [`plugin_layer`], run by
+/// its `Entrypoint` with one 1 MiB volume `vol1`, its state in `plugin_dir` (from its `Env`).
+pub fn plugin_image(layout: &Path, plugin_dir: &Path) -> crate::registry_support::Image {
+    crate::registry_support::oci_layout(
+        layout,
+        &[plugin_layer()],
+        json!({
+            "Entrypoint": ["/bin/csi-testplugin"],
+            "Cmd": ["--volumes", "vol1:1M", "--node-id", "node-1"],
+            "Env": [format!("CSI_TESTPLUGIN_WORK_DIR={}", plugin_dir.display())],
+        }),
+    )
+    .unwrap()
+}
+
 pub fn component(services: &[&str], container: Value) -> Value {
     json!({"services": services, "container": container})
 }
