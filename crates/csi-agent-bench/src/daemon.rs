@@ -113,6 +113,11 @@ impl Daemon {
 
     /// Starts the daemon without waiting.
     pub fn spawn(env: &Env, dirs: &DaemonDirs) -> anyhow::Result<Self> {
+        Self::spawn_with(env, dirs, &[])
+    }
+
+    /// Starts the daemon without waiting, with `extra` flags after the usual ones.
+    pub fn spawn_with(env: &Env, dirs: &DaemonDirs, extra: &[String]) -> anyhow::Result<Self> {
         let index = std::fs::read_dir(&dirs.log_dir).map_or(0, Iterator::count);
         let log = dirs.log_dir.join(format!("daemon-{index}.stderr"));
         let stderr = std::fs::File::create(&log)?;
@@ -129,7 +134,11 @@ impl Daemon {
             "--node-id".into(),
             NODE_ID.into(),
         ];
-        let args: Vec<String> = args.into_iter().chain(env.daemon_args.clone()).collect();
+        let args: Vec<String> = args
+            .into_iter()
+            .chain(extra.iter().cloned())
+            .chain(env.daemon_args.clone())
+            .collect();
         let mut command = Command::new(&env.daemon_bin);
         command
             .args(&args)
