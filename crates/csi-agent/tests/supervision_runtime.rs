@@ -316,14 +316,26 @@ async fn supervision_process_untracked_component_processes_are_stopped_before_a_
     }
     // The new component carries the marker, so a later daemon could find it the same way.
     let pid = pid_of(component.as_ref());
-    let environ = std::fs::read(format!("/proc/{pid}/environ"))?;
     let wanted = format!("CSI_AGENT_COMPONENT={marker}");
-    anyhow::ensure!(
-        environ
+    // The shell execs `sleep` at its own pace: while the kernel sets up the new image,
+    // /proc/PID/environ reads empty (seen under load), so the marker is looked for until the
+    // exec is over, not once.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let environ = std::fs::read(format!("/proc/{pid}/environ"))?;
+        if environ
             .split(|b| *b == 0)
-            .any(|var| var == wanted.as_bytes()),
-        "the launched component has no marker"
-    );
+            .any(|var| var == wanted.as_bytes())
+        {
+            break;
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the launched component has no marker: its environment is {:?}",
+            String::from_utf8_lossy(&environ)
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     component.stop(Duration::from_secs(2)).await;
     Ok(())
 }
