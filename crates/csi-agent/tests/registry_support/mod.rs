@@ -1,9 +1,18 @@
 //! Test support: a real `docker-registry` (Debian's distribution 2.8) on a free loopback port
 //! with its storage in a temp dir, and real OCI images built by the test and pushed there with
-//! `skopeo`. Shared by csi-agent's and csi-agentd's image tests (included with `#[path]`).
+//! `skopeo`. Shared by csi-agent's and csi-agentd's image tests (included with `#[path]`); the
+//! images' files are written by `testplugin_image` (csi-testplugin's `src/image.rs`).
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
 pub mod hostile;
+/// The test plugin's layer and image, and OCI layouts of any layers: the code
+/// `csi-testplugin-image` (the demo's) runs too.
+#[path = "../../../csi-testplugin/src/image.rs"]
+pub mod testplugin_image;
+
+// Each test binary uses some of them.
+#[allow(unused_imports)]
+pub use testplugin_image::{Image, oci_layout, oci_layout_with_diff_ids, sha256_hex};
 
 use std::io::Write;
 use std::net::TcpListener;
@@ -14,7 +23,6 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use flate2::Compression as GzLevel;
 use flate2::write::GzEncoder;
-use sha2::{Digest as _, Sha256};
 
 /// A running registry; killed on drop.
 pub struct Registry {
@@ -233,116 +241,6 @@ pub fn layer_tar_gz(entries: &[Entry<'_>]) -> Vec<u8> {
         }
     }
     builder.into_inner().unwrap().finish().unwrap()
-}
-
-pub fn sha256_hex(bytes: &[u8]) -> String {
-    let out = Sha256::digest(bytes);
-    out.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// What [`oci_layout`] wrote.
-#[derive(Clone, Debug)]
-pub struct Image {
-    pub manifest_hex: String,
-    pub config_hex: String,
-    pub layer_hexes: Vec<String>,
-}
-
-/// Writes an OCI image layout at `dir` with `layers` (gzipped tars) and an image config
-/// with the given `config` section (Entrypoint, Cmd, Env, WorkingDir...).
-pub fn oci_layout(
-    dir: &Path,
-    layers: &[Vec<u8>],
-    config: serde_json::Value,
-) -> anyhow::Result<Image> {
-    let mut with_ids = Vec::with_capacity(layers.len());
-    for layer in layers {
-        // Gzipped, or a plain tar (big layers: no time spent compressing in a test).
-        let diff_id = if layer.starts_with(&[0x1f, 0x8b]) {
-            let mut plain = Vec::new();
-            std::io::Read::read_to_end(
-                &mut flate2::read::GzDecoder::new(layer.as_slice()),
-                &mut plain,
-            )?;
-            sha256_hex(&plain)
-        } else {
-            sha256_hex(layer)
-        };
-        with_ids.push((layer.as_slice(), diff_id));
-    }
-    oci_layout_with_diff_ids(dir, &with_ids, config)
-}
-
-/// [`oci_layout`] with each layer's diff id (the hex sha256 of its uncompressed tar) given,
-/// for layers too large to decompress in memory (a gzip bomb). Layers may repeat.
-pub fn oci_layout_with_diff_ids(
-    dir: &Path,
-    layers: &[(&[u8], String)],
-    config: serde_json::Value,
-) -> anyhow::Result<Image> {
-    let blobs = dir.join("blobs/sha256");
-    std::fs::create_dir_all(&blobs)?;
-    let put = |bytes: &[u8]| -> anyhow::Result<String> {
-        let hex = sha256_hex(bytes);
-        std::fs::write(blobs.join(&hex), bytes)?;
-        Ok(hex)
-    };
-    let mut diff_ids = Vec::new();
-    let mut layer_descs = Vec::new();
-    let mut layer_hexes = Vec::new();
-    for (layer, diff_id) in layers {
-        let gzip = layer.starts_with(&[0x1f, 0x8b]);
-        diff_ids.push(format!("sha256:{diff_id}"));
-        let hex = put(layer)?;
-        layer_descs.push(serde_json::json!({
-            "mediaType": if gzip {
-                "application/vnd.oci.image.layer.v1.tar+gzip"
-            } else {
-                "application/vnd.oci.image.layer.v1.tar"
-            },
-            "digest": format!("sha256:{hex}"),
-            "size": layer.len(),
-        }));
-        layer_hexes.push(hex);
-    }
-    let config_json = serde_json::to_vec(&serde_json::json!({
-        "architecture": "amd64",
-        "os": "linux",
-        "config": config,
-        "rootfs": {"type": "layers", "diff_ids": diff_ids},
-    }))?;
-    let config_hex = put(&config_json)?;
-    let manifest = serde_json::to_vec(&serde_json::json!({
-        "schemaVersion": 2,
-        "mediaType": "application/vnd.oci.image.manifest.v1+json",
-        "config": {
-            "mediaType": "application/vnd.oci.image.config.v1+json",
-            "digest": format!("sha256:{config_hex}"),
-            "size": config_json.len(),
-        },
-        "layers": layer_descs,
-    }))?;
-    let manifest_hex = put(&manifest)?;
-    std::fs::write(
-        dir.join("oci-layout"),
-        br#"{"imageLayoutVersion": "1.0.0"}"#,
-    )?;
-    std::fs::write(
-        dir.join("index.json"),
-        serde_json::to_vec(&serde_json::json!({
-            "schemaVersion": 2,
-            "manifests": [{
-                "mediaType": "application/vnd.oci.image.manifest.v1+json",
-                "digest": format!("sha256:{manifest_hex}"),
-                "size": manifest.len(),
-            }],
-        }))?,
-    )?;
-    Ok(Image {
-        manifest_hex,
-        config_hex,
-        layer_hexes,
-    })
 }
 
 /// `skopeo copy oci:DIR docker://HOST/NAME` (plain HTTP).

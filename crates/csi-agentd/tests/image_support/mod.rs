@@ -13,63 +13,25 @@ use csi_agent_api::PluginInfo;
 use serde_json::{Value, json};
 
 use crate::common::{Daemon, binary};
+use crate::registry_support::testplugin_image;
 
-/// The files a dynamically linked binary needs, as `ldd` lists them: `(path, real file)`.
+/// The files a dynamically linked binary needs, as `ldd` lists them.
 pub fn shared_libraries(binary: &Path) -> Vec<PathBuf> {
-    let out = Command::new("ldd").arg(binary).output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    if text.contains("statically linked") || text.contains("not a dynamic executable") {
-        return Vec::new();
-    }
-    text.lines()
-        .filter_map(|line| {
-            let path = match line.split_once("=>") {
-                Some((_, rest)) => rest.split_whitespace().next()?,
-                None => line.split_whitespace().next()?,
-            };
-            path.starts_with('/').then(|| PathBuf::from(path))
-        })
-        .collect()
+    testplugin_image::shared_libraries(binary).unwrap()
 }
 
-/// A plain tar: `bin/csi-testplugin` plus its libraries and loader at their paths.
+/// A plain tar: `bin/csi-testplugin` plus its libraries and loader at their paths (what
+/// `csi-testplugin-image`, the demo's, writes too).
 pub fn plugin_layer() -> Vec<u8> {
-    let binary = binary("csi-testplugin");
-    let mut builder = tar::Builder::new(Vec::new());
-    let mut add = |path: &str, source: &Path, mode: u32| {
-        let file = std::fs::File::open(source).unwrap();
-        let mut header = tar::Header::new_gnu();
-        header.set_entry_type(tar::EntryType::Regular);
-        header.set_mode(mode);
-        header.set_uid(0);
-        header.set_gid(0);
-        header.set_size(file.metadata().unwrap().len());
-        builder.append_data(&mut header, path, file).unwrap();
-    };
-    add("bin/csi-testplugin", &binary, 0o755);
-    let libraries = shared_libraries(&binary);
-    for library in &libraries {
-        // The file itself (ldd's path may be a symlink on the host), at the path the
-        // loader and the binary ask for.
-        let name = library.to_string_lossy();
-        add(name.trim_start_matches('/'), library, 0o755);
-    }
-    builder.into_inner().unwrap()
+    testplugin_image::plugin_layer(&binary("csi-testplugin")).unwrap()
 }
 
 /// The test plugin's image, written as an OCI layout at `layout`: [`plugin_layer`], run by
 /// its `Entrypoint` with one 1 MiB volume `vol1`, its state in `plugin_dir` (from its `Env`).
 pub fn plugin_image(layout: &Path, plugin_dir: &Path) -> crate::registry_support::Image {
-    crate::registry_support::oci_layout(
-        layout,
-        &[plugin_layer()],
-        json!({
-            "Entrypoint": ["/bin/csi-testplugin"],
-            "Cmd": ["--volumes", "vol1:1M", "--node-id", "node-1"],
-            "Env": [format!("CSI_TESTPLUGIN_WORK_DIR={}", plugin_dir.display())],
-        }),
-    )
-    .unwrap()
+    let cmd = ["--volumes", "vol1:1M", "--node-id", "node-1"].map(str::to_owned);
+    let env = [format!("CSI_TESTPLUGIN_WORK_DIR={}", plugin_dir.display())];
+    testplugin_image::plugin_image(layout, &binary("csi-testplugin"), &cmd, &env).unwrap()
 }
 
 pub fn component(services: &[&str], container: Value) -> Value {
