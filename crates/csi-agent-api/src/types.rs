@@ -452,6 +452,16 @@ pub struct ImageList {
     /// older than this field.
     #[serde(default)]
     pub blob_bytes: u64,
+    /// The image store's size on disk: blobs, unpacked layers and root file systems, in
+    /// allocated blocks as `du` counts — the measure its quota is checked against before an
+    /// image is prepared. 0 from a daemon older than this field.
+    #[serde(default)]
+    pub store_bytes: u64,
+    /// The store's quota (`--image-store-max-bytes`): an image is refused while
+    /// `store_bytes` is at it, and its preparation may write only the room left. 0 from a
+    /// daemon older than this field (the daemon always has a quota).
+    #[serde(default)]
+    pub store_max_bytes: u64,
 }
 
 /// A pull in flight: bytes stored of each blob, out of the manifest's sizes.

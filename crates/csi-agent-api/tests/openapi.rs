@@ -374,10 +374,14 @@ fn cases() -> Result<Vec<Case>> {
             ImageList {
                 images: vec![image.clone()],
                 blob_bytes: 1234,
+                store_bytes: 8192,
+                store_max_bytes: 1 << 35,
             },
             ImageList {
                 images: vec![],
                 blob_bytes: 0,
+                store_bytes: 0,
+                store_max_bytes: 1 << 35,
             },
         )?,
         request(

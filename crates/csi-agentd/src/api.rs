@@ -460,7 +460,16 @@ async fn images(State(state): State<AppState>) -> ApiResult<api::ImageList> {
     let blob_bytes = store
         .blob_bytes()
         .map_err(|err| ApiFailure::new(api::ErrorCode::Unavailable, err.to_string()))?;
-    Ok(Json(api::ImageList { images, blob_bytes }))
+    // A walk of the store's dir, the same measure the quota is checked with.
+    let store_bytes = store
+        .disk_bytes()
+        .map_err(|err| ApiFailure::new(api::ErrorCode::Unavailable, err.to_string()))?;
+    Ok(Json(api::ImageList {
+        images,
+        blob_bytes,
+        store_bytes,
+        store_max_bytes: store.image_limits().store_max_bytes,
+    }))
 }
 
 async fn prune_images(State(state): State<AppState>) -> ApiResult<api::ImagePruneResponse> {

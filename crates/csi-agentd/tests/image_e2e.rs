@@ -54,9 +54,18 @@ async fn a_mesos_config_naming_an_image_runs_the_plugin_from_the_registry() {
 
     let host = registry.host();
     let containers = Containers(dir.path().join("sockets/runc"));
+    // A quota of its own, so that the listing is seen to report the flag, not the default.
+    let quota = (1u64 << 30) + 4096;
     let mut daemon = Daemon::new(
         dir.path(),
-        &["--docker-registry", &host, "--insecure-registry", &host],
+        &[
+            "--docker-registry",
+            &host,
+            "--insecure-registry",
+            &host,
+            "--image-store-max-bytes",
+            &quota.to_string(),
+        ],
     );
     // A Mesos CSIPluginInfo: no runtime, no command; the image is in container.mesos.image.
     daemon.add_config(
@@ -238,9 +247,20 @@ async fn a_mesos_config_naming_an_image_runs_the_plugin_from_the_registry() {
     assert_eq!(listed.used_by, vec![SECOND.to_owned(), PLUGIN.to_owned()]);
     // The store's size: one image, so its blobs are exactly its declared config and layers.
     assert_eq!(images.blob_bytes, listed.size, "{images:?}");
+    // On disk, against the quota: the blobs plus the unpacked layer (the binary alone is
+    // larger than the compressed config), measured as the quota is (du of the store dir).
+    assert_eq!(images.store_max_bytes, quota, "{images:?}");
+    let binary_len = std::fs::metadata(binary("csi-testplugin")).unwrap().len();
+    assert!(
+        images.store_bytes >= images.blob_bytes + binary_len,
+        "the store's size counts the blobs and the unpacked root: {images:?}"
+    );
+    let du = csi_agent::image::budget::disk_usage(&daemon.work.join("images")).unwrap();
+    assert_eq!(images.store_bytes, du, "{images:?}");
     let text = String::from_utf8(daemon.csictl(&["images"]).stdout).unwrap();
     assert!(
-        text.contains(&format!("store: {} bytes of blobs", listed.size)),
+        text.contains(&format!("blobs: {} bytes", listed.size))
+            && text.contains(&format!("on disk of a {quota} (1.0Gi) quota")),
         "{text}"
     );
     let gets = registry.blob_gets(None);

@@ -17,7 +17,7 @@ use csi_agent_api::{
 use crate::args::OutputFormat;
 use crate::commands::render;
 use crate::failure::Failure;
-use crate::output::{Table, cell, fields};
+use crate::output::{Table, bytes_with_human, cell, fields};
 
 #[derive(Debug, Subcommand)]
 pub enum ImageCommand {
@@ -190,9 +190,32 @@ fn images_table(list: &ImageList) -> String {
         ]);
     }
     format!(
-        "{}store: {} bytes of blobs (images as downloaded)\n",
+        "{}{}\nblobs: {} bytes (images as downloaded)\n",
         table.render(),
+        store_line(list.store_bytes, list.store_max_bytes),
         list.blob_bytes
+    )
+}
+
+/// `store: 8192 (8Ki) on disk of a 34359738368 (32Gi) quota (0.1 %)`: the store's size on
+/// disk against `--image-store-max-bytes`, the measure the daemon refuses images by.
+fn store_line(store_bytes: u64, max_bytes: u64) -> String {
+    let human = |n: u64| bytes_with_human(i64::try_from(n).unwrap_or(i64::MAX));
+    if max_bytes == 0 {
+        // A daemon older than the fields.
+        return format!(
+            "store: {} on disk (this daemon does not report its quota)",
+            human(store_bytes)
+        );
+    }
+    // One decimal, computed in integers (per mille, rounded down): 100.0 % only when full.
+    let per_mille = u128::from(store_bytes) * 1000 / u128::from(max_bytes);
+    format!(
+        "store: {} on disk of a {} quota ({}.{} %)",
+        human(store_bytes),
+        human(max_bytes),
+        per_mille / 10,
+        per_mille % 10
     )
 }
 
@@ -240,6 +263,8 @@ mod tests {
                 used_by: vec!["org.example.a".to_owned(), "org.example.b".to_owned()],
             }],
             blob_bytes: 98765,
+            store_bytes: 3 << 20,
+            store_max_bytes: 32 << 30,
         };
         let text = images_table(&list);
         let row = text.lines().nth(1).unwrap_or_default();
@@ -257,7 +282,27 @@ mod tests {
         );
         assert!(
             text.lines().last().unwrap_or_default().contains("98765"),
-            "the store's size: {text}"
+            "the blobs' size: {text}"
+        );
+        assert!(
+            text.contains("store: 3145728 (3Mi) on disk of a 34359738368 (32Gi) quota (0.0 %)"),
+            "the store's size against its quota: {text}"
+        );
+    }
+
+    #[test]
+    fn the_store_line_shows_the_share_of_the_quota_and_a_full_store() {
+        assert_eq!(
+            store_line(1 << 30, 4 << 30),
+            "store: 1073741824 (1Gi) on disk of a 4294967296 (4Gi) quota (25.0 %)"
+        );
+        // Over the quota (images already prepared before it was lowered): shown as it is.
+        assert!(store_line(5000, 4000).ends_with("quota (125.0 %)"));
+        // u64::MAX bytes must not overflow the share.
+        assert!(store_line(u64::MAX, u64::MAX).ends_with("(100.0 %)"));
+        assert_eq!(
+            store_line(512, 0),
+            "store: 512 on disk (this daemon does not report its quota)"
         );
     }
 

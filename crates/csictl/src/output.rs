@@ -103,7 +103,7 @@ fn pairs(map: &std::collections::BTreeMap<String, String>) -> String {
 }
 
 /// `10737418240 (10Gi)`, or just `0`.
-fn bytes_with_human(bytes: i64) -> String {
+pub fn bytes_with_human(bytes: i64) -> String {
     if bytes < 1024 {
         bytes.to_string()
     } else {

@@ -334,6 +334,11 @@ fn io_err<'a>(op: &'static str, at: &'a Path) -> impl FnOnce(io::Error) -> Store
     }
 }
 
+/// [`ImageStore::disk_bytes`] of the store at `dir`: one measure for the listing and the quota.
+fn store_disk_bytes(dir: &Path) -> Result<u64, StoreError> {
+    super::budget::disk_usage(dir).map_err(io_err("measure", dir))
+}
+
 impl ImageStore {
     /// Opens (creating) the store in `dir`, removing what a crash left half-done. Images are
     /// prepared per `composition` from now on (`None`: [`Composition::detect`] when the
@@ -710,6 +715,14 @@ impl ImageStore {
         Ok(total)
     }
 
+    /// The store's size on disk: blobs, unpacked layers, root file systems and whatever a
+    /// preparation in progress has written, in allocated blocks as `du` counts. The measure
+    /// the quota (`--image-store-max-bytes`, [`ImageLimits::store_max_bytes`]) is checked
+    /// against before an image is prepared. Takes no lock: a walk of the store's dir.
+    pub fn disk_bytes(&self) -> Result<u64, StoreError> {
+        store_disk_bytes(&self.dir)
+    }
+
     /// Waits for the store's one-at-a-time lock (see `busy`); the import holds it while it
     /// checks, prepares, records and cleans up.
     pub(super) async fn lock_busy(&self) -> tokio::sync::MutexGuard<'_, ()> {
@@ -943,7 +956,7 @@ impl BlobsAndDir {
     /// The budget of one image's preparation: its caps, within what the store's quota
     /// leaves now (refused at once when nothing is left; `first` names the layer).
     fn budget(&self, key: &str, first: Option<&IndexLayer>) -> Result<Budget, StoreError> {
-        let used = super::budget::disk_usage(&self.dir).map_err(io_err("measure", &self.dir))?;
+        let used = store_disk_bytes(&self.dir)?;
         Budget::new(&self.image_limits, used).map_err(|exceeded| StoreError::Unpack {
             reference: key.to_owned(),
             layer: first.map_or_else(String::new, |l| l.digest.clone()),
