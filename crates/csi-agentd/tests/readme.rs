@@ -51,6 +51,17 @@ fn the_readme_starts_with_the_demo_and_the_test_command_and_ci_runs_both() {
             && demo_check.contains("demo_cmd=(sudo ./scripts/demo)"),
         ".ci/demo-check runs ./scripts/demo, and sudo ./scripts/demo with --sudo"
     );
+    // README's container variations (issue #23), each run by CI as a newcomer types it.
+    for variation in ["--oci", "--image"] {
+        assert!(
+            readme.contains(&format!("./scripts/demo {variation}")),
+            "README shows ./scripts/demo {variation}"
+        );
+        assert!(
+            lines.contains(&format!(".ci/as-newcomer .ci/demo-check {variation}").as_str()),
+            ".ci/run runs .ci/demo-check {variation}"
+        );
+    }
     // README's "Try it", as a sudo user types it.
     for step in [
         "sudo ./target/debug/csictl plugins",
