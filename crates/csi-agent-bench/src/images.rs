@@ -47,7 +47,7 @@ use crate::stats::Summary;
 
 #[path = "../../csi-agent/tests/registry_support/mod.rs"]
 mod registry_support;
-use registry_support::{Entry, Registry, layer_tar_gz, oci_layout, push};
+use registry_support::{Entry, Registry, layer_tar_gz, oci_layout, push, testplugin_image};
 
 /// The targets of docs/benchmarks.md.
 pub const MAX_COLD_RATIO: f64 = 1.0;
@@ -149,28 +149,24 @@ impl LayerFiles {
     }
 }
 
+/// The plugin layer's files: the binary and what `ldd` lists, as the tests' image has them.
 fn plugin_files(binary: &Path) -> anyhow::Result<LayerFiles> {
-    let out = Command::new("ldd").arg(binary).output().context("ldd")?;
-    let text = String::from_utf8_lossy(&out.stdout);
+    let read = |path: &Path| {
+        std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))
+    };
     let mut files = vec![(
-        "bin/csi-testplugin".to_owned(),
-        std::fs::read(binary)?,
+        testplugin_image::PLUGIN_PATH
+            .trim_start_matches('/')
+            .to_owned(),
+        read(binary)?,
         0o755,
     )];
-    if !text.contains("statically linked") && !text.contains("not a dynamic executable") {
-        for line in text.lines() {
-            let path = match line.split_once("=>") {
-                Some((_, rest)) => rest.split_whitespace().next(),
-                None => line.split_whitespace().next(),
-            };
-            if let Some(path) = path.filter(|p| p.starts_with('/')) {
-                files.push((
-                    path.trim_start_matches('/').to_owned(),
-                    std::fs::read(path)?,
-                    0o755,
-                ));
-            }
-        }
+    for library in testplugin_image::shared_libraries(binary)? {
+        files.push((
+            library.to_string_lossy().trim_start_matches('/').to_owned(),
+            read(&library)?,
+            0o755,
+        ));
     }
     Ok(LayerFiles {
         dirs: Vec::new(),
