@@ -286,6 +286,11 @@ impl ApiClient {
         self.call_json(Method::POST, routes::DRAIN, None).await
     }
 
+    /// `POST /v1/drain` with its options (a timeout other than the default).
+    pub async fn drain_with(&self, request: &DrainRequest) -> Result<DrainReport, ApiError> {
+        self.post_json(routes::DRAIN, request).await
+    }
+
     /// `GET /v1/images`
     pub async fn images(&self) -> Result<ImageList, ApiError> {
         self.get_json(routes::IMAGES).await

@@ -397,16 +397,47 @@ pub struct ReloadReport {
     pub config_errors: Vec<ConfigErrorInfo>,
 }
 
+/// `POST /v1/drain` (optional body): how long the drain waits.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DrainRequest {
+    /// How long to wait for the operations in flight, and then again for the drain's own
+    /// unpublishes (default 60).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_secs: Option<u64>,
+}
+
 /// `POST /v1/drain`: what the drain did. The node publishes nothing and starts no plugin
 /// afterwards, until csi-agentd is restarted.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DrainReport {
+    /// True only when the mount table shows nothing of csi-agent's (beneath the plugins'
+    /// mount dirs, at the workloads' `bind_to`), every record is at rest, no operation runs
+    /// and `failed` is empty.
+    #[serde(default)]
+    pub complete: bool,
     /// Every claim released (unpublished through the usual durable steps).
     pub released: Vec<ClaimRef>,
     /// What could not be released or stopped; those plugins keep running.
     pub failed: Vec<DrainFailure>,
     /// The plugin types whose components were stopped.
     pub stopped_plugins: Vec<String>,
+    /// What is still on the node, with why; a later drain goes on from there.
+    #[serde(default)]
+    pub left: Vec<DrainLeft>,
+}
+
+/// One thing a drain could not take away: a mount (with `path`), a record not at rest or an
+/// operation still in flight.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DrainLeft {
+    pub plugin: String,
+    /// Empty when it is not about one volume.
+    pub volume_id: String,
+    /// The mount point still mounted, if it is a mount.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    pub reason: String,
 }
 
 /// One workload's claim on one volume.

@@ -238,10 +238,18 @@ fn cases() -> Result<Vec<Case>> {
         workload: "w".to_owned(),
         error: "e".to_owned(),
     };
+    let drain_left = |path: bool| DrainLeft {
+        plugin: "p".to_owned(),
+        volume_id: "v".to_owned(),
+        path: path.then(|| "/m".to_owned()),
+        reason: "r".to_owned(),
+    };
     let drain = DrainReport {
+        complete: false,
         released: vec![claim.clone()],
         failed: vec![drain_failure.clone()],
         stopped_plugins: vec!["p".to_owned()],
+        left: vec![drain_left(true)],
     };
     let created = CreateVolumeResponse {
         volume_id: "v1".to_owned(),
@@ -330,6 +338,13 @@ fn cases() -> Result<Vec<Case>> {
         response("DrainReport", drain.clone(), drain)?,
         response("ClaimRef", claim.clone(), claim)?,
         response("DrainFailure", drain_failure.clone(), drain_failure)?,
+        response("DrainLeft", drain_left(true), drain_left(false))?,
+        request(
+            "DrainRequest",
+            DrainRequest {
+                timeout_secs: Some(5),
+            },
+        )?,
         request(
             "CreateVolumeRequest",
             CreateVolumeRequest {
@@ -530,7 +545,12 @@ const BODIES: &[(&str, &str, Option<&str>, Option<&str>)] = &[
     ("GET", routes::PLUGINS, None, Some("PluginList")),
     ("GET", routes::PLUGIN, None, Some("PluginInfo")),
     ("POST", routes::PLUGINS_RELOAD, None, Some("ReloadReport")),
-    ("POST", routes::DRAIN, None, Some("DrainReport")),
+    (
+        "POST",
+        routes::DRAIN,
+        Some("DrainRequest"),
+        Some("DrainReport"),
+    ),
     (
         "GET",
         routes::BACKEND_VOLUMES,
@@ -614,9 +634,11 @@ fn each_route_carries_its_rust_types() -> Result<()> {
             ),
             None => ensure!(body.is_null(), "{method} {path} takes no body"),
             Some(schema) => {
+                // The drain's body is optional: without one it runs with the defaults.
+                let required = *path != routes::DRAIN;
                 ensure!(
-                    body["required"] == json!(true),
-                    "{method} {path}: body required"
+                    body["required"] == json!(required),
+                    "{method} {path}: body required: {required}"
                 );
                 let got = schema_ref(&body["content"]["application/json"]["schema"]);
                 ensure!(

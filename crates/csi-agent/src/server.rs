@@ -11,6 +11,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
 use tokio::sync::{Mutex, watch};
@@ -21,11 +22,14 @@ use crate::config::{
 };
 use crate::layout::Layout;
 use crate::metrics::Metrics;
+use crate::mounts::MountTable;
 use crate::service_manager::{ComponentStatus, ManagerOptions, ServiceManager};
 use crate::store::{Store, StoreError};
 use crate::volume::bind::Binder;
 use crate::volume::recovery::RecoveryReport;
-use crate::volume::{NodeContext, PluginEndpoints, VolumeConfig, VolumeError, VolumeManager};
+use crate::volume::{
+    NodeContext, PluginEndpoints, VolumeConfig, VolumeError, VolumeManager, VolumeState,
+};
 
 /// Settings of the engine.
 #[derive(Clone, Debug)]
@@ -105,16 +109,46 @@ pub enum ServerError {
     Drained,
 }
 
+/// How long a drain waits, by default, for the operations in flight, and then again for the
+/// unpublishes it runs itself (`POST /v1/drain` `timeout_secs`).
+pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How often a waiting drain says in the log what it waits for.
+const DRAIN_PROGRESS_EVERY: Duration = Duration::from_secs(5);
+
 /// What [`CsiServer::drain`] did.
 #[derive(Debug, Default)]
 pub struct DrainReport {
     /// `(plugin type, volume id, workload)` of every claim released.
     pub released: Vec<(String, String, String)>,
     /// Claims that could not be released, with why (they stay recorded and their plugin
-    /// keeps running, so a later drain or unpublish can finish them).
+    /// keeps running, so a later drain can finish them).
     pub failed: Vec<(String, String, String, String)>,
     /// Plugin types whose components were stopped.
     pub stopped: Vec<String>,
+    /// What of csi-agent's is still on the node after the drain, with why: mounts (from the
+    /// mount table), records not at rest, operations still in flight. Empty, with `failed`
+    /// empty, is the only "drained".
+    pub left: Vec<DrainLeft>,
+}
+
+impl DrainReport {
+    /// True when nothing is left: the mount table shows nothing of csi-agent's, every record
+    /// is at rest and no operation runs.
+    pub fn is_complete(&self) -> bool {
+        self.left.is_empty() && self.failed.is_empty()
+    }
+}
+
+/// One thing a drain could not take away.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DrainLeft {
+    pub plugin: String,
+    /// Empty when it is not about one volume.
+    pub volume_id: String,
+    /// The mount point still mounted; `None` for a record or an operation.
+    pub path: Option<PathBuf>,
+    pub reason: String,
 }
 
 /// The endpoints of a managed or unmanaged plugin, through its service manager, which can be
@@ -241,6 +275,13 @@ struct Inner {
     recovered: std::sync::atomic::AtomicBool,
     /// Set by [`CsiServer::drain`]; never cleared (a restart serves again).
     drained: std::sync::atomic::AtomicBool,
+    /// Every volume operation in flight, and the door the drain closes.
+    gate: Arc<crate::volume::gate::OperationGate>,
+    /// One drain at a time.
+    drain_lock: Mutex<()>,
+    /// Plugins a drain stopped: they stay in the table (their records stay listed) but are
+    /// not stopped again, replaced or started.
+    drain_stopped: std::sync::Mutex<std::collections::BTreeSet<String>>,
     table: Mutex<Table>,
     /// Held by [`CsiServer::reload`] for its whole run: reloads happen one at a time, while
     /// `table` is held only for short sections.
@@ -279,6 +320,9 @@ impl CsiServer {
                 started,
                 recovered: std::sync::atomic::AtomicBool::new(false),
                 drained: std::sync::atomic::AtomicBool::new(false),
+                gate: Arc::default(),
+                drain_lock: Mutex::new(()),
+                drain_stopped: std::sync::Mutex::default(),
                 table: Mutex::new(Table::default()),
                 reload_lock: Mutex::new(()),
                 images,
@@ -445,60 +489,156 @@ impl CsiServer {
         Ok(())
     }
 
-    /// Stops the node (`csictl drain`, docs/operations.md): from now on nothing is published
-    /// and no plugin is started; every claim of every configured plugin is unpublished through
-    /// the usual durable steps, and then every plugin whose claims are all gone is stopped.
-    /// A claim that cannot be released is reported and keeps its plugin running.
-    pub async fn drain(&self) -> DrainReport {
+    /// Stops the node (`csictl drain`, docs/operations.md "Draining a node"), as a barrier:
+    ///
+    /// 1. closes the door: from now on no volume operation starts (503 "draining") and no
+    ///    plugin is started;
+    /// 2. waits (up to `timeout`) for every operation in flight to end;
+    /// 3. unpublishes every claim and drives every volume left in a transient state down,
+    ///    through the usual durable steps (again up to `timeout`; what is still running then
+    ///    goes on, counted, and a later drain waits for it);
+    /// 4. reads the mount table and the records: what of csi-agent's is still there is
+    ///    reported in `left`, with why;
+    /// 5. stops each plugin that nothing is left of (no mount, no record in use, no operation).
+    ///
+    /// Never reports success with anything left: a drain that timed out or failed leaves the
+    /// node in a state that a later drain goes on from.
+    pub async fn drain(&self, timeout: Duration) -> DrainReport {
+        let _one_drain = self.inner.drain_lock.lock().await;
         self.inner
             .drained
             .store(true, std::sync::atomic::Ordering::Release);
+        self.inner.gate.close();
         self.wait_started().await;
+        let mut report = DrainReport::default();
+
+        let waiting = Instant::now();
+        let busy = self
+            .inner
+            .gate
+            .wait_idle(waiting + timeout, DRAIN_PROGRESS_EVERY, |running| {
+                let first = running.first().map(ToString::to_string).unwrap_or_default();
+                tracing::info!(in_flight = running.len(), oldest = %first, "drain: waiting for operations in flight");
+            })
+            .await;
+        if busy.is_empty() {
+            tracing::info!(
+                waited_ms = waiting.elapsed().as_millis() as u64,
+                "drain: no operation in flight; unpublishing every claim"
+            );
+        } else {
+            tracing::warn!(
+                in_flight = busy.len(),
+                timeout_s = timeout.as_secs_f64(),
+                "drain: operations still in flight at the timeout; the volumes they hold are left for a later drain"
+            );
+        }
+
         let types: Vec<String> = {
             let table = self.inner.table.lock().await;
             table.configs.plugins.keys().cloned().collect()
         };
-        let mut report = DrainReport::default();
+        let mut plugins: Vec<(String, Arc<Plugin>)> = Vec::new();
         for plugin_type in types {
             // Not `plugin()`: the drain itself must reach the plugins that hold claims.
-            let plugin = match self.plugin_unchecked(&plugin_type).await {
-                Ok(plugin) => plugin,
+            match self.plugin_unchecked(&plugin_type).await {
+                Ok(plugin) => plugins.push((plugin_type, plugin)),
                 Err(err) => {
                     tracing::warn!(plugin = %plugin_type, error = %err, "drain: plugin not initialized; nothing of it to release");
+                }
+            }
+        }
+
+        // Every workload bind of every record, before the claims (and their entries) go: the
+        // mount table is checked at these paths afterwards.
+        let mut binds: Vec<(String, String, PathBuf)> = Vec::new();
+        let mut tasks = futures::stream::FuturesUnordered::new();
+        for (plugin_type, plugin) in &plugins {
+            for record in plugin.volumes.list_snapshot() {
+                for bind in record.bind_mounts.values() {
+                    binds.push((
+                        plugin_type.clone(),
+                        record.volume_id.clone(),
+                        bind.path.clone(),
+                    ));
+                }
+                if record.claims.is_empty() && record.state == VolumeState::Created {
                     continue;
                 }
-            };
-            let mut all_released = true;
-            for volume in plugin.volumes.list().await {
-                for workload in &volume.claims {
-                    let claim = (
-                        plugin_type.clone(),
-                        volume.volume_id.clone(),
-                        workload.clone(),
+                if busy
+                    .iter()
+                    .any(|op| &op.plugin == plugin_type && op.volume_id == record.volume_id)
+                {
+                    // Its operation holds the volume's lock: reported below, not waited for.
+                    continue;
+                }
+                let volumes = plugin.volumes.clone();
+                let plugin_type = plugin_type.clone();
+                let claims: Vec<String> = record.claims.iter().cloned().collect();
+                let volume_id = record.volume_id.clone();
+                // Its own task: one that outlives the timeout keeps running (and counted on
+                // the gate) instead of being cut off between an RPC and its record.
+                tasks.push(tokio::spawn(async move {
+                    drain_volume(&volumes, &plugin_type, &volume_id, claims).await
+                }));
+            }
+        }
+        let unpublishing = Instant::now() + timeout;
+        loop {
+            match tokio::time::timeout_at(unpublishing.into(), futures::StreamExt::next(&mut tasks))
+                .await
+            {
+                Ok(Some(Ok((released, failed)))) => {
+                    report.released.extend(released);
+                    report.failed.extend(failed);
+                }
+                Ok(Some(Err(join))) => {
+                    tracing::error!(error = %join, "drain: a volume's unpublish task failed");
+                }
+                Ok(None) => break,
+                Err(_) => {
+                    tracing::warn!(
+                        running = tasks.len(),
+                        "drain: unpublishes still running at the timeout; a later drain waits for them"
                     );
-                    match plugin.volumes.unpublish(&volume.volume_id, workload).await {
-                        Ok(()) => report.released.push(claim),
-                        Err(err) => {
-                            all_released = false;
-                            tracing::error!(plugin = %plugin_type, volume_id = ?volume.volume_id, workload = ?workload, error = %err, "drain: claim not released");
-                            report
-                                .failed
-                                .push((claim.0, claim.1, claim.2, err.to_string()));
-                        }
-                    }
+                    break;
                 }
             }
-            if !all_released {
+        }
+        // Dropping the handles detaches the tasks still running: they finish on their own.
+        drop(tasks);
+
+        report.left = match self.left_after_drain(&plugins, &binds).await {
+            Ok(left) => left,
+            Err(err) => vec![DrainLeft {
+                plugin: String::new(),
+                volume_id: String::new(),
+                path: None,
+                reason: format!(
+                    "the mount table could not be read, so nothing is confirmed unmounted: {err}"
+                ),
+            }],
+        };
+
+        for (plugin_type, plugin) in &plugins {
+            if report.left.iter().any(|l| &l.plugin == plugin_type)
+                || report
+                    .failed
+                    .iter()
+                    .any(|(failed_type, ..)| failed_type == plugin_type)
+            {
+                tracing::warn!(plugin = %plugin_type, "drain: plugin kept running: something it serves is left");
                 continue;
             }
-            // Out of the table first, so no request reaches the manager being stopped.
-            self.inner.table.lock().await.plugins.remove(&plugin_type);
+            if !lock_std(&self.inner.drain_stopped).insert(plugin_type.clone()) {
+                continue;
+            }
             match plugin.endpoints.manager().stop().await {
-                Ok(()) => report.stopped.push(plugin_type),
+                Ok(()) => report.stopped.push(plugin_type.clone()),
                 Err(err) => {
                     tracing::error!(plugin = %plugin_type, error = %err, "drain: plugin not stopped cleanly");
                     report.failed.push((
-                        plugin_type,
+                        plugin_type.clone(),
                         String::new(),
                         String::new(),
                         format!("components not stopped: {err}"),
@@ -506,13 +646,115 @@ impl CsiServer {
                 }
             }
         }
-        tracing::info!(
-            released = report.released.len(),
-            failed = report.failed.len(),
-            stopped = report.stopped.len(),
-            "node drained"
-        );
+        if report.is_complete() {
+            tracing::info!(
+                released = report.released.len(),
+                stopped = report.stopped.len(),
+                "node drained: nothing of csi-agent's is mounted"
+            );
+        } else {
+            for left in &report.left {
+                tracing::warn!(plugin = %left.plugin, volume_id = ?left.volume_id, path = ?left.path, reason = %left.reason, "drain: left on the node");
+            }
+            tracing::warn!(
+                released = report.released.len(),
+                failed = report.failed.len(),
+                left = report.left.len(),
+                "drain incomplete: drain again once the causes are fixed"
+            );
+        }
         report
+    }
+
+    /// What of csi-agent's is still on the node: operations in flight, records not at rest,
+    /// and mounts beneath each plugin's mounts root or at a workload's bind path (from the
+    /// mount table, not from the records).
+    async fn left_after_drain(
+        &self,
+        plugins: &[(String, Arc<Plugin>)],
+        binds: &[(String, String, PathBuf)],
+    ) -> Result<Vec<DrainLeft>, crate::mounts::MountError> {
+        let mut left = Vec::new();
+        for op in self.inner.gate.running() {
+            let detail = plugins
+                .iter()
+                .find(|(t, _)| *t == op.plugin)
+                .and_then(|(_, p)| p.volumes.progress(&op.volume_id))
+                .map(|p| format!(": {}", describe_progress(&p)))
+                .unwrap_or_default();
+            left.push(DrainLeft {
+                plugin: op.plugin.clone(),
+                volume_id: op.volume_id.clone(),
+                path: None,
+                reason: format!("{op} (still in flight){detail}"),
+            });
+        }
+        let table = crate::sys::blocking("read mountinfo", MountTable::read)?;
+        for (plugin_type, plugin) in plugins {
+            let root = plugin.volumes.mounts_root();
+            let record_of = |volume_id: &str| {
+                plugin
+                    .volumes
+                    .snapshot_of(volume_id)
+                    .map(|r| describe_record(&r))
+                    .unwrap_or_else(|| "it has no volume record".to_owned())
+            };
+            for mount in table.mounts_under(&root) {
+                // The mounts root itself is the runtime's shared mount for its containers.
+                let Ok(rest) = mount.mount_point.strip_prefix(&root) else {
+                    continue;
+                };
+                let Some(first) = rest.components().next() else {
+                    continue;
+                };
+                let volume_id = crate::layout::decode_id(&first.as_os_str().to_string_lossy())
+                    .unwrap_or_default();
+                left.push(DrainLeft {
+                    plugin: plugin_type.clone(),
+                    reason: format!("still mounted; {}", record_of(&volume_id)),
+                    volume_id,
+                    path: Some(mount.mount_point.clone()),
+                });
+            }
+            for (bind_type, volume_id, path) in binds {
+                if bind_type != plugin_type {
+                    continue;
+                }
+                for mount in table.mounts_under(path) {
+                    left.push(DrainLeft {
+                        plugin: plugin_type.clone(),
+                        volume_id: volume_id.clone(),
+                        path: Some(mount.mount_point.clone()),
+                        reason: format!(
+                            "a workload's bind_to still mounted; {}",
+                            record_of(volume_id)
+                        ),
+                    });
+                }
+            }
+            for record in plugin.volumes.list_snapshot() {
+                if record.claims.is_empty() && record.state == VolumeState::Created {
+                    continue;
+                }
+                if left
+                    .iter()
+                    .any(|l| &l.plugin == plugin_type && l.volume_id == record.volume_id)
+                {
+                    continue;
+                }
+                left.push(DrainLeft {
+                    plugin: plugin_type.clone(),
+                    volume_id: record.volume_id.clone(),
+                    path: None,
+                    reason: describe_record(&record),
+                });
+            }
+        }
+        left.sort_by(|a, b| {
+            (&a.plugin, &a.volume_id, &a.path).cmp(&(&b.plugin, &b.volume_id, &b.path))
+        });
+        left.dedup();
+        Ok(left)
     }
 
     /// The plugin of `plugin_type`, initialized on first use. Waits for the gate. On a drained
@@ -621,6 +863,7 @@ impl CsiServer {
                 boot_id: self.inner.options.boot_id.clone(),
                 metrics: Some(self.inner.metrics.clone()),
                 binder: self.inner.binder.clone(),
+                gate: self.inner.gate.clone(),
             },
         );
         let recovery = volumes
@@ -725,6 +968,14 @@ impl CsiServer {
             table.config_error_files = errors.clone();
             diff
         };
+        if self.is_drained() && !(to_replace.is_empty() && to_stop.is_empty()) {
+            // A drained node starts no component (and a drain stops them itself).
+            tracing::warn!(
+                "the node is drained: changed or removed plugins keep their components until csi-agentd is restarted"
+            );
+            to_replace.clear();
+            to_stop.clear();
+        }
         // Unlocked: the slow part. A changed plugin stays in the table on its old manager
         // (same volumes) until its replacement is ready.
         for (plugin_type, plugin, loaded) in to_replace {
@@ -883,4 +1134,73 @@ impl CsiServer {
         table.config_errors = errors.iter().map(|(_, m)| m.clone()).collect();
         table.config_error_files = errors;
     }
+}
+
+/// Unpublishes every claim of one volume for the drain, then drives it down if no claim wants
+/// it but it is not at rest (a step that failed earlier). Returns the claims released and
+/// those not, with why.
+async fn drain_volume(
+    volumes: &VolumeManager,
+    plugin_type: &str,
+    volume_id: &str,
+    claims: Vec<String>,
+) -> (
+    Vec<(String, String, String)>,
+    Vec<(String, String, String, String)>,
+) {
+    let mut released = Vec::new();
+    let mut failed = Vec::new();
+    for workload in claims {
+        match volumes.drain_unpublish(volume_id, &workload).await {
+            Ok(()) => released.push((plugin_type.to_owned(), volume_id.to_owned(), workload)),
+            Err(err) => {
+                tracing::error!(plugin = %plugin_type, volume_id = ?volume_id, workload = ?workload, error = %err, "drain: claim not released");
+                failed.push((
+                    plugin_type.to_owned(),
+                    volume_id.to_owned(),
+                    workload,
+                    err.to_string(),
+                ));
+            }
+        }
+    }
+    let unwanted_but_busy = volumes
+        .snapshot_of(volume_id)
+        .is_some_and(|r| r.claims.is_empty() && r.state != VolumeState::Created);
+    if unwanted_but_busy && let Err(err) = volumes.drain_reconcile(volume_id).await {
+        // Reported with the record's state in the drain's `left`.
+        tracing::error!(plugin = %plugin_type, volume_id = ?volume_id, error = %err, "drain: volume not driven down");
+    }
+    (released, failed)
+}
+
+/// A record that is not at rest, for the drain's `left`.
+fn describe_record(record: &crate::volume::VolumeRecord) -> String {
+    let mut text = format!(
+        "its record is in state {} with {} claim(s)",
+        record.state.as_str(),
+        record.claims.len()
+    );
+    if let Some(error) = &record.last_error {
+        text.push_str(&format!("; last error: {error}"));
+    }
+    text
+}
+
+fn describe_progress(progress: &crate::volume::progress::Progress) -> String {
+    let mut text = progress.operation.to_string();
+    if let Some(step) = &progress.step {
+        text.push_str(&format!(", step {step} attempt {}", progress.attempt));
+    }
+    if let Some(error) = &progress.last_error {
+        text.push_str(&format!(", last error: {error}"));
+    }
+    text
+}
+
+fn lock_std<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // A poisoned lock only means a panicking holder; the data is a plain value.
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }

@@ -375,14 +375,34 @@ async fn reload(State(state): State<AppState>) -> Json<api::ReloadReport> {
     })
 }
 
-async fn drain(State(state): State<AppState>) -> Json<api::DrainReport> {
-    let report = state.server.drain().await;
+/// The longest drain timeout accepted (a day): anything longer is a mistake.
+const MAX_DRAIN_TIMEOUT_SECS: u64 = 86_400;
+
+async fn drain(State(state): State<AppState>, body: Bytes) -> ApiResult<api::DrainReport> {
+    // No body (or an empty one): the defaults, as before the request had options.
+    let request: api::DrainRequest = if body.iter().all(u8::is_ascii_whitespace) {
+        api::DrainRequest::default()
+    } else {
+        parse_body("POST /v1/drain", &body)?
+    };
+    let timeout = match request.timeout_secs {
+        None => csi_agent::server::DEFAULT_DRAIN_TIMEOUT,
+        Some(secs @ 1..=MAX_DRAIN_TIMEOUT_SECS) => std::time::Duration::from_secs(secs),
+        Some(other) => {
+            return Err(ApiFailure::invalid(format!(
+                "timeout_secs {other} is out of range: give 1 to {MAX_DRAIN_TIMEOUT_SECS}"
+            )));
+        }
+    };
+    let report = state.server.drain(timeout).await;
+    let complete = report.is_complete();
     let claim = |(plugin, volume_id, workload)| api::ClaimRef {
         plugin,
         volume_id,
         workload,
     };
-    Json(api::DrainReport {
+    Ok(Json(api::DrainReport {
+        complete,
         released: report.released.into_iter().map(claim).collect(),
         failed: report
             .failed
@@ -395,7 +415,17 @@ async fn drain(State(state): State<AppState>) -> Json<api::DrainReport> {
             })
             .collect(),
         stopped_plugins: report.stopped,
-    })
+        left: report
+            .left
+            .into_iter()
+            .map(|left| api::DrainLeft {
+                plugin: left.plugin,
+                volume_id: left.volume_id,
+                path: left.path.map(|p| p.to_string_lossy().into_owned()),
+                reason: left.reason,
+            })
+            .collect(),
+    }))
 }
 
 fn image_store(state: &AppState) -> Result<&Arc<ImageStore>, ApiFailure> {

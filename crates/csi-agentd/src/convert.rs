@@ -62,6 +62,7 @@ impl From<VolumeError> for ApiFailure {
             | VolumeError::Io { .. }
             | VolumeError::Mounts(_)
             | VolumeError::Failpoint(_) => Self::new(api::ErrorCode::Internal, message),
+            VolumeError::Draining(_) => Self::new(api::ErrorCode::Unavailable, message),
         }
     }
 }

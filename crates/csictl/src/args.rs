@@ -90,9 +90,16 @@ pub enum Command {
     },
     /// Re-read the plugin configuration directory (as SIGHUP does).
     Reload,
-    /// Stop the node: unpublish every claim, then stop every plugin, leaving nothing mounted.
-    /// The daemon then publishes nothing until it is restarted (docs/operations.md).
-    Drain,
+    /// Stop the node: refuse new operations, wait for those in flight, unpublish every claim,
+    /// then stop every plugin, leaving nothing mounted. Exits 1 and lists what is left when
+    /// anything is. The daemon then publishes nothing until it is restarted
+    /// (docs/operations.md).
+    Drain {
+        /// Seconds the daemon waits for the operations in flight, and then again for the
+        /// unpublishes (default 60). The global --timeout is the client's own limit.
+        #[arg(long, value_name = "SECONDS", value_parser = clap::value_parser!(u64).range(1..=86_400))]
+        wait: Option<u64>,
+    },
     /// List the daemon's plugin images and the plugins that use them.
     Images,
     /// Pull a plugin image into the daemon's store (`image pull REF`).

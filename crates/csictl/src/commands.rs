@@ -33,9 +33,12 @@ pub async fn run(cli: Cli) -> Result<String, Failure> {
             }
         },
         Command::Reload => render(format, &client.reload().await?, output::reload),
-        Command::Drain => {
-            let report = client.drain().await?;
-            if report.failed.is_empty() {
+        Command::Drain { wait } => {
+            let report = client
+                .drain_with(&DrainRequest { timeout_secs: wait })
+                .await?;
+            // `complete` is the daemon's word; a report that lists anything is never success.
+            if report.complete && report.failed.is_empty() && report.left.is_empty() {
                 render(format, &report, output::drain)
             } else {
                 Err(Failure::Incomplete(output::drain(&report)))

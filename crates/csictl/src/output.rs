@@ -310,6 +310,14 @@ pub fn drain(report: &DrainReport) -> String {
             claim.plugin, claim.volume_id, claim.workload
         );
     }
+    for left in &report.left {
+        let what = match (&left.path, left.volume_id.is_empty()) {
+            (Some(path), _) => format!("{path} ({} {})", left.plugin, left.volume_id),
+            (None, false) => format!("{} {}", left.plugin, left.volume_id),
+            (None, true) => left.plugin.clone(),
+        };
+        let _ = writeln!(out, "left: {what}: {}", left.reason);
+    }
     for failure in &report.failed {
         if failure.volume_id.is_empty() {
             let _ = writeln!(out, "not stopped: {}: {}", failure.plugin, failure.error);

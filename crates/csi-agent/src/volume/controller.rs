@@ -12,7 +12,7 @@ use std::time::Instant;
 use csi_proto::v1;
 
 use super::{
-    Capability, Origin, VolumeError, VolumeManager, VolumeRecord, VolumeState,
+    Admission, Capability, Origin, VolumeError, VolumeManager, VolumeRecord, VolumeState,
     retry_transient_except, to_hash_map, validate_id,
 };
 use crate::client::{CsiClient, RpcError};
@@ -94,6 +94,7 @@ impl VolumeManager {
             )));
         }
         self.require_controller()?;
+        let _ticket = self.enter(name, "create", Admission::Request)?;
         let request = v1::CreateVolumeRequest {
             name: name.to_owned(),
             capacity_range: (capacity_bytes > 0).then_some(v1::CapacityRange {
@@ -151,6 +152,7 @@ impl VolumeManager {
     ) -> Result<(), VolumeError> {
         validate_id("volume_id", volume_id)?;
         self.require_controller()?;
+        let _ticket = self.enter(volume_id, "delete", Admission::Request)?;
         let slot = self.slot(volume_id);
         let mut guard = slot.lock().await;
         if let Some(record) = &guard.record
@@ -191,6 +193,7 @@ impl VolumeManager {
             ));
         }
         self.require_controller()?;
+        let _ticket = self.enter(volume_id, "validate", Admission::Request)?;
         let request = v1::ValidateVolumeCapabilitiesRequest {
             volume_id: volume_id.to_owned(),
             volume_context: to_hash_map(&volume_context),
@@ -221,6 +224,7 @@ impl VolumeManager {
             )));
         }
         self.require_controller()?;
+        let _ticket = self.enter("", "list_volumes", Admission::Request)?;
         let request = v1::ListVolumesRequest {
             max_entries,
             starting_token: starting_token.to_owned(),
@@ -264,6 +268,7 @@ impl VolumeManager {
         parameters: BTreeMap<String, String>,
     ) -> Result<i64, VolumeError> {
         self.require_controller()?;
+        let _ticket = self.enter("", "capacity", Admission::Request)?;
         let request = v1::GetCapacityRequest {
             volume_capabilities: capabilities.iter().map(Capability::to_v1).collect(),
             parameters: to_hash_map(&parameters),

@@ -12,6 +12,7 @@
 
 pub mod bind;
 pub mod controller;
+pub mod gate;
 pub mod machine;
 pub mod mount_dirs;
 pub mod progress;
@@ -183,6 +184,9 @@ pub enum VolumeError {
     Mounts(#[from] crate::mounts::MountError),
     #[error("interrupted by failpoint {0}")]
     Failpoint(String),
+    /// The node is draining: no new operation starts (docs/operations.md, "Draining a node").
+    #[error(transparent)]
+    Draining(#[from] gate::Closed),
 }
 
 impl From<failpoint::FailpointError> for VolumeError {
@@ -255,6 +259,8 @@ pub struct NodeContext {
     pub metrics: Option<Arc<Metrics>>,
     /// Where workloads' `bind_to` may go, and which are in use.
     pub binder: Arc<Binder>,
+    /// Every operation in flight on the node, and the drain's door ([`gate`]).
+    pub gate: Arc<gate::OperationGate>,
 }
 
 impl NodeContext {
@@ -267,6 +273,7 @@ impl NodeContext {
             boot_id,
             metrics: None,
             binder,
+            gate: Arc::default(),
         }
     }
 }
@@ -281,6 +288,7 @@ struct Inner {
     boot_id: String,
     metrics: Option<Arc<Metrics>>,
     binder: Arc<Binder>,
+    gate: Arc<gate::OperationGate>,
     slots: StdMutex<HashMap<String, Arc<Mutex<Slot>>>>,
     /// Every record as last written (durably or as a note), for reads that must never wait
     /// for an operation in progress (docs/design.md: reads come from a snapshot).
@@ -343,6 +351,7 @@ impl VolumeManager {
                 boot_id: context.boot_id,
                 metrics: context.metrics,
                 binder: context.binder,
+                gate: context.gate,
                 slots: StdMutex::new(HashMap::new()),
                 snapshot: std::sync::RwLock::new(BTreeMap::new()),
                 caps: StdMutex::new(None),
@@ -471,6 +480,7 @@ impl VolumeManager {
     async fn publish_inner(&self, request: PublishRequest) -> Result<Published, VolumeError> {
         validate_id("volume_id", &request.volume_id)?;
         validate_id("workload", &request.workload)?;
+        let _ticket = self.enter(&request.volume_id, "publish", Admission::Request)?;
         if !self.inner.endpoints.serves(Service::Node) {
             // A config mistake, not the plugin's: nothing may be recorded for a publish no
             // component can ever carry out.
@@ -631,14 +641,36 @@ impl VolumeManager {
     /// controller-unpublishes) the volume. An unknown volume or claim succeeds.
     pub async fn unpublish(&self, volume_id: &str, workload: &str) -> Result<(), VolumeError> {
         let started = Instant::now();
-        let result = self.unpublish_inner(volume_id, workload).await;
+        let result = self
+            .unpublish_inner(volume_id, workload, Admission::Request)
+            .await;
         self.observe_operation("unpublish", &result, started);
         result
     }
 
-    async fn unpublish_inner(&self, volume_id: &str, workload: &str) -> Result<(), VolumeError> {
+    /// [`VolumeManager::unpublish`] for the drain: it passes the closed door (and is counted).
+    pub async fn drain_unpublish(
+        &self,
+        volume_id: &str,
+        workload: &str,
+    ) -> Result<(), VolumeError> {
+        let started = Instant::now();
+        let result = self
+            .unpublish_inner(volume_id, workload, Admission::Drain)
+            .await;
+        self.observe_operation("unpublish", &result, started);
+        result
+    }
+
+    async fn unpublish_inner(
+        &self,
+        volume_id: &str,
+        workload: &str,
+        admission: Admission,
+    ) -> Result<(), VolumeError> {
         validate_id("volume_id", volume_id)?;
         validate_id("workload", workload)?;
+        let _ticket = self.enter(volume_id, "unpublish", admission)?;
         let slot = self.slot(volume_id);
         let mut guard = slot.lock().await;
         let Some(mut record) = guard.record.as_deref().cloned() else {
@@ -657,6 +689,21 @@ impl VolumeManager {
         let up = record.wants_published();
         self.drive(&mut guard, record, up).await?;
         Ok(())
+    }
+
+    /// Registers an operation on the node's door ([`gate`]) before it touches a volume or the
+    /// plugin; refused with [`VolumeError::Draining`] once the node drains.
+    fn enter(
+        &self,
+        volume_id: &str,
+        operation: &'static str,
+        admission: Admission,
+    ) -> Result<gate::Ticket, VolumeError> {
+        let plugin = &self.inner.config.plugin_type;
+        Ok(match admission {
+            Admission::Request => self.inner.gate.enter(plugin, volume_id, operation)?,
+            Admission::Drain => self.inner.gate.enter_draining(plugin, volume_id, operation),
+        })
     }
 
     fn bind_owner(&self, volume_id: &str, workload: &str) -> BindOwner {
@@ -719,6 +766,17 @@ impl VolumeManager {
 
     /// Drives one volume toward what its claims want (used by recovery and after failures).
     pub async fn reconcile(&self, volume_id: &str) -> Result<(), VolumeError> {
+        self.reconcile_as(volume_id, Admission::Request).await
+    }
+
+    /// [`VolumeManager::reconcile`] for the drain: drives a volume no claim wants (one left in
+    /// a transient state) down past the closed door.
+    pub async fn drain_reconcile(&self, volume_id: &str) -> Result<(), VolumeError> {
+        self.reconcile_as(volume_id, Admission::Drain).await
+    }
+
+    async fn reconcile_as(&self, volume_id: &str, admission: Admission) -> Result<(), VolumeError> {
+        let _ticket = self.enter(volume_id, "reconcile", admission)?;
         let slot = self.slot(volume_id);
         let mut guard = slot.lock().await;
         let Some(record) = guard.record.as_deref().cloned() else {
@@ -753,6 +811,11 @@ impl VolumeManager {
                         if !manager.inner.progress.reconciler_done(&volume_id) {
                             return;
                         }
+                    }
+                    Err(VolumeError::Draining(_)) => {
+                        // The drain drives every volume itself from here on.
+                        manager.inner.progress.reconciler_stopped(&volume_id);
+                        return;
                     }
                     Err(err) => {
                         let delay = backoff.next_delay();
@@ -1380,6 +1443,15 @@ impl VolumeManager {
                 .observe(started.elapsed().as_secs_f64());
         }
     }
+}
+
+/// Who lets an operation in ([`VolumeManager::enter`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Admission {
+    /// A request or a reconciler: refused once the node drains.
+    Request,
+    /// The drain's own unpublish or reconcile.
+    Drain,
 }
 
 /// True when two records want the same thing: the same claims, binds and way of use. A

@@ -156,6 +156,11 @@ impl Tracker {
         }
     }
 
+    /// Called by a reconciler that ends without converging (the node drains): forgotten.
+    pub fn reconciler_stopped(&self, volume_id: &str) {
+        lock(&self.reconcilers).remove(volume_id);
+    }
+
     /// How many entries are held (bounded-state tests).
     pub fn len(&self) -> usize {
         lock(&self.running).len() + lock(&self.reconcilers).len()
