@@ -979,6 +979,10 @@ impl CsiServer {
         // Unlocked: the slow part. A changed plugin stays in the table on its old manager
         // (same volumes) until its replacement is ready.
         for (plugin_type, plugin, loaded) in to_replace {
+            // Ordered after the RPC attempts in flight to this plugin, and before the next
+            // ones: no attempt straddles the swap, and every step after it asks the new
+            // components for their capabilities (issue #24, M5; docs/reliability.md).
+            let paused = plugin.volumes.pause_steps().await;
             // The old manager's supervision must stop before the new one looks at the
             // components: otherwise the old one relaunches what the new one kills.
             let replaced = plugin
@@ -991,6 +995,7 @@ impl CsiServer {
                     let old = plugin.endpoints.replace(Arc::new(manager));
                     drop(old);
                     plugin.volumes.forget_capabilities();
+                    drop(paused);
                     let updated = Arc::new(Plugin {
                         loaded,
                         endpoints: plugin.endpoints.clone(),
@@ -1010,6 +1015,7 @@ impl CsiServer {
                     tracing::info!(plugin = %plugin_type, "plugin configuration changed; components replaced");
                 }
                 Err(err) => {
+                    drop(paused);
                     tracing::error!(plugin = %plugin_type, error = %err, "changed plugin not restarted");
                 }
             }

@@ -1006,6 +1006,12 @@ impl Plugin {
         let (source, staging) = if self.cfg.stage_unstage {
             // "Staging target path not set | 9 FAILED_PRECONDITION".
             if a.staging_path.is_empty() {
+                // A CO bug, not a plugin state: said on stderr as well as in the call log
+                // (whose entry carries this message), so tests can fail on either.
+                tracing::error!(
+                    volume_id = %id,
+                    "CSI violation by the CO: NodePublishVolume without staging_target_path to a plugin with STAGE_UNSTAGE_VOLUME; refused"
+                );
                 return Err(precondition(
                     "staging_target_path is not set but the plugin has STAGE_UNSTAGE_VOLUME",
                 ));

@@ -293,8 +293,14 @@ struct Inner {
     /// Every record as last written (durably or as a note), for reads that must never wait
     /// for an operation in progress (docs/design.md: reads come from a snapshot).
     snapshot: std::sync::RwLock<BTreeMap<String, Arc<VolumeRecord>>>,
-    /// Asked once, forgotten when the plugin's configuration changes.
-    caps: StdMutex<Option<LifecycleCaps>>,
+    /// Asked once, forgotten when the plugin's configuration changes. The number is the
+    /// endpoints' generation the answer belongs to: an answer of the old components that
+    /// arrives after a reload forgot the caps is not cached as the new ones'.
+    caps: StdMutex<(u64, Option<LifecycleCaps>)>,
+    /// Held (read) by every attempt of an RPC to the plugin, and (write) by a reload while it
+    /// replaces the plugin's components: a reload is ordered after the attempts in flight,
+    /// and the attempts after it see the new components (docs/reliability.md, "Reload").
+    steps: Arc<tokio::sync::RwLock<()>>,
     node_id: OnceCell<String>,
     /// What each operation in progress is doing, for status reads (never waits).
     progress: progress::Tracker,
@@ -354,7 +360,8 @@ impl VolumeManager {
                 gate: context.gate,
                 slots: StdMutex::new(HashMap::new()),
                 snapshot: std::sync::RwLock::new(BTreeMap::new()),
-                caps: StdMutex::new(None),
+                caps: StdMutex::new((0, None)),
+                steps: Arc::default(),
                 node_id: OnceCell::new(),
                 progress: progress::Tracker::default(),
             }),
@@ -917,7 +924,7 @@ impl VolumeManager {
                     }
                     self.note(slot, record.clone())?;
                     failpoint::hit(points.before_rpc)?;
-                    let outcome = self.run_rpc(slot, &mut record, rpc, deadline).await;
+                    let outcome = self.run_rpc(slot, &mut record, rpc, caps, deadline).await;
                     failpoint::hit(points.after_rpc)?;
                     if let Err(err) = outcome {
                         tracing::warn!(
@@ -988,6 +995,7 @@ impl VolumeManager {
         slot: &mut Slot,
         record: &mut VolumeRecord,
         rpc: LifecycleRpc,
+        caps: LifecycleCaps,
         deadline: Instant,
     ) -> Result<(), VolumeError> {
         let volume_id = record.volume_id.clone();
@@ -1010,6 +1018,7 @@ impl VolumeManager {
         loop {
             tries = tries.saturating_add(1);
             self.inner.progress.trying(&volume_id, rpc.name(), tries);
+            let step = self.inner.steps.read().await;
             let client = self.inner.endpoints.client(service).await;
             let attempt = match client {
                 Err(err) => Err(VolumeError::Plugin(err)),
@@ -1018,6 +1027,7 @@ impl VolumeManager {
                         &client,
                         record,
                         rpc,
+                        caps,
                         &staging,
                         &target,
                         &secrets,
@@ -1026,6 +1036,8 @@ impl VolumeManager {
                     .await
                 }
             };
+            // Not across the backoff below: a reload waits for attempts, not for retries.
+            drop(step);
             match attempt {
                 Ok(()) => return Ok(()),
                 // An undo RPC answered NOT_FOUND: the plugin has no such volume (any more), so
@@ -1086,6 +1098,7 @@ impl VolumeManager {
         client: &CsiClient,
         record: &mut VolumeRecord,
         rpc: LifecycleRpc,
+        caps: LifecycleCaps,
         staging: &Path,
         target: &Path,
         secrets: &VolumeSecrets,
@@ -1154,7 +1167,10 @@ impl VolumeManager {
                 } else {
                     mount_dirs::ensure_own_dir(&self.volume_mount_dir(&record.volume_id))?;
                 }
-                let stage_used = self.caps_now().is_some_and(|c| c.stage);
+                // The capabilities this step was chosen with, not the cache's: a reload may have
+                // forgotten those meanwhile, and a NodePublish without staging_target_path to a
+                // plugin with STAGE_UNSTAGE_VOLUME breaks the spec (issue #24, M5).
+                let stage_used = caps.stage;
                 client
                     .node_publish_volume(v1::NodePublishVolumeRequest {
                         volume_id,
@@ -1351,10 +1367,6 @@ impl VolumeManager {
         self.inner.mounts_root.join(encode_id(volume_id))
     }
 
-    fn caps_now(&self) -> Option<LifecycleCaps> {
-        *lock(&self.inner.caps)
-    }
-
     /// Waits until every progress note queued so far is committed (a clean shutdown, tests).
     pub async fn flush(&self) -> Result<(), VolumeError> {
         Ok(self.inner.store.flush().await?)
@@ -1363,18 +1375,33 @@ impl VolumeManager {
     /// Forgets the plugin's capabilities (after its configuration changed): they are asked
     /// again before the next step.
     pub fn forget_capabilities(&self) {
-        *lock(&self.inner.caps) = None;
+        let mut caps = lock(&self.inner.caps);
+        caps.0 = caps.0.wrapping_add(1);
+        caps.1 = None;
+    }
+
+    /// Waits for every RPC attempt to this plugin in flight to end, and keeps new ones from
+    /// starting until the guard is dropped: a reload holds it while it swaps the plugin's
+    /// components, so that no attempt straddles the swap (docs/reliability.md, "Reload").
+    pub async fn pause_steps(&self) -> tokio::sync::OwnedRwLockWriteGuard<()> {
+        Arc::clone(&self.inner.steps).write_owned().await
     }
 
     /// The plugin's lifecycle capabilities, asked once (and retried while it is unavailable).
     async fn caps(&self, deadline: Instant) -> Result<LifecycleCaps, VolumeError> {
-        if let Some(caps) = self.caps_now() {
-            return Ok(caps);
-        }
+        let generation = {
+            let cached = lock(&self.inner.caps);
+            if let Some(caps) = cached.1 {
+                return Ok(caps);
+            }
+            cached.0
+        };
         let endpoints = &self.inner.endpoints;
+        let steps = &self.inner.steps;
         let retry = self.inner.config.retry;
         let caps = async move {
             let stage = retry_transient(retry, deadline, || async {
+                let _step = steps.read().await;
                 let client = endpoints.client(Service::Node).await?;
                 client.node_get_capabilities().await
             })
@@ -1382,6 +1409,7 @@ impl VolumeManager {
             .contains(&v1::node_service_capability::rpc::Type::StageUnstageVolume);
             let controller_publish = if endpoints.serves(Service::Controller) {
                 retry_transient(retry, deadline, || async {
+                    let _step = steps.read().await;
                     let client = endpoints.client(Service::Controller).await?;
                     client.controller_get_capabilities().await
                 })
@@ -1396,7 +1424,12 @@ impl VolumeManager {
             })
         }
         .await?;
-        *lock(&self.inner.caps) = Some(caps);
+        let mut cached = lock(&self.inner.caps);
+        if cached.0 == generation {
+            cached.1 = Some(caps);
+        }
+        // Else the components were replaced while this was asked: this step still acts on
+        // what it asked (consistently), the next one asks the new components.
         Ok(caps)
     }
 
