@@ -562,7 +562,7 @@ impl CsiServer {
                         bind.path.clone(),
                     ));
                 }
-                if record.claims.is_empty() && record.state == VolumeState::Created {
+                if at_rest(&record) {
                     continue;
                 }
                 if busy
@@ -733,7 +733,7 @@ impl CsiServer {
                 }
             }
             for record in plugin.volumes.list_snapshot() {
-                if record.claims.is_empty() && record.state == VolumeState::Created {
+                if at_rest(&record) {
                     continue;
                 }
                 if left
@@ -1172,12 +1172,18 @@ async fn drain_volume(
     }
     let unwanted_but_busy = volumes
         .snapshot_of(volume_id)
-        .is_some_and(|r| r.claims.is_empty() && r.state != VolumeState::Created);
+        .is_some_and(|r| r.claims.is_empty() && !at_rest(&r));
     if unwanted_but_busy && let Err(err) = volumes.drain_reconcile(volume_id).await {
         // Reported with the record's state in the drain's `left`.
         tracing::error!(plugin = %plugin_type, volume_id = ?volume_id, error = %err, "drain: volume not driven down");
     }
     (released, failed)
+}
+
+/// True when a volume needs nothing more from a drain: no claim, and nothing done on the node
+/// (a created volume's record stays, at rest).
+fn at_rest(record: &crate::volume::VolumeRecord) -> bool {
+    record.claims.is_empty() && record.state == VolumeState::Created
 }
 
 /// A record that is not at rest, for the drain's `left`.

@@ -43,6 +43,22 @@ fn start(dir: &Path) -> (Daemon, PathBuf) {
     (daemon, binds)
 }
 
+/// Replaces the test plugin's fault rules (it re-reads the file at its next RPC).
+fn set_faults(dir: &Path, rules: &str) {
+    std::fs::write(dir.join("plugin/faults.json"), rules).unwrap();
+}
+
+/// A daemon with v1 published for w1 with a `bind_to`: staging, target and bind mounted.
+async fn published_v1(dir: &Path) -> (Daemon, PathBuf, csi_agent_api::ApiClient) {
+    let (daemon, binds) = start(dir);
+    let api = daemon.api();
+    api.publish(&bind_request(&binds, "v1", "w1"))
+        .await
+        .unwrap();
+    assert_eq!(mounted(&daemon, &binds).len(), 3, "staging, target, bind");
+    (daemon, binds, api)
+}
+
 fn bind_request(binds: &Path, volume: &str, workload: &str) -> csi_agent_api::PublishRequest {
     let path = binds.join(workload).join(volume);
     std::fs::create_dir_all(&path).unwrap();
@@ -215,19 +231,13 @@ async fn drain_under_eight_binding_clients_is_complete_or_says_what_is_left_twen
 #[tokio::test]
 async fn a_drain_that_times_out_lists_what_is_left_and_a_second_drain_finishes() {
     let dir = tempfile::tempdir().unwrap();
-    let (daemon, binds) = start(dir.path());
-    let api = daemon.api();
-    api.publish(&bind_request(&binds, "v1", "w1"))
-        .await
-        .unwrap();
-    assert_eq!(mounted(&daemon, &binds).len(), 3, "staging, target, bind");
+    let (daemon, binds, api) = published_v1(dir.path()).await;
     // The plugin answers every NodeUnpublishVolume UNAVAILABLE: the drain's unpublish keeps
     // retrying past the drain's timeout.
-    std::fs::write(
-        dir.path().join("plugin/faults.json"),
+    set_faults(
+        dir.path(),
         r#"{"rules":[{"method":"NodeUnpublishVolume","fail":{"code":"UNAVAILABLE"}}]}"#,
-    )
-    .unwrap();
+    );
 
     let first = daemon.csictl(&["drain", "--wait", "2"]);
     let stdout = String::from_utf8_lossy(&first.stdout);
@@ -238,6 +248,7 @@ async fn a_drain_that_times_out_lists_what_is_left_and_a_second_drain_finishes()
         .find(|p| p.ends_with("target"))
         .expect("the target is still mounted");
     let text = format!("{stdout}{stderr}");
+    println!("the first drain (exit {:?}):\n{text}", first.status.code());
     assert!(
         text.contains(&format!("left: {}", target.display())),
         "the target is listed as left: {text}"
@@ -275,18 +286,14 @@ async fn a_drain_that_times_out_lists_what_is_left_and_a_second_drain_finishes()
 #[tokio::test]
 async fn a_volume_left_in_a_transient_state_is_driven_down_or_reported_never_skipped() {
     let dir = tempfile::tempdir().unwrap();
-    let (daemon, binds) = start(dir.path());
-    let api = daemon.api();
-    api.publish(&bind_request(&binds, "v1", "w1"))
-        .await
-        .unwrap();
-    // NodeUnstageVolume fails for good: the unpublish leaves v1 in NODE_UNSTAGE with its
-    // staging mounted and no claim (what the adversarial run found skipped by the drain).
-    std::fs::write(
-        dir.path().join("plugin/faults.json"),
+    let (daemon, binds, api) = published_v1(dir.path()).await;
+    // NodeUnstageVolume fails once, finally (INTERNAL): the unpublish leaves v1 in
+    // NODE_UNSTAGE with its staging mounted and no claim (what the adversarial run found
+    // skipped by the drain).
+    set_faults(
+        dir.path(),
         r#"{"rules":[{"method":"NodeUnstageVolume","fail":{"code":"INTERNAL"},"times":1}]}"#,
-    )
-    .unwrap();
+    );
     api.unpublish(&unpublish("v1", "w1")).await.unwrap_err();
     let record = api.volumes().await.unwrap();
     let v1 = record.volumes.iter().find(|v| v.volume_id == "v1").unwrap();
