@@ -259,6 +259,12 @@ async fn a_drain_that_times_out_lists_what_is_left_and_a_second_drain_finishes()
         1,
         "the plugin still has mounts: it runs"
     );
+    // Its volume stays listed while its record exists (not "no volumes tracked").
+    let listed = api.volumes().await.unwrap();
+    assert!(
+        listed.volumes.iter().any(|v| v.volume_id == "v1"),
+        "{listed:?}"
+    );
     // Still drained: no new work.
     let err = api.publish(&publish("v2", "w2")).await.unwrap_err();
     assert!(refused_for_draining(&err), "{err}");
