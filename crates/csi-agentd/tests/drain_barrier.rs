@@ -287,6 +287,28 @@ async fn a_drain_that_times_out_lists_what_is_left_and_a_second_drain_finishes()
         listed.volumes.iter().all(|v| v.claims.is_empty()),
         "{listed:?}"
     );
+
+    // Abuse: a reload of a changed config on the drained node starts no component.
+    let mut changed = managed_config(PLUGIN, &dir.path().join("plugin"), "v0:1M,v1:1M");
+    changed["node_id"] = "node-2".into();
+    daemon.add_config("test.json", &changed);
+    let reload = api.reload().await.unwrap();
+    assert_eq!(reload.changed, vec![PLUGIN.to_owned()]);
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    assert_eq!(
+        plugin_processes(dir.path()),
+        0,
+        "a drained node started a plugin"
+    );
+    // A timeout out of range is refused, naming the field.
+    let (status, body) = api_error(
+        api.drain_with(&DrainRequest {
+            timeout_secs: Some(0),
+        })
+        .await,
+    );
+    assert_eq!(status, 400);
+    assert!(body.message.contains("timeout_secs 0"), "{}", body.message);
 }
 
 #[tokio::test]
