@@ -462,11 +462,16 @@ async fn daemon_peak(
         .unpublish(&unpublish_request(&plugin_type, "vol1", "w1"))
         .await
         .context("unpublish after the peak measurement")?;
-    daemon
+    let drained = daemon
         .api
         .drain()
         .await
         .context("drain of the peak daemon")?;
+    ensure!(
+        drained.complete,
+        "the peak daemon's drain left {:?}: the plugin's container may still run",
+        drained.left
+    );
     daemon.stop().await?;
     Ok(DaemonPeak {
         idle_rss_mib: idle.rss_mib(),
