@@ -7,6 +7,9 @@
 //! - a `bind_to` must lie beneath one of the operator's `--bind-root` dirs (none configured:
 //!   every `bind_to` is refused), must be normalised, and must not be, contain or lie inside
 //!   the work dir, a plugin's mount root or another claim's `bind_to`;
+//! - the walked dir must not lie in a mount csi-agent made for another claim (a workload may
+//!   have moved its bind elsewhere beneath the root): a mount inside it would make that
+//!   workload's unpublish fail with EBUSY, and its dirs would be created inside the volume;
 //! - the path is walked beneath its root without following any symlink
 //!   ([`crate::beneath`]); missing dirs are created on the way and counted, so that unbinding
 //!   removes exactly those;
@@ -25,7 +28,8 @@
 //! It must not decide *when* to bind or unbind (the volume manager does) and must not touch
 //! anything outside the bind roots.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::ops::Bound;
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -136,6 +140,15 @@ pub enum BindError {
     },
     #[error("bind_to {} is already used by {owner}: every claim needs a path of its own", path.display())]
     InUse { path: PathBuf, owner: BindOwner },
+    #[error(
+        "bind_to {} lies in the bind mount csi-agent made for {owner} (mount {mount_id}, which that workload may have moved there): a mount in it would block that workload's unpublish; choose a path outside every other workload's bind",
+        path.display()
+    )]
+    InsideOtherBind {
+        path: PathBuf,
+        owner: BindOwner,
+        mount_id: u64,
+    },
     #[error("bind_to {} is already a mount point of something else (mount {mount_id}); csi-agent mounts only onto a plain directory", path.display())]
     AlreadyMounted { path: PathBuf, mount_id: u64 },
     #[error("bind_to {} is for mount volumes only: a block volume's target is not a directory", path.display())]
@@ -193,6 +206,7 @@ impl BindError {
             self,
             BindError::Forbidden { .. }
                 | BindError::InUse { .. }
+                | BindError::InsideOtherBind { .. }
                 | BindError::AlreadyMounted { .. }
                 | BindError::Walk {
                     source: BeneathError::Symlink { .. }
@@ -210,7 +224,38 @@ impl BindError {
 pub struct Binder {
     roots: Vec<PathBuf>,
     forbidden: Mutex<Vec<(PathBuf, &'static str)>>,
-    owners: Mutex<BTreeMap<PathBuf, BindOwner>>,
+    owners: Mutex<Owners>,
+}
+
+/// Every `bind_to` in use, and the mounts csi-agent made for them. Both lookups cost the
+/// depth of a path times a logarithm, never a pass over every claim of the node: a publish's
+/// cost must not grow with the claims of other volumes (issue #24, L2).
+#[derive(Debug, Default)]
+struct Owners {
+    /// Path → its holder and the id of the mount made there (this boot), once known.
+    by_path: BTreeMap<PathBuf, (BindOwner, Option<u64>)>,
+    /// Mount id → its holder, for the mounts in `by_path`.
+    by_mount: HashMap<u64, BindOwner>,
+}
+
+impl Owners {
+    /// The holder, other than `owner`, of `path`, of a path around it or of one inside it.
+    fn overlapping(&self, path: &Path, owner: &BindOwner) -> Option<&BindOwner> {
+        // `path` itself and every path around it: one lookup per component.
+        for around in path.ancestors() {
+            if let Some((holder, _)) = self.by_path.get(around)
+                && holder != owner
+            {
+                return Some(holder);
+            }
+        }
+        // Paths inside `path` sort right after it (paths compare component by component).
+        self.by_path
+            .range::<Path, _>((Bound::Excluded(path), Bound::Unbounded))
+            .take_while(|(inside, _)| inside.starts_with(path))
+            .map(|(_, (holder, _))| holder)
+            .find(|holder| *holder != owner)
+    }
 }
 
 impl Binder {
@@ -290,30 +335,65 @@ impl Binder {
     pub fn reserve(&self, path: &Path, owner: &BindOwner) -> Result<(), BindError> {
         self.check(path)?;
         let mut owners = lock(&self.owners);
-        for (other, other_owner) in owners.iter() {
-            let overlaps = other == path || other.starts_with(path) || path.starts_with(other);
-            if overlaps && other_owner != owner {
-                return Err(BindError::InUse {
-                    path: path.to_path_buf(),
-                    owner: other_owner.clone(),
-                });
-            }
+        if let Some(holder) = owners.overlapping(path, owner) {
+            return Err(BindError::InUse {
+                path: path.to_path_buf(),
+                owner: holder.clone(),
+            });
         }
-        owners.insert(path.to_path_buf(), owner.clone());
+        owners
+            .by_path
+            .entry(path.to_path_buf())
+            .or_insert_with(|| (owner.clone(), None));
         Ok(())
     }
 
-    /// Gives `path` back (only if `owner` holds it).
+    /// Gives `path` back (only if `owner` holds it), with the mount noted for it.
     pub fn release(&self, path: &Path, owner: &BindOwner) {
         let mut owners = lock(&self.owners);
-        if owners.get(path) == Some(owner) {
-            owners.remove(path);
+        if owners
+            .by_path
+            .get(path)
+            .is_some_and(|(holder, _)| holder == owner)
+            && let Some((_, Some(mount_id))) = owners.by_path.remove(path)
+            && owners.by_mount.get(&mount_id) == Some(owner)
+        {
+            owners.by_mount.remove(&mount_id);
         }
     }
 
-    /// Makes sure `bind` is a bind of the volume's target (`target` beneath `target_root`),
-    /// mounting it if it is not there. Returns the bind as it should now be recorded (mount
-    /// id noted, created dirs counted).
+    /// Notes that the mount `mount_id` (of this boot) is `owner`'s bind at `path`, which
+    /// `owner` has reserved: no other claim's `bind_to` may lie in it, wherever it is moved.
+    pub fn note_mount(&self, path: &Path, owner: &BindOwner, mount_id: u64) {
+        let mut owners = lock(&self.owners);
+        let Some((holder, noted)) = owners.by_path.get_mut(path) else {
+            return;
+        };
+        if holder != owner {
+            return;
+        }
+        let before = noted.replace(mount_id);
+        if let Some(before) = before
+            && before != mount_id
+            && owners.by_mount.get(&before) == Some(owner)
+        {
+            owners.by_mount.remove(&before);
+        }
+        owners.by_mount.insert(mount_id, owner.clone());
+    }
+
+    /// Who, other than `owner`, holds the bind mount `mount_id`, if csi-agent made it.
+    fn mount_holder(&self, mount_id: u64, owner: &BindOwner) -> Option<BindOwner> {
+        lock(&self.owners)
+            .by_mount
+            .get(&mount_id)
+            .filter(|holder| *holder != owner)
+            .cloned()
+    }
+
+    /// Makes sure `bind` (held by `owner`) is a bind of the volume's target (`target`
+    /// beneath `target_root`), mounting it if it is not there. Returns the bind as it should
+    /// now be recorded (mount id noted, created dirs counted).
     pub fn ensure(
         &self,
         target_root: &Path,
@@ -321,6 +401,7 @@ impl Binder {
         bind: &BindMount,
         readonly: bool,
         boot_id: &str,
+        owner: &BindOwner,
     ) -> Result<BindMount, BindError> {
         let (root, relative) = self.check(&bind.path)?;
         let source = open_target(target_root, target)?;
@@ -340,20 +421,57 @@ impl Binder {
             source,
         })?;
         let mut recorded = bind.clone();
+        let opened_created = opened.created;
         recorded.created_dirs = recorded.created_dirs.max(opened.created);
         let here = identity(&opened.fd, &bind.path)?;
         self.refuse_forbidden_inode(&bind.path, &here)?;
+        // The walked dir is, or lies in, another claim's bind (moved there, or this path
+        // reached through it): neither mount there nor adopt it (L3).
+        if let Some(holder) = self.mount_holder(here.mount_id, owner) {
+            drop(opened);
+            if opened_created > 0
+                && let Err(err) =
+                    beneath::remove_trailing_dirs(root_fd.as_fd(), &root, &relative, opened_created)
+            {
+                tracing::warn!(bind_to = ?bind.path, error = %err, "dir created for a refused bind_to left in place");
+            }
+            return Err(BindError::InsideOtherBind {
+                path: bind.path.clone(),
+                owner: holder,
+                mount_id: here.mount_id,
+            });
+        }
         if here.mount_root {
             if here.same_inode(&source_id) {
                 // Our own bind, made before a crash or noted under another id: adopt it.
                 recorded.mount_id = Some(here.mount_id);
                 recorded.boot_id = Some(boot_id.to_owned());
+                self.note_mount(&bind.path, owner, here.mount_id);
                 return Ok(recorded);
             }
             return Err(BindError::AlreadyMounted {
                 path: bind.path.clone(),
                 mount_id: here.mount_id,
             });
+        }
+        // The mount made for this claim this boot, moved away by the workload: a second one
+        // here would leave the first one unknown to every unpublish (looked up in the mount
+        // table only in this rare case: nothing mounted where the record says).
+        if let Some(id) = bind
+            .mount_id
+            .filter(|_| bind.boot_id.as_deref() == Some(boot_id))
+        {
+            let table = MountTable::read().map_err(BindError::MountTable)?;
+            if let Some(entry) = table.entries().iter().find(|m| m.mount_id == id)
+                && is_our_bind(&entry.mount_point, id, Some(&source_id))
+            {
+                return Err(BindError::Moved {
+                    path: bind.path.clone(),
+                    mount_id: id,
+                    now_at: entry.mount_point.clone(),
+                    why: "not where the claim says".to_owned(),
+                });
+            }
         }
         let mount_err = |op: &'static str| {
             let path = bind.path.clone();
@@ -410,18 +528,22 @@ impl Binder {
         }
         recorded.mount_id = Some(attached.mount_id);
         recorded.boot_id = Some(boot_id.to_owned());
+        self.note_mount(&bind.path, owner, attached.mount_id);
         Ok(recorded)
     }
 
-    /// Unmounts the bind csi-agent made for `bind` and removes the dirs it created. Succeeds
-    /// when nothing of ours is mounted there any more; never unmounts a mount that is not
-    /// this volume's bind; fails (changing nothing) when our mount moved out of reach.
+    /// Unmounts the bind csi-agent made for `bind` (held by `owner`) and removes the dirs it
+    /// created. Succeeds when nothing of ours is mounted there any more; never unmounts a
+    /// mount that is not this volume's bind, nor one made for another claim (of the same
+    /// volume: same inode, moved to this path); fails (changing nothing) when our mount moved
+    /// out of reach.
     pub fn remove(
         &self,
         target_root: &Path,
         target: &Path,
         bind: &BindMount,
         boot_id: &str,
+        owner: &BindOwner,
     ) -> Result<(), BindError> {
         let (root, relative) = match self.check(&bind.path) {
             Ok(found) => found,
@@ -453,7 +575,8 @@ impl Binder {
             let ours_here = here.is_some_and(|id| {
                 id.mount_root
                     && (Some(id.mount_id) == our_id
-                        || source_id.as_ref().is_some_and(|s| id.same_inode(s)))
+                        || source_id.as_ref().is_some_and(|s| id.same_inode(s))
+                            && self.mount_holder(id.mount_id, owner).is_none())
             });
             if ours_here {
                 unmount_beneath(root_fd.as_fd(), &root, &relative).map_err(|source| {

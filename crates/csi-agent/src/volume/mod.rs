@@ -549,7 +549,7 @@ impl VolumeManager {
             {
                 // Already published for this workload. The bind is checked, not assumed: a
                 // crash may have come between recording it and mounting it.
-                if self.ensure_binds(&mut record)? {
+                if self.ensure_binds(&mut record, Binds::Of(&request.workload))? {
                     self.note(&mut guard, record.clone())?;
                 }
                 return Ok(Published {
@@ -597,7 +597,9 @@ impl VolumeManager {
                 .entry(request.workload.clone())
                 .or_insert_with(|| BindMount::new(bind_to.clone()));
         }
-        let outcome = self.drive(&mut guard, record, true).await;
+        let outcome = self
+            .drive(&mut guard, record, true, Binds::Of(&request.workload))
+            .await;
         match outcome {
             Ok(state) => {
                 failpoint::hit("volume.publish.before_answer")?;
@@ -612,7 +614,7 @@ impl VolumeManager {
                     record.claims.remove(&request.workload);
                     let mut bind_kept = false;
                     if let Some(bind) = record.bind_mounts.get(&request.workload).cloned() {
-                        match self.unbind(&request.volume_id, &bind) {
+                        match self.unbind(&request.volume_id, &request.workload, &bind) {
                             Ok(()) => {
                                 record.bind_mounts.remove(&request.workload);
                             }
@@ -686,7 +688,7 @@ impl VolumeManager {
         let _running = self.inner.progress.begin(volume_id, "unpublish");
         if let Some(bind) = record.bind_mounts.get(workload).cloned() {
             // The workload's own bind mount goes first; its record entry only once it is gone.
-            self.unbind(volume_id, &bind)?;
+            self.unbind(volume_id, workload, &bind)?;
             record.bind_mounts.remove(workload);
             self.inner
                 .binder
@@ -694,7 +696,9 @@ impl VolumeManager {
         }
         record.claims.remove(workload);
         let up = record.wants_published();
-        self.drive(&mut guard, record, up).await?;
+        // The other workloads' binds are theirs to check: one of them broken must not
+        // block this unpublish (issue #24, M2).
+        self.drive(&mut guard, record, up, Binds::None).await?;
         Ok(())
     }
 
@@ -723,52 +727,100 @@ impl VolumeManager {
 
     /// Unmounts a workload's bind mount of `volume_id` (and the dirs csi-agent created for
     /// it): only the mount csi-agent made, found by its mount id ([`Binder::remove`]).
-    fn unbind(&self, volume_id: &str, bind: &BindMount) -> Result<(), VolumeError> {
+    fn unbind(&self, volume_id: &str, workload: &str, bind: &BindMount) -> Result<(), VolumeError> {
         sys::blocking("unbind", || {
             self.inner.binder.remove(
                 &self.mounts_root(),
                 &self.target_path(volume_id),
                 bind,
                 &self.inner.boot_id,
+                &self.bind_owner(volume_id, workload),
             )?;
             failpoint::hit("volume.unbind.after_unmount")?;
             Ok(())
         })
     }
 
-    /// Makes sure every recorded bind mount of a published volume is this volume's bind,
-    /// mounting the missing ones (after a crash between recording and mounting, or after a
-    /// reboot). Returns true when a bind's entry changed (mount id noted, dirs counted).
-    fn ensure_binds(&self, record: &mut VolumeRecord) -> Result<bool, VolumeError> {
-        if record.bind_mounts.is_empty() {
+    /// Makes sure the recorded bind mounts `which` of a published volume are this volume's
+    /// binds, mounting the missing ones (after a crash between recording and mounting, or
+    /// after a reboot). Returns true when a bind's entry changed (mount id noted, dirs
+    /// counted). With [`Binds::All`], a failing bind does not stop the others from being
+    /// made; the first failure is returned.
+    fn ensure_binds(
+        &self,
+        record: &mut VolumeRecord,
+        which: Binds<'_>,
+    ) -> Result<bool, VolumeError> {
+        let any = match which {
+            Binds::None => false,
+            Binds::Of(workload) => record.bind_mounts.contains_key(workload),
+            Binds::All => !record.bind_mounts.is_empty(),
+        };
+        if !any {
             return Ok(false);
         }
-        sys::blocking("bind", || self.ensure_binds_now(record))
+        sys::blocking("bind", || self.ensure_binds_now(record, which))
     }
 
-    fn ensure_binds_now(&self, record: &mut VolumeRecord) -> Result<bool, VolumeError> {
+    fn ensure_binds_now(
+        &self,
+        record: &mut VolumeRecord,
+        which: Binds<'_>,
+    ) -> Result<bool, VolumeError> {
         let target = self.target_path(&record.volume_id);
         let mounts_root = self.mounts_root();
         let mut changed = false;
-        for (workload, bind) in record.bind_mounts.iter_mut() {
+        let mut first_error = None;
+        let volume_id = record.volume_id.clone();
+        let readonly = record.readonly;
+        // One claim's bind is looked up, not found by a pass over all: a publish costs the
+        // same whatever the number of claims (issue #24, L2).
+        let binds: Vec<(&String, &mut BindMount)> = match which {
+            Binds::None => Vec::new(),
+            Binds::Of(workload) => record
+                .bind_mounts
+                .range_mut::<str, _>((
+                    std::ops::Bound::Included(workload),
+                    std::ops::Bound::Included(workload),
+                ))
+                .collect(),
+            Binds::All => record.bind_mounts.iter_mut().collect(),
+        };
+        for (workload, bind) in binds {
+            let owner = self.bind_owner(&volume_id, workload);
             // A bind read back from disk is held to the same rules as a new request.
-            self.inner
+            let ensured = self
+                .inner
                 .binder
-                .reserve(&bind.path, &self.bind_owner(&record.volume_id, workload))?;
-            let now = self.inner.binder.ensure(
-                &mounts_root,
-                &target,
-                bind,
-                record.readonly,
-                &self.inner.boot_id,
-            )?;
-            if now != *bind {
-                failpoint::hit("volume.bind.after_mount")?;
-                *bind = now;
-                changed = true;
+                .reserve(&bind.path, &owner)
+                .and_then(|()| {
+                    self.inner.binder.ensure(
+                        &mounts_root,
+                        &target,
+                        bind,
+                        readonly,
+                        &self.inner.boot_id,
+                        &owner,
+                    )
+                });
+            match ensured {
+                Ok(now) => {
+                    if now != *bind {
+                        failpoint::hit("volume.bind.after_mount")?;
+                        *bind = now;
+                        changed = true;
+                    }
+                }
+                Err(err) => {
+                    tracing::warn!(plugin = %self.inner.config.plugin_type, volume_id = ?volume_id, workload = ?workload, error = %err, "bind_to of this workload could not be made");
+                    first_error.get_or_insert(err);
+                }
             }
         }
-        Ok(changed)
+        match first_error {
+            Some(err) => Err(err.into()),
+            None => Ok(changed),
+        }
     }
 
     /// Drives one volume toward what its claims want (used by recovery and after failures).
@@ -791,7 +843,7 @@ impl VolumeManager {
         };
         let _running = self.inner.progress.begin(volume_id, "reconcile");
         let up = record.wants_published();
-        self.drive(&mut guard, record, up).await?;
+        self.drive(&mut guard, record, up, Binds::All).await?;
         Ok(())
     }
 
@@ -849,11 +901,15 @@ impl VolumeManager {
     /// Drives `record` step by step toward published (`up`) or unpublished. `record` may hold
     /// changes not yet durable (a new claim, a claim removed): they are written with the first
     /// intent, or alone if no step is needed.
+    /// `binds` names the bind mounts this drive makes sure of once published: a request's
+    /// own only, so that another workload's broken bind never fails it (M2); when a request
+    /// had to publish the volume again, the other claims' binds are left to a reconciler.
     async fn drive(
         &self,
         slot: &mut Slot,
         mut record: VolumeRecord,
         up: bool,
+        binds: Binds<'_>,
     ) -> Result<VolumeState, VolumeError> {
         let deadline = Instant::now() + self.inner.config.operation_timeout;
         if slot.unconfirmed && !up {
@@ -877,6 +933,7 @@ impl VolumeManager {
             failpoint::hit("volume.desire.after_write")?;
         }
         let mut dirty = slot.record.as_deref() != Some(&record);
+        let mut ran_rpc = false;
         loop {
             let caps = if next_step(record.state, up, ALL_CAPS) == Step::Done {
                 // No step needed whatever the plugin can do: don't ask it.
@@ -906,6 +963,7 @@ impl VolumeManager {
                     dirty = true;
                 }
                 Step::Rpc(rpc) => {
+                    ran_rpc = true;
                     let points = rpc.failpoints();
                     failpoint::hit(points.before_intent)?;
                     record.state = rpc.intent();
@@ -965,8 +1023,20 @@ impl VolumeManager {
         }
         // Binds before the last write, so that their mount ids are durable with it; a bind
         // that fails still lets the progress above be written.
-        let binds = if record.state == VolumeState::Published {
-            self.ensure_binds(&mut record)
+        let published = record.state == VolumeState::Published;
+        if published && ran_rpc && !matches!(binds, Binds::All) {
+            let others = match binds {
+                Binds::Of(workload) => record.bind_mounts.keys().any(|w| w != workload),
+                _ => !record.bind_mounts.is_empty(),
+            };
+            if others {
+                // Published again (a step was redone): the other claims' binds may be gone;
+                // a reconciler makes them, outside this request.
+                self.spawn_reconcile(&record.volume_id);
+            }
+        }
+        let binds = if published {
+            self.ensure_binds(&mut record, binds)
         } else {
             Ok(false)
         };
@@ -1485,6 +1555,17 @@ enum Admission {
     Request,
     /// The drain's own unpublish or reconcile.
     Drain,
+}
+
+/// Which recorded bind mounts a drive makes sure of (see [`VolumeManager::drive`]).
+#[derive(Clone, Copy, Debug)]
+enum Binds<'a> {
+    /// None: an unpublish leaves the other workloads' binds alone.
+    None,
+    /// This workload's only: a publish.
+    Of(&'a str),
+    /// Every one: the reconciler and recovery.
+    All,
 }
 
 /// True when two records want the same thing: the same claims, binds and way of use. A

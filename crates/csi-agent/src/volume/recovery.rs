@@ -134,10 +134,17 @@ impl VolumeManager {
             // Every recorded bind is held to the rules of a new request, and its path is
             // reserved so that no new claim can take it.
             for (workload, bind) in &record.bind_mounts {
+                let owner = self.bind_owner(&record.volume_id, workload);
                 let checked = self.inner.binder.check(&bind.path).and_then(|_| {
-                    self.inner
-                        .binder
-                        .reserve(&bind.path, &self.bind_owner(&record.volume_id, workload))
+                    self.inner.binder.reserve(&bind.path, &owner)?;
+                    // A mount made this boot is known before anything else runs: no new
+                    // claim's bind_to may lie in it.
+                    if let Some(mount_id) = bind.mount_id
+                        && bind.boot_id.as_deref() == Some(self.inner.boot_id.as_str())
+                    {
+                        self.inner.binder.note_mount(&bind.path, &owner, mount_id);
+                    }
+                    Ok(())
                 });
                 if let Err(err) = checked {
                     tracing::error!(plugin = %self.inner.config.plugin_type, volume_id = ?record.volume_id, workload = ?workload, error = %err, "recorded bind_to refused");
