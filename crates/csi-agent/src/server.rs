@@ -46,6 +46,9 @@ pub struct ServerOptions {
     /// Dirs beneath which a publish's `bind_to` may go (`--bind-root`), absolute and
     /// canonical; empty: `bind_to` is refused.
     pub bind_roots: Vec<PathBuf>,
+    /// Claims per volume and `bind_to` length (`--max-claims-per-volume`,
+    /// `--max-bind-to-bytes`).
+    pub claim_limits: crate::volume::ClaimLimits,
     /// The OCI runtime binary of the `oci` runtime (`runc`, or a path).
     pub oci_runtime: PathBuf,
     /// Launch every managed plugin's components when the gate opens, instead of on first use.
@@ -864,6 +867,7 @@ impl CsiServer {
                 metrics: Some(self.inner.metrics.clone()),
                 binder: self.inner.binder.clone(),
                 gate: self.inner.gate.clone(),
+                claim_limits: self.inner.options.claim_limits,
             },
         );
         let recovery = volumes

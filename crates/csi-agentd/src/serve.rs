@@ -16,6 +16,7 @@ use csi_agent::image::reference::{Credentials, DOCKER_HUB, RegistrySettings, nor
 use csi_agent::metrics::Metrics;
 use csi_agent::server::{CsiServer, ServerOptions};
 use csi_agent::store::StoreOptions;
+use csi_agent::volume::ClaimLimits;
 use serde::Deserialize;
 use tokio::signal::unix::{SignalKind, signal};
 
@@ -94,6 +95,13 @@ pub struct ServeArgs {
     /// orchestrator's container sandboxes. None: `bind_to` is refused.
     #[arg(long = "bind-root", value_name = "DIR")]
     bind_roots: Vec<PathBuf>,
+    /// Claims (workloads) one volume may have (default 256); bounded with
+    /// --max-bind-to-bytes so that a volume's record can always be read back.
+    #[arg(long)]
+    max_claims_per_volume: Option<usize>,
+    /// The longest `bind_to` accepted, in bytes (default and most 4095).
+    #[arg(long)]
+    max_bind_to_bytes: Option<usize>,
     /// The OCI runtime of plugins configured with `"runtime": {"kind": "oci"}`: runc (or
     /// crun), a path or a name looked up in PATH (default `runc`).
     #[arg(long)]
@@ -170,6 +178,8 @@ struct FileSettings {
     socket_root: Option<PathBuf>,
     #[serde(default)]
     bind_roots: Vec<PathBuf>,
+    max_claims_per_volume: Option<usize>,
+    max_bind_to_bytes: Option<usize>,
     oci_runtime: Option<PathBuf>,
     start_plugins: Option<bool>,
     docker_registry: Option<String>,
@@ -201,6 +211,7 @@ pub struct Settings {
     pub socket_root: PathBuf,
     pub boot_id_file: PathBuf,
     pub bind_roots: Vec<PathBuf>,
+    pub claim_limits: ClaimLimits,
     pub oci_runtime: PathBuf,
     pub start_plugins: bool,
     pub registry: RegistrySettings,
@@ -340,7 +351,12 @@ pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
             .or(file.image_store_max_bytes)
             .map_or(defaults.store_max_bytes, NonZeroU64::get),
     };
+    let claim_limits = ClaimLimits::new(
+        args.max_claims_per_volume.or(file.max_claims_per_volume),
+        args.max_bind_to_bytes.or(file.max_bind_to_bytes),
+    )?;
     Ok(Settings {
+        claim_limits,
         store,
         image_limits,
         worker_threads,
@@ -513,6 +529,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
             node_id: settings.node_id.clone(),
             boot_id,
             bind_roots: settings.bind_roots.clone(),
+            claim_limits: settings.claim_limits,
             oci_runtime: settings.oci_runtime.clone(),
             start_plugins: settings.start_plugins,
             registry: settings.registry.clone(),

@@ -163,3 +163,151 @@ async fn a_bind_to_inside_another_workloads_moved_bind_is_refused() {
     assert!(scene.binds().is_empty());
     scene.assert_victim_untouched();
 }
+
+/// A `bind_to` of exactly `len` bytes beneath `root`, for workload `i`, in components of at
+/// most 200 bytes.
+fn long_bind(root: &Path, i: usize, len: usize) -> PathBuf {
+    let mut path = root.join(format!("w{i:04}"));
+    while path.as_os_str().len() + 201 < len {
+        path.push("d".repeat(200));
+    }
+    let rest = len - path.as_os_str().len() - 1;
+    path.push("e".repeat(rest));
+    assert_eq!(path.as_os_str().len(), len);
+    path
+}
+
+/// The workload id of claim `i`: 128 bytes, the longest an id may be.
+fn long_workload(i: usize) -> String {
+    format!("w{i:04}-{}", "x".repeat(122))
+}
+
+/// Issue #24, L2: 768 claims with long `bind_to` paths on one volume. Each publish costs the
+/// same whatever the number of claims already there (before: every publish checked every
+/// claim's bind, 14.5 s per publish at 768 claims of 3.8 KB), the limits refuse one claim
+/// more or one byte more with messages naming the flag, and the record at the limits reads
+/// back after a restart.
+#[tokio::test]
+async fn a_volume_at_its_claim_limits_publishes_in_constant_time_and_reads_back() {
+    const CLAIMS: usize = 768;
+    const BIND_BYTES: usize = 2700;
+    let mut scene = Scene::new(&[
+        "--max-claims-per-volume",
+        "768",
+        "--max-bind-to-bytes",
+        "2700",
+    ]);
+    let api = scene.daemon.api();
+    let mut times = Vec::with_capacity(CLAIMS);
+    for i in 0..CLAIMS {
+        let request = scene.bind_request(
+            "vol1",
+            &long_workload(i),
+            &long_bind(&scene.root, i, BIND_BYTES),
+        );
+        let started = std::time::Instant::now();
+        api.publish(&request).await.unwrap();
+        times.push(started.elapsed());
+    }
+    let mean = |t: &[std::time::Duration]| t.iter().sum::<std::time::Duration>() / t.len() as u32;
+    let (first, last) = (mean(&times[..32]), mean(&times[CLAIMS - 32..]));
+    let slowest = times.iter().max().unwrap();
+    println!(
+        "{CLAIMS} publishes of {BIND_BYTES}-byte bind_to paths: mean of the first 32 {first:?}, \
+         of the last 32 {last:?}, the {CLAIMS}th {:?}, the slowest {slowest:?}",
+        times[CLAIMS - 1]
+    );
+    // A debug build on two shared cores: one publish may stall on the machine, not on the
+    // claims; the last 32 together may not.
+    assert!(
+        last < std::time::Duration::from_secs(1),
+        "last 32: {last:?}"
+    );
+    // At most linear in the volume's own claims (its record is written whole): from about 16
+    // claims (the first 32) to about 752 (the last 32) is 47 times the claims; checking every
+    // claim's bind on each publish grew with their square.
+    assert!(last < first * 47, "first {first:?}, last {last:?}");
+    assert_eq!(scene.binds().len(), CLAIMS);
+
+    // One claim more, and one byte more, are refused before anything is touched.
+    let (status, body) = api_error(
+        api.publish(&scene.bind_request("vol1", "one-more", &scene.root.join("one-more/data")))
+            .await,
+    );
+    assert_eq!(status, 409, "{}", body.message);
+    assert!(
+        body.message.contains("already has 768 claims")
+            && body.message.contains("--max-claims-per-volume 768"),
+        "{}",
+        body.message
+    );
+    let too_long = long_bind(&scene.root, 9999, BIND_BYTES + 1);
+    let (status, body) = api_error(
+        api.publish(&scene.bind_request("vol2", "w1", &too_long))
+            .await,
+    );
+    assert_eq!(status, 400, "{}", body.message);
+    assert!(
+        body.message.contains("2701 bytes long") && body.message.contains("--max-bind-to-bytes"),
+        "{}",
+        body.message
+    );
+    let control = scene.root.join("w1/da\nta");
+    let (status, body) = api_error(
+        api.publish(&scene.bind_request("vol2", "w1", &control))
+            .await,
+    );
+    assert_eq!(status, 400, "{}", body.message);
+    assert!(
+        body.message.contains("control character"),
+        "{}",
+        body.message
+    );
+    assert!(!scene.root.join("one-more").exists() && !scene.root.join("w9999").exists());
+
+    // The record at the limits is read back whole after a restart (not quarantined).
+    scene.daemon.kill9();
+    let rows = csi_agent::store::db::dump(&scene.daemon.work).unwrap();
+    let record = &rows.iter().find(|r| r.volume_key == "vol1").unwrap().record;
+    println!("the record at the limits: {} bytes", record.len());
+    assert!((record.len() as u64) < csi_agent::store::files::MAX_FILE_BYTES);
+    scene.daemon.start();
+    let api = scene.daemon.api();
+    let volume = api.volume(PLUGIN, "vol1").await.unwrap();
+    assert_eq!(volume.claims.len(), CLAIMS, "{:?}", volume.state);
+    assert_eq!(volume.state, "PUBLISHED");
+    let log =
+        std::fs::read_to_string(scene.daemon.work.parent().unwrap().join("daemon.log")).unwrap();
+    assert!(!log.contains("quarantine"), "{log}");
+
+    // The restarted daemon serves the volume: a few claims go (all 768 would take minutes
+    // in a debug build, each write of the 2.4 MB record costing what its size costs).
+    for i in CLAIMS - 8..CLAIMS {
+        api.unpublish(&unpublish("vol1", &long_workload(i)))
+            .await
+            .unwrap();
+        assert!(
+            !scene
+                .binds()
+                .contains(&long_bind(&scene.root, i, BIND_BYTES))
+        );
+    }
+    assert_eq!(scene.binds().len(), CLAIMS - 8);
+    let volume = api.volume(PLUGIN, "vol1").await.unwrap();
+    assert_eq!(volume.claims.len(), CLAIMS - 8);
+    scene.assert_victim_untouched();
+    // Clean-up only: the daemon stops and every mount under the test's dirs goes.
+    scene.daemon.kill9();
+    for dir in [&scene.root, &scene.daemon.work] {
+        let mut mounts = mounts_under(dir);
+        mounts.sort_by_key(|m| std::cmp::Reverse(m.as_os_str().len()));
+        for mount in mounts {
+            let status = std::process::Command::new("umount")
+                .arg("-l")
+                .arg(&mount)
+                .status()
+                .unwrap();
+            assert!(status.success(), "umount {mount:?}");
+        }
+    }
+}

@@ -31,6 +31,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Bound;
 use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
@@ -301,6 +302,14 @@ impl Binder {
         }
         // Validate the form on its own first, so that `..` or NUL get their own message.
         beneath::check_form(path).map_err(BindError::Invalid)?;
+        if path.as_os_str().as_bytes().iter().any(u8::is_ascii_control) {
+            // No sandbox path needs one; refused, they cannot reach logs, and a record's
+            // worst-case size counts each byte of a bind_to as at most 2 in JSON.
+            return Err(BindError::Invalid(BeneathError::Invalid {
+                path: path.to_path_buf(),
+                reason: "contains a control character".to_owned(),
+            }));
+        }
         let root = self
             .roots
             .iter()

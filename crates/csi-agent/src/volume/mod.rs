@@ -41,7 +41,10 @@ use crate::store::{Record, Store, StoreError};
 use crate::sys;
 use bind::{BindError, BindMount, BindOwner, Binder};
 use machine::{LifecycleCaps, LifecycleRpc, Step, next_step};
-pub use record::{AccessMode, AccessType, Capability, Origin, VolumeRecord, VolumeState};
+pub use record::{
+    AccessMode, AccessType, Capability, ClaimLimits, ClaimLimitsError, Origin, VolumeRecord,
+    VolumeState,
+};
 
 impl Record for VolumeRecord {
     const SCHEMA_VERSION: u32 = 1;
@@ -261,6 +264,9 @@ pub struct NodeContext {
     pub binder: Arc<Binder>,
     /// Every operation in flight on the node, and the drain's door ([`gate`]).
     pub gate: Arc<gate::OperationGate>,
+    /// Claims per volume and `bind_to` length (`--max-claims-per-volume`,
+    /// `--max-bind-to-bytes`).
+    pub claim_limits: ClaimLimits,
 }
 
 impl NodeContext {
@@ -274,6 +280,7 @@ impl NodeContext {
             metrics: None,
             binder,
             gate: Arc::default(),
+            claim_limits: ClaimLimits::default(),
         }
     }
 }
@@ -289,6 +296,7 @@ struct Inner {
     metrics: Option<Arc<Metrics>>,
     binder: Arc<Binder>,
     gate: Arc<gate::OperationGate>,
+    claim_limits: ClaimLimits,
     slots: StdMutex<HashMap<String, Arc<Mutex<Slot>>>>,
     /// Every record as last written (durably or as a note), for reads that must never wait
     /// for an operation in progress (docs/design.md: reads come from a snapshot).
@@ -358,6 +366,7 @@ impl VolumeManager {
                 metrics: context.metrics,
                 binder: context.binder,
                 gate: context.gate,
+                claim_limits: context.claim_limits,
                 slots: StdMutex::new(HashMap::new()),
                 snapshot: std::sync::RwLock::new(BTreeMap::new()),
                 caps: StdMutex::new((0, None)),
@@ -504,6 +513,13 @@ impl VolumeManager {
         }
         if let Some(bind_to) = &request.bind_to {
             // Refused up front, before any lock, write or RPC (a bad path changes nothing).
+            let len = bind_to.as_os_str().len();
+            let max = self.inner.claim_limits.max_bind_to_bytes;
+            if len > max {
+                return Err(VolumeError::InvalidRequest(format!(
+                    "bind_to is {len} bytes long: this node allows at most {max} (--max-bind-to-bytes); use a shorter path"
+                )));
+            }
             self.inner.binder.check(bind_to)?;
             if matches!(request.capability.access_type, AccessType::Block {}) {
                 return Err(BindError::NotADirectory {
@@ -564,6 +580,15 @@ impl VolumeManager {
             if let Some(context) = &request.volume_context {
                 record.volume_context = context.clone();
             }
+        }
+        let max_claims = self.inner.claim_limits.max_claims;
+        if !record.claims.contains(&request.workload) && record.claims.len() >= max_claims {
+            // Bounds the record, so that it can always be read back (ClaimLimits).
+            return Err(VolumeError::Conflict(format!(
+                "volume {:?} already has {} claims, the most this node allows per volume (--max-claims-per-volume {max_claims}): unpublish it for a workload that no longer needs it, or raise the limit (docs/configuration.md)",
+                request.volume_id,
+                record.claims.len()
+            )));
         }
         let owner = self.bind_owner(&request.volume_id, &request.workload);
         if let Some(bind_to) = &request.bind_to {

@@ -356,9 +356,184 @@ impl VolumeRecord {
     }
 }
 
+/// How many claims one volume may have, and how long each claim's `bind_to` may be
+/// (`--max-claims-per-volume`, `--max-bind-to-bytes`). They bound what a record can grow to,
+/// so that every record that can be written can be read back: the store refuses (and
+/// quarantines) a record over [`MAX_FILE_BYTES`](crate::store::files::MAX_FILE_BYTES) when
+/// it reads one (issue #24, L2). Enforced when a claim is added; a record read back with more
+/// claims than the limit (the limit was lowered) keeps them, but takes no new one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ClaimLimits {
+    pub max_claims: usize,
+    pub max_bind_to_bytes: usize,
+}
+
+/// The default `--max-claims-per-volume`.
+pub const DEFAULT_MAX_CLAIMS: usize = 256;
+/// The default (and largest) `--max-bind-to-bytes`: a path the kernel accepts (`PATH_MAX`
+/// less its NUL).
+pub const MAX_BIND_TO_BYTES: usize = crate::beneath::MAX_PATH_BYTES;
+/// The part of a record's read cap its claims may take; the rest (a quarter, 2 MiB) is for
+/// the other fields (contexts, error text).
+pub const CLAIMS_BUDGET_BYTES: u64 = crate::store::files::MAX_FILE_BYTES / 4 * 3;
+/// The most a boot id (ours: 36 bytes) and the fixed text of one `bind_mounts` entry take.
+const BIND_ENTRY_FIXED_BYTES: u64 = 256;
+
+/// The most one claim can add to a record's JSON, whatever its characters: the workload id
+/// twice (in `claims` and as its `bind_mounts` key), each at most
+/// [`MAX_ID_BYTES`](super::MAX_ID_BYTES) bytes escaped to at most 6 each (`\u001f`), quoted,
+/// with a separator; and its `bind_to` of at most `max_bind_to_bytes`, escaped to at most 2
+/// each (`\"`, `\\`: a `bind_to` with a control character is refused), with the entry's
+/// other fields.
+pub const fn worst_claim_bytes(max_bind_to_bytes: usize) -> u64 {
+    let id = 6 * super::MAX_ID_BYTES as u64 + 3;
+    2 * id + 2 * max_bind_to_bytes as u64 + BIND_ENTRY_FIXED_BYTES
+}
+
+// The defaults fit in the budget, with room to spare (issue #24: every record that can be
+// written can be read back).
+const _: () = assert!(
+    DEFAULT_MAX_CLAIMS as u64 * worst_claim_bytes(MAX_BIND_TO_BYTES) <= CLAIMS_BUDGET_BYTES
+);
+
+/// Limits that would let a record outgrow what can be read back.
+#[derive(Debug, thiserror::Error)]
+pub enum ClaimLimitsError {
+    #[error(
+        "--max-bind-to-bytes {0} is out of range: give 1 to {MAX_BIND_TO_BYTES} (the longest path the kernel takes)"
+    )]
+    BindToBytes(usize),
+    #[error(
+        "--max-claims-per-volume {max_claims} with --max-bind-to-bytes {max_bind_to_bytes} lets a volume record reach {worst} bytes, more than the {CLAIMS_BUDGET_BYTES} its claims may take (records over {} bytes cannot be read back): lower one of them, e.g. --max-claims-per-volume {fits}",
+        crate::store::files::MAX_FILE_BYTES
+    )]
+    TooLarge {
+        max_claims: usize,
+        max_bind_to_bytes: usize,
+        worst: u64,
+        fits: u64,
+    },
+}
+
+impl Default for ClaimLimits {
+    fn default() -> Self {
+        Self {
+            max_claims: DEFAULT_MAX_CLAIMS,
+            max_bind_to_bytes: MAX_BIND_TO_BYTES,
+        }
+    }
+}
+
+impl ClaimLimits {
+    /// The defaults, with what the flags or the config file set; refused when a record at
+    /// these limits could not be read back.
+    pub fn new(
+        max_claims: Option<usize>,
+        max_bind_to_bytes: Option<usize>,
+    ) -> Result<Self, ClaimLimitsError> {
+        let limits = Self {
+            max_claims: max_claims.unwrap_or(DEFAULT_MAX_CLAIMS),
+            max_bind_to_bytes: max_bind_to_bytes.unwrap_or(MAX_BIND_TO_BYTES),
+        };
+        if limits.max_bind_to_bytes == 0 || limits.max_bind_to_bytes > MAX_BIND_TO_BYTES {
+            return Err(ClaimLimitsError::BindToBytes(limits.max_bind_to_bytes));
+        }
+        let per_claim = worst_claim_bytes(limits.max_bind_to_bytes);
+        let worst = (limits.max_claims as u64).saturating_mul(per_claim);
+        if worst > CLAIMS_BUDGET_BYTES {
+            return Err(ClaimLimitsError::TooLarge {
+                max_claims: limits.max_claims,
+                max_bind_to_bytes: limits.max_bind_to_bytes,
+                worst,
+                fits: CLAIMS_BUDGET_BYTES / per_claim,
+            });
+        }
+        Ok(limits)
+    }
+}
+
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
+
+    /// A record at the limits, made of the characters JSON escapes most, stays within what
+    /// the store reads back: the bound above is not just arithmetic.
+    #[test]
+    fn a_record_at_the_claim_limits_fits_what_the_store_reads() {
+        for limits in [
+            ClaimLimits::default(),
+            ClaimLimits::new(Some(768), Some(2700)).unwrap_or_else(|e| panic!("{e}")),
+        ] {
+            let mut record =
+                VolumeRecord::new(&"v".repeat(super::super::MAX_ID_BYTES), Origin::Created);
+            record.state = VolumeState::Published;
+            record.boot_id = Some("b".repeat(36));
+            for i in 0..limits.max_claims {
+                // Control characters: 6 bytes each in JSON; the index keeps them distinct.
+                let tag = format!("{i:05}");
+                let workload = format!(
+                    "{tag}{}",
+                    "\u{1}".repeat(super::super::MAX_ID_BYTES - tag.len())
+                );
+                let path = format!(
+                    "/{tag}/{}",
+                    "\"".repeat(limits.max_bind_to_bytes - tag.len() - 2)
+                );
+                assert_eq!(path.len(), limits.max_bind_to_bytes);
+                record.claims.insert(workload.clone());
+                let mut bind = super::super::bind::BindMount::new(path.into());
+                bind.mount_id = Some(u64::MAX);
+                bind.boot_id = Some("b".repeat(36));
+                bind.created_dirs = usize::MAX;
+                record.bind_mounts.insert(workload, bind);
+            }
+            let base = serde_json::to_vec(&VolumeRecord {
+                claims: Claims::default(),
+                bind_mounts: BTreeMap::new(),
+                ..record.clone()
+            })
+            .unwrap_or_else(|e| panic!("{e}"))
+            .len() as u64;
+            let json = serde_json::to_vec(&record).unwrap_or_else(|e| panic!("{e}"));
+            let claims_bytes = json.len() as u64 - base;
+            assert!(
+                claims_bytes
+                    <= limits.max_claims as u64 * worst_claim_bytes(limits.max_bind_to_bytes),
+                "{claims_bytes} bytes of claims exceed the computed bound"
+            );
+            assert!(claims_bytes <= CLAIMS_BUDGET_BYTES, "{claims_bytes}");
+            assert!((json.len() as u64) < crate::store::files::MAX_FILE_BYTES);
+            let back: VolumeRecord =
+                serde_json::from_slice(&json).unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(back, record);
+        }
+    }
+
+    #[test]
+    fn limits_that_would_outgrow_the_read_cap_are_refused_naming_the_flags() {
+        let err = ClaimLimits::new(Some(100_000), None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("--max-claims-per-volume 100000")
+                && err.contains("--max-bind-to-bytes 4095"),
+            "{err}"
+        );
+        assert!(
+            err.contains("lower one of them, e.g. --max-claims-per-volume 629"),
+            "{err}"
+        );
+        assert!(ClaimLimits::new(Some(629), None).is_ok());
+        assert!(ClaimLimits::new(Some(630), None).is_err());
+        assert!(ClaimLimits::new(None, Some(0)).is_err());
+        assert!(
+            ClaimLimits::new(None, Some(4096))
+                .unwrap_err()
+                .to_string()
+                .contains("1 to 4095")
+        );
+    }
 
     #[test]
     fn levels_put_each_transient_between_its_steady_states() {
