@@ -4,10 +4,18 @@
 //! each request head, an idle timeout, limits on the size of heads and bodies, a deadline for
 //! reading a body, and the `Content-Type` rule (see docs/api.md, "Limits and timeouts").
 //!
+//! Connections that have not yet sent a complete request head wait in a pool of their own
+//! (issue #24, M4): they never take one of the `max_connections` slots, which only a
+//! connection with a request gets; when the pool is full, its oldest connection is answered
+//! 503 and closed to make room, so that clients sending partial heads cannot keep a new client
+//! (who sends its head at once) from being served. A request answered 401 closes its
+//! connection, so that a client without the token holds a slot only while it is refused.
+//!
 //! This module owns connections and the framing of requests. It must not know the routes, parse
 //! request bodies as JSON, compare tokens (`api::require_token` does, layered outside
 //! [`guard`] so that it runs before any body is read), or touch the engine's state.
 
+use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::future::Future;
 use std::io;
@@ -54,6 +62,11 @@ pub const MIN_TOKEN_BYTES: usize = 16;
 /// File descriptors kept for everything but API connections (plugin sockets, store files, the
 /// runtime) when the connection cap is fitted to the process's limit.
 const RESERVED_FDS: u64 = 128;
+/// How much of a new connection's first bytes is looked at for a complete request head.
+const PEEK_BYTES: usize = 4096;
+/// The pool of connections without a complete request head holds a quarter of
+/// `max_connections`, and at least this many.
+const MIN_PENDING: usize = 16;
 /// Pause after a failed accept (EMFILE, ENFILE, ENOBUFS, ...) before the next try.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 /// At most one warning per this long about refused connections, and one about failed accepts.
@@ -127,12 +140,14 @@ impl Limits {
     /// limit is too low. A process out of descriptors can accept nothing on any listener.
     pub fn fit_fd_limit(&mut self, listeners: usize) {
         let listeners = listeners.max(1) as u64;
-        let needed = (self.max_connections as u64)
+        let per_listener = (self.max_connections + self.max_pending()) as u64;
+        let needed = per_listener
             .saturating_mul(listeners)
             .saturating_add(RESERVED_FDS);
         let usable = raise_open_file_limit(needed);
         if usable < needed {
-            let fit = (usable.saturating_sub(RESERVED_FDS) / listeners).max(1);
+            // A quarter more for the pool of connections without a request head.
+            let fit = (usable.saturating_sub(RESERVED_FDS) / listeners * 4 / 5).max(1);
             tracing::warn!(
                 max_connections = self.max_connections,
                 lowered_to = fit,
@@ -142,6 +157,14 @@ impl Limits {
             );
             self.max_connections = usize::try_from(fit).unwrap_or(1);
         }
+    }
+}
+
+impl Limits {
+    /// How many connections without a complete request head a listener keeps at once
+    /// (a quarter of `max_connections`, at least [`MIN_PENDING`]).
+    pub fn max_pending(&self) -> usize {
+        (self.max_connections / 4).max(MIN_PENDING)
     }
 }
 
@@ -320,9 +343,26 @@ fn staging_name(path: &Path) -> Option<std::path::PathBuf> {
 pub trait Accept: Send + 'static {
     type Io: AsyncRead + AsyncWrite + Unpin + Send + 'static;
     fn accept(&mut self) -> impl Future<Output = io::Result<Self::Io>> + Send;
-    /// Answers `response` if it can without waiting, then closes: the connection is over the
-    /// cap.
-    fn refuse(io: Self::Io, response: &[u8]);
+    /// True when a complete request head already waits on `io` (looked at, not taken).
+    fn head_buffered(_io: &Self::Io) -> bool {
+        false
+    }
+}
+
+/// Whether the socket's receive queue already holds a whole request head (the first
+/// [`PEEK_BYTES`] of it are looked at without being taken).
+fn head_buffered(fd: std::os::fd::BorrowedFd<'_>) -> bool {
+    let mut buf = [0u8; PEEK_BYTES];
+    match rustix::net::recv(
+        fd,
+        &mut buf[..],
+        rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT,
+    ) {
+        Ok((got, _)) => buf[..got.min(PEEK_BYTES)]
+            .windows(4)
+            .any(|w| w == b"\r\n\r\n"),
+        Err(_) => false,
+    }
 }
 
 impl Accept for UnixListener {
@@ -330,9 +370,9 @@ impl Accept for UnixListener {
     async fn accept(&mut self) -> io::Result<Self::Io> {
         UnixListener::accept(self).await.map(|(io, _)| io)
     }
-    fn refuse(io: Self::Io, response: &[u8]) {
-        let _ = io.try_read(&mut [0; 1024]);
-        let _ = io.try_write(response);
+    fn head_buffered(io: &Self::Io) -> bool {
+        use std::os::fd::AsFd;
+        head_buffered(io.as_fd())
     }
 }
 
@@ -343,9 +383,9 @@ impl Accept for TcpListener {
         let _ = io.set_nodelay(true);
         Ok(io)
     }
-    fn refuse(io: Self::Io, response: &[u8]) {
-        let _ = io.try_read(&mut [0; 1024]);
-        let _ = io.try_write(response);
+    fn head_buffered(io: &Self::Io) -> bool {
+        use std::os::fd::AsFd;
+        head_buffered(io.as_fd())
     }
 }
 
@@ -401,10 +441,10 @@ pub async fn serve<A: Accept>(
     mut shutdown: watch::Receiver<bool>,
 ) {
     let slots = Arc::new(Semaphore::new(limits.max_connections));
-    let refusal = over_capacity_response(limits.max_connections);
+    let pending = Arc::new(Pending::new(limits.max_pending()));
     let mut connections = JoinSet::new();
     let mut accept_errors = Throttled::default();
-    let mut refused = Throttled::default();
+    let mut evicted = Throttled::default();
     loop {
         while connections.try_join_next().is_some() {}
         let accepted = tokio::select! {
@@ -437,45 +477,61 @@ pub async fn serve<A: Accept>(
                 continue;
             }
         };
-        match slots.clone().try_acquire_owned() {
-            Ok(permit) => {
-                connections.spawn(connection(
-                    io,
-                    app.clone(),
-                    limits,
-                    permit,
-                    shutdown.clone(),
-                ));
-            }
-            Err(_) => {
-                A::refuse(io, &refusal);
-                if let Some(count) = refused.hit() {
-                    tracing::warn!(
-                        listener = name,
-                        max_connections = limits.max_connections,
-                        refused = count,
-                        "connection cap reached: new connections are answered 503 and closed \
-                         (logged at most every {WARN_EVERY:?})"
-                    );
-                }
-            }
+        // A client that sent its whole head with the connect (and under a flood of accepts,
+        // every prompt client has by the time it is accepted) skips the pool: it is never
+        // the oldest there, whatever the rate of new connections.
+        let (ticket, made_room) = if A::head_buffered(&io) {
+            (None, false)
+        } else {
+            let (ticket, made_room) = pending.admit();
+            (Some(ticket), made_room)
+        };
+        if made_room && let Some(count) = evicted.hit() {
+            tracing::warn!(
+                listener = name,
+                max_pending = limits.max_pending(),
+                closed = count,
+                "connection cap reached for connections without a complete request head: the \
+                 oldest is answered 503 and closed for each new one (logged at most every \
+                 {WARN_EVERY:?})"
+            );
         }
+        let admission = Arc::new(Admission {
+            ticket: Mutex::new(ticket),
+            slot: Mutex::new(None),
+            slots: slots.clone(),
+            max_connections: limits.max_connections,
+        });
+        connections.spawn(connection(
+            io,
+            app.clone(),
+            limits,
+            admission,
+            shutdown.clone(),
+        ));
     }
     drop(listener);
     while connections.join_next().await.is_some() {}
 }
 
-/// A complete HTTP response in the error shape, for a connection over the cap.
-fn over_capacity_response(max: usize) -> Vec<u8> {
+/// The error shape's body of a 503 for a connection refused for want of room.
+fn unavailable_body(message: String) -> String {
     let body = api::ErrorBody {
         code: api::ErrorCode::Unavailable,
-        message: format!(
-            "csi-agentd already serves {max} connections on this listener (--max-connections); \
-             retry shortly"
-        ),
+        message,
         grpc_code: None,
     };
-    let body = serde_json::to_string(&body).unwrap_or_default();
+    serde_json::to_string(&body).unwrap_or_default()
+}
+
+/// A complete HTTP response in the error shape, written on a connection closed to make room
+/// for newer ones before it sent a complete request head.
+fn made_room_response(max_pending: usize) -> Vec<u8> {
+    let body = unavailable_body(format!(
+        "csi-agentd closed this connection: it had not sent a complete request head while \
+         more than {max_pending} such connections were open on this listener; send the request \
+         at once after connecting, and retry"
+    ));
     format!(
         "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
          content-length: {}\r\nretry-after: 1\r\nconnection: close\r\n\r\n{body}",
@@ -484,20 +540,164 @@ fn over_capacity_response(max: usize) -> Vec<u8> {
     .into_bytes()
 }
 
-/// One connection, from accept to close, holding its slot.
+/// The 503 for a request on a connection that found every slot taken.
+fn over_capacity(max: usize) -> Response {
+    let body = unavailable_body(format!(
+        "csi-agentd already serves {max} connections on this listener (--max-connections); \
+         retry shortly"
+    ));
+    let mut response = (
+        StatusCode::SERVICE_UNAVAILABLE,
+        [
+            (header::CONTENT_TYPE, "application/json"),
+            (header::RETRY_AFTER, "1"),
+            (header::CONNECTION, "close"),
+        ],
+        body,
+    )
+        .into_response();
+    *response.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+    response
+}
+
+/// The connections of one listener that have not yet sent a complete request head, oldest
+/// first. Full, the oldest is told to go for each new one: a client that sends its head at
+/// once is served before it is the oldest, whatever the number of connections that never do.
+#[derive(Debug)]
+struct Pending {
+    cap: usize,
+    waiting: Mutex<PendingQueue>,
+}
+
+#[derive(Debug, Default)]
+struct PendingQueue {
+    next: u64,
+    by_age: BTreeMap<u64, Arc<Notify>>,
+}
+
+impl Pending {
+    fn new(cap: usize) -> Self {
+        Self {
+            cap: cap.max(1),
+            waiting: Mutex::new(PendingQueue::default()),
+        }
+    }
+
+    /// Adds a new connection; true when the oldest had to go to make room.
+    fn admit(self: &Arc<Self>) -> (Ticket, bool) {
+        let mut queue = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut made_room = false;
+        while queue.by_age.len() >= self.cap {
+            let Some((_, oldest)) = queue.by_age.pop_first() else {
+                break;
+            };
+            // Stored if the connection is not waiting for it yet: never lost.
+            oldest.notify_one();
+            made_room = true;
+        }
+        let seq = queue.next;
+        queue.next += 1;
+        let evicted = Arc::new(Notify::new());
+        queue.by_age.insert(seq, evicted.clone());
+        (
+            Ticket {
+                pool: self.clone(),
+                seq,
+                evicted,
+            },
+            made_room,
+        )
+    }
+}
+
+/// A connection's place in [`Pending`]; dropping it leaves.
+#[derive(Debug)]
+struct Ticket {
+    pool: Arc<Pending>,
+    seq: u64,
+    evicted: Arc<Notify>,
+}
+
+impl Ticket {
+    /// Leaves the pool; false when the connection was told to go meanwhile.
+    fn leave(&self) -> bool {
+        let mut queue = self
+            .pool
+            .waiting
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        queue.by_age.remove(&self.seq).is_some()
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        self.leave();
+    }
+}
+
+/// Where a connection stands: in the pending pool (with its ticket) until its first request
+/// head is complete, then holding one of the listener's slots.
+#[derive(Debug)]
+struct Admission {
+    ticket: Mutex<Option<Ticket>>,
+    slot: Mutex<Option<OwnedSemaphorePermit>>,
+    slots: Arc<Semaphore>,
+    max_connections: usize,
+}
+
+impl Admission {
+    /// For each request: the first one moves the connection from the pending pool to a slot.
+    /// False when there is no slot (or the connection was told to go meanwhile).
+    fn admit_request(&self) -> bool {
+        let mut slot = self.slot.lock().unwrap_or_else(PoisonError::into_inner);
+        if slot.is_some() {
+            return true;
+        }
+        let ticket = self
+            .ticket
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if ticket.is_some_and(|t| !t.leave()) {
+            return false;
+        }
+        match self.slots.clone().try_acquire_owned() {
+            Ok(permit) => {
+                *slot = Some(permit);
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// Told to go while still without a request, if it is.
+    fn evicted(&self) -> Option<Arc<Notify>> {
+        self.ticket
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+            .map(|t| t.evicted.clone())
+    }
+}
+
+/// One connection, from accept to close: in the pending pool until its first request, then
+/// holding its slot.
 async fn connection<I>(
     io: I,
     app: Router,
     limits: Limits,
-    _slot: OwnedSemaphorePermit,
+    admission: Arc<Admission>,
     mut shutdown: watch::Receiver<bool>,
 ) where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let activity = Arc::new(Activity::new());
+    let evicted = admission.evicted();
     let service = Tracked {
         app,
         activity: activity.clone(),
+        admission,
     };
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
@@ -507,20 +707,31 @@ async fn connection<I>(
         .header_read_timeout(limits.header_timeout + limits.idle_timeout)
         .max_buf_size(READ_BUFFER_BYTES)
         .keep_alive(true);
-    let conn = builder.serve_connection(
+    let mut conn = builder.serve_connection(
         TokioIo::new(Watched {
             inner: io,
             activity: activity.clone(),
         }),
         service,
     );
-    tokio::pin!(conn);
     let mut stopping = false;
+    let mut pending = evicted.is_some();
     loop {
         let changed = activity.changed.notified();
         let deadline = activity.deadline(&limits);
+        let mut make_room = false;
+        let told_to_go = async {
+            match &evicted {
+                Some(evicted) => evicted.notified().await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
-            done = conn.as_mut() => {
+            () = told_to_go, if pending => {
+                pending = false;
+                make_room = matches!(activity.phase(), Phase::Head(_));
+            }
+            done = Pin::new(&mut conn) => {
                 if let Err(err) = done {
                     tracing::debug!(error = %err, "API connection ended with an error");
                 }
@@ -539,8 +750,19 @@ async fn connection<I>(
                     // No request yet: nothing to finish.
                     return;
                 }
-                conn.as_mut().graceful_shutdown();
+                Pin::new(&mut conn).graceful_shutdown();
             }
+        }
+        if make_room {
+            // Told to go with still no request: answer 503 on the bare connection, close it.
+            let mut io = conn.into_parts().io.into_inner().inner;
+            let answer = made_room_response(limits.max_pending());
+            let _ = tokio::time::timeout(
+                Duration::from_millis(100),
+                tokio::io::AsyncWriteExt::write_all(&mut io, &answer),
+            )
+            .await;
+            return;
         }
     }
 }
@@ -700,11 +922,13 @@ impl<I: AsyncWrite + Unpin> AsyncWrite for Watched<I> {
     }
 }
 
-/// The router as hyper's service, marking each request in flight while it is served.
+/// The router as hyper's service, marking each request in flight while it is served, moving
+/// the connection out of the pending pool at its first request, and closing it after a 401.
 #[derive(Clone)]
 struct Tracked {
     app: Router,
     activity: Arc<Activity>,
+    admission: Arc<Admission>,
 }
 
 impl hyper::service::Service<hyper::Request<Incoming>> for Tracked {
@@ -715,9 +939,24 @@ impl hyper::service::Service<hyper::Request<Incoming>> for Tracked {
     fn call(&self, request: hyper::Request<Incoming>) -> Self::Future {
         use tower::ServiceExt;
         let in_flight = self.activity.request_started();
+        if !self.admission.admit_request() {
+            let refused = over_capacity(self.admission.max_connections);
+            return Box::pin(async move {
+                drop(in_flight);
+                Ok(refused)
+            });
+        }
         let app = self.app.clone();
         Box::pin(async move {
-            let response = app.oneshot(request).await;
+            let mut response = app.oneshot(request).await;
+            if let Ok(response) = &mut response
+                && response.status() == StatusCode::UNAUTHORIZED
+            {
+                // Without the token a connection holds a slot only while it is refused.
+                response
+                    .headers_mut()
+                    .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            }
             drop(in_flight);
             response
         })
@@ -948,9 +1187,6 @@ mod tests {
                 None => std::future::pending().await,
             }
         }
-        fn refuse(io: DuplexStream, _response: &[u8]) {
-            drop(io);
-        }
     }
 
     fn app() -> Router {
@@ -999,10 +1235,17 @@ mod tests {
         };
         let (stop, stopped) = watch::channel(false);
         let served = tokio::spawn(serve(script, "test", app(), limits, stopped));
+        // The first request takes the one slot; the second connection's request finds none.
+        let answer = ask(&mut first).await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        let refused = ask(&mut second).await;
+        assert!(refused.starts_with("HTTP/1.1 503"), "{refused}");
+        assert!(refused.contains("\"code\":\"unavailable\""), "{refused}");
+        assert!(refused.contains("--max-connections"), "{refused}");
         let mut buf = [0; 16];
         let n = tokio::time::timeout(Duration::from_secs(5), second.read(&mut buf))
             .await
-            .expect("the second connection is closed at once")
+            .expect("the refused connection is closed")
             .unwrap();
         assert_eq!(n, 0);
         let answer = ask(&mut first).await;
@@ -1038,26 +1281,38 @@ mod tests {
         assert_eq!(queued.len(), 1000);
     }
 
-    /// On real TCP sockets: a burst of connections over the cap, each answered 503 in the
-    /// error shape, none left without an answer, and none dropped by an overflowing accept
-    /// queue (a dropped SYN would stall its `connect` for a second).
+    /// On real TCP sockets: a burst of partial heads far over the pool for connections
+    /// without a request. The oldest are answered 503 in the error shape as newer ones arrive
+    /// (none is closed without an answer), the newest stay open, a connection holding a slot
+    /// keeps it, and a new client that sends its request at once is served in the middle of
+    /// it all; no connect is dropped by an overflowing accept queue (a dropped SYN would stall
+    /// its `connect` for a second).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn every_connection_over_the_cap_reads_a_503_on_real_tcp() {
+    async fn partial_heads_over_the_pool_make_room_and_a_new_request_is_served() {
         const BURST: usize = 600;
         // Both ends of every connection are in this process.
         need_open_files(2 * BURST as u64 + RESERVED_FDS);
         let listener = bind_tcp("127.0.0.1:0".parse().unwrap()).unwrap();
         let addr = listener.local_addr().unwrap();
         let limits = Limits {
-            max_connections: 1,
+            max_connections: 2,
             ..Limits::default()
         };
+        let pool = limits.max_pending();
         let (_stop, stopped) = watch::channel(false);
         let served = tokio::spawn(serve(listener, "tcp", app(), limits, stopped));
-        let holder = std::net::TcpStream::connect(addr).unwrap();
-        let answers = tokio::task::spawn_blocking(move || {
+        let request = b"GET /ping HTTP/1.1\r\nhost: x\r\n\r\n";
+        let exchange = |s: &mut std::net::TcpStream| {
+            std::io::Write::write_all(s, request).unwrap();
+            let mut answer = vec![0; 4096];
+            let n = std::io::Read::read(s, &mut answer).unwrap();
+            String::from_utf8_lossy(&answer[..n]).into_owned()
+        };
+        let result = tokio::task::spawn_blocking(move || {
+            let mut holder = std::net::TcpStream::connect(addr).unwrap();
+            assert!(exchange(&mut holder).starts_with("HTTP/1.1 200"));
             let started = std::time::Instant::now();
-            let refused: Vec<_> = (0..BURST)
+            let burst: Vec<_> = (0..BURST)
                 .map(|_| {
                     let mut s = std::net::TcpStream::connect(addr).unwrap();
                     let _ = std::io::Write::write_all(&mut s, b"GET /ping HTTP/1.1\r\nhost: ");
@@ -1065,38 +1320,52 @@ mod tests {
                 })
                 .collect();
             let connected_in = started.elapsed();
-            let answers: Vec<String> = refused
+            let mut fresh = std::net::TcpStream::connect(addr).unwrap();
+            fresh
+                .set_read_timeout(Some(Duration::from_secs(5)))
+                .unwrap();
+            let fresh_answer = exchange(&mut fresh);
+            let answers: Vec<String> = burst
                 .into_iter()
                 .map(|mut s| {
-                    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+                    s.set_read_timeout(Some(Duration::from_millis(300)))
+                        .unwrap();
                     let mut answer = String::new();
                     let _ = std::io::Read::read_to_string(&mut s, &mut answer);
                     answer
                 })
                 .collect();
-            (connected_in, answers)
+            let holder_again = exchange(&mut holder);
+            (connected_in, fresh_answer, answers, holder_again)
         });
-        let (connected_in, answers) = answers.await.unwrap();
-        let unanswered = answers
+        let (connected_in, fresh_answer, answers, holder_again) = result.await.unwrap();
+        assert!(fresh_answer.starts_with("HTTP/1.1 200"), "{fresh_answer}");
+        assert!(holder_again.starts_with("HTTP/1.1 200"), "{holder_again}");
+        // All but the newest `pool` (the fresh one among them) were made room for.
+        let made_room = &answers[..BURST - pool];
+        let unanswered = made_room
             .iter()
             .filter(|a| !a.starts_with("HTTP/1.1 503"))
             .count();
         assert_eq!(
             unanswered,
             0,
-            "of {BURST}: {:?}",
-            answers.iter().find(|a| !a.starts_with("HTTP/1.1 503"))
+            "{:?}",
+            made_room.iter().find(|a| !a.starts_with("HTTP/1.1 503"))
         );
         assert!(
-            answers[0].contains("\"code\":\"unavailable\""),
+            made_room[0].contains("\"code\":\"unavailable\""),
             "{}",
-            answers[0]
+            made_room[0]
+        );
+        assert!(
+            answers[BURST - pool + 1..].iter().all(String::is_empty),
+            "the newest partial heads are still waiting"
         );
         assert!(
             connected_in < Duration::from_secs(1),
             "{BURST} connects took {connected_in:?}"
         );
-        drop(holder);
         served.abort();
     }
 

@@ -394,19 +394,16 @@ fn a_tcp_flood_of_idle_partial_heads_leaves_the_socket_and_existing_clients_serv
     assert_eq!(answer.status, 200, "{answer:?}");
     let (answer, existing_time) = timed_health(&mut existing, Some(TOKEN));
     assert_eq!(answer.status, 200, "{answer:?}");
-    // A new TCP connection is over the cap: answered at once with 503, in the error shape.
-    let started = Instant::now();
-    let mut fresh = daemon.tcp();
-    let answer = read_answer(&mut fresh).unwrap();
-    let refused_time = started.elapsed();
-    assert_eq!(answer.status, 503, "{answer:?}");
-    assert_eq!(answer.json()["code"], "unavailable");
+    // The partial heads wait in a pool of their own (issue #24, M4): a new TCP connection
+    // that sends its request at once is served; the oldest partial head made room for it.
+    let (answer, fresh_time) = timed_health(&mut daemon.tcp(), Some(TOKEN));
+    assert_eq!(answer.status, 200, "{answer:?}");
     println!(
         "{FLOOD} partial heads opened in {flood_time:?}; then health on the socket in \
-         {unix_time:?}, on the existing TCP connection in {existing_time:?}, a new TCP \
-         connection refused in {refused_time:?}"
+         {unix_time:?}, on the existing TCP connection in {existing_time:?}, on a new TCP \
+         connection in {fresh_time:?}"
     );
-    for time in [unix_time, existing_time, refused_time] {
+    for time in [unix_time, existing_time, fresh_time] {
         assert!(time < Duration::from_secs(2), "{time:?}");
     }
 
@@ -457,16 +454,129 @@ fn a_socket_flood_leaves_the_tcp_listener_served() {
     let flood = flood_unix(&daemon.socket);
     let (answer, tcp_time) = timed_health(&mut daemon.tcp(), Some(TOKEN));
     assert_eq!(answer.status, 200, "{answer:?}");
-    let mut fresh = daemon.unix();
-    let answer = read_answer(&mut fresh).unwrap();
-    assert_eq!(answer.status, 503, "{answer:?}");
-    println!("{FLOOD} partial heads on the socket; health on TCP in {tcp_time:?}");
+    // On the socket too, a new connection with its request is served in the flood.
+    let (answer, unix_time) = timed_health(&mut daemon.unix(), None);
+    assert_eq!(answer.status, 200, "{answer:?}");
+    println!(
+        "{FLOOD} partial heads on the socket; health on TCP in {tcp_time:?}, on a new socket \
+         connection in {unix_time:?}"
+    );
     assert!(tcp_time < Duration::from_secs(2), "{tcp_time:?}");
+    assert!(unix_time < Duration::from_secs(2), "{unix_time:?}");
     drop(flood);
     std::thread::sleep(Duration::from_millis(500));
     let rss_after = daemon.rss_kib();
     println!("daemon VmRSS: {rss_before} KiB before, {rss_after} KiB after the flood closed");
     assert!(rss_after < rss_before + 64 * 1024);
+}
+
+/// Issue #24, M4: 1,500 connections that send a partial request head and reconnect as soon as
+/// they are closed, against the default caps, while an authorised client opens a new TCP
+/// connection for each request: at least 95 % of its requests are answered (not 503) within
+/// 1 s. (Before: the partial heads held every slot, and 33 of 35 probes got 503.)
+#[test]
+fn authorised_requests_are_served_while_1500_partial_heads_cycle() {
+    const CYCLERS: usize = 1500;
+    const PROBES: usize = 100;
+    room_for_a_flood();
+    let dir = tempfile::tempdir().unwrap();
+    let token = token_file(dir.path(), TOKEN);
+    let listen = format!("127.0.0.1:{}", free_port());
+    let daemon = Daemon::start(dir.path(), &tcp_args(&listen, &token, &[]));
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], daemon.port.unwrap()));
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let cycles = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let cyclers: Vec<_> = (0..CYCLERS)
+        .map(|_| {
+            let (stop, cycles) = (stop.clone(), cycles.clone());
+            runtime.spawn(async move {
+                use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let Ok(mut s) = tokio::net::TcpStream::connect(addr).await else {
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                        continue;
+                    };
+                    let _ = s.write_all(PARTIAL_HEAD).await;
+                    // Held until the daemon closes it (or the test ends), then again.
+                    let mut sink = [0u8; 1024];
+                    loop {
+                        tokio::select! {
+                            read = s.read(&mut sink) => match read {
+                                Ok(0) | Err(_) => break,
+                                Ok(_) => {}
+                            },
+                            () = tokio::time::sleep(Duration::from_millis(200)) => {
+                                if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                                    break;
+                                }
+                            }
+                        }
+                    }
+                    cycles.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            })
+        })
+        .collect();
+    // Let the flood build up before probing.
+    std::thread::sleep(Duration::from_secs(3));
+    let cycles_before = cycles.load(std::sync::atomic::Ordering::Relaxed);
+
+    let mut served = 0;
+    let mut times = Vec::with_capacity(PROBES);
+    let mut statuses = std::collections::BTreeMap::<String, usize>::new();
+    for _ in 0..PROBES {
+        let started = Instant::now();
+        let answer = TcpStream::connect_timeout(&addr, Duration::from_secs(1))
+            .map_err(|e| e.to_string())
+            .and_then(|mut s| {
+                s.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+                s.write_all(&get("/v1/health", Some(TOKEN)))
+                    .map_err(|e| e.to_string())?;
+                read_answer(&mut s).map_err(|e| e.to_string())
+            });
+        let took = started.elapsed();
+        times.push(took);
+        let key = match &answer {
+            Ok(a) => a.status.to_string(),
+            Err(e) => e.clone(),
+        };
+        *statuses.entry(key).or_default() += 1;
+        if answer.is_ok_and(|a| a.status != 503) && took < Duration::from_secs(1) {
+            served += 1;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let cycled = cycles.load(std::sync::atomic::Ordering::Relaxed) - cycles_before;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    runtime.block_on(async {
+        for cycler in cyclers {
+            let _ = cycler.await;
+        }
+    });
+    times.sort();
+    println!(
+        "{CYCLERS} cycling partial heads ({cycled} closed and reopened while probing): \
+         {served}/{PROBES} authorised requests served within 1 s; median {:?}, slowest {:?}; \
+         {statuses:?}",
+        times[PROBES / 2],
+        times[PROBES - 1]
+    );
+    assert!(cycled > 0, "the partial heads never cycled");
+    assert!(
+        served * 100 >= PROBES * 95,
+        "{served}/{PROBES}: {statuses:?}"
+    );
+    assert!(
+        daemon.log().contains("connection cap reached"),
+        "{}",
+        daemon.log()
+    );
 }
 
 #[test]
@@ -601,6 +711,14 @@ fn tcp_refuses_a_request_without_the_token_before_its_body_arrives() {
         &head("authorization: Bearer wrong-token-wrong-token\r\n"),
     );
     assert_eq!(answer.status, 401, "{answer:?}");
+    // A bodiless request without the token closes its connection too (issue #24, M4): a
+    // client without the token holds a connection slot only while it is refused.
+    let mut conn = daemon.tcp();
+    let answer = exchange(&mut conn, &get("/v1/health", None));
+    assert_eq!(answer.status, 401, "{answer:?}");
+    let started = Instant::now();
+    let closed = time_to_close(&mut conn, started, Duration::from_secs(2));
+    assert!(closed < Duration::from_secs(1), "{closed:?}");
 
     // With the token the daemon does wait for the body, until the body timeout.
     let mut conn = daemon.tcp();
@@ -1052,15 +1170,28 @@ fn the_limits_can_come_from_the_config_file() {
     let daemon = start_with_config(dir.path(), "max_connections = 1\nheader_timeout_ms = 600\n");
     // Let the daemon close the connection of the start-up health check: the one slot is free.
     std::thread::sleep(Duration::from_millis(300));
-    let mut held = daemon.unix();
-    let started = Instant::now();
-    held.write_all(PARTIAL_HEAD).unwrap();
-    std::thread::sleep(Duration::from_millis(100));
-    let answer = read_answer(&mut daemon.unix()).unwrap();
+    // A kept-alive connection with a request holds the one slot (`max_connections = 1`).
+    let mut holder = daemon.unix();
+    assert_eq!(exchange(&mut holder, &get("/v1/health", None)).status, 200);
+    let answer = exchange(&mut daemon.unix(), &get("/v1/health", None));
     assert_eq!(answer.status, 503, "{answer:?}");
-    let closed = time_to_close(&mut held, started, Duration::from_secs(5));
+    assert!(
+        answer.json()["message"]
+            .as_str()
+            .unwrap()
+            .contains("already serves 1 connections"),
+        "{answer:?}"
+    );
+    // A partial head is closed after `header_timeout_ms = 600`.
+    let mut partial = daemon.unix();
+    let started = Instant::now();
+    partial.write_all(PARTIAL_HEAD).unwrap();
+    let closed = time_to_close(&mut partial, started, Duration::from_secs(5));
     assert!(closed >= Duration::from_millis(500), "{closed:?}");
     assert!(closed < Duration::from_secs(2), "{closed:?}");
+    // The holder gone, its slot serves the next request.
+    drop(holder);
+    std::thread::sleep(Duration::from_millis(200));
     assert_eq!(
         exchange(&mut daemon.unix(), &get("/v1/health", None)).status,
         200
