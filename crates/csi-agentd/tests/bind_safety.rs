@@ -47,17 +47,6 @@ impl Scene {
         }
     }
 
-    fn bind_request(
-        &self,
-        volume: &str,
-        workload: &str,
-        bind: &Path,
-    ) -> csi_agent_api::PublishRequest {
-        let mut request = publish(volume, workload);
-        request.bind_to = Some(bind.to_string_lossy().into_owned());
-        request
-    }
-
     /// The victim is still exactly one tmpfs with its marker, untouched and unshadowed.
     fn assert_victim_intact(&self) {
         let on_victim: Vec<_> = mounts_under(&self.victim);
@@ -115,15 +104,15 @@ async fn a_symlink_at_the_end_or_in_the_middle_of_bind_to_is_refused() {
     let scene = Scene::new();
     // The last component is a symlink to the victim (the /etc of the report).
     symlink(&scene.victim, &scene.root.join("w1/data"));
-    let last = scene.bind_request("vol1", "w1", &scene.root.join("w1/data"));
+    let last = publish_bound("vol1", "w1", &scene.root.join("w1/data"));
     expect_refusal(&scene, &last, 409, "symlink").await;
     // A parent component is a symlink: nothing may be created or mounted through it.
     symlink(&scene.victim, &scene.root.join("w1/rootfs"));
-    let middle = scene.bind_request("vol1", "w1", &scene.root.join("w1/rootfs/new/data"));
+    let middle = publish_bound("vol1", "w1", &scene.root.join("w1/rootfs/new/data"));
     expect_refusal(&scene, &middle, 409, "symlink").await;
     // A relative symlink climbing out is no better.
     symlink(Path::new("../../victim"), &scene.root.join("w1/up"));
-    let up = scene.bind_request("vol1", "w1", &scene.root.join("w1/up/data"));
+    let up = publish_bound("vol1", "w1", &scene.root.join("w1/up/data"));
     expect_refusal(&scene, &up, 409, "symlink").await;
     scene.assert_victim_intact();
     assert!(scene.binds().is_empty());
@@ -233,7 +222,7 @@ async fn bind_creates_only_beneath_the_root_and_removes_what_it_created() {
     let api = scene.daemon.api();
     let bind = scene.root.join("w1/rootfs/mnt/data");
     let published = api
-        .publish(&scene.bind_request("vol1", "w1", &bind))
+        .publish(&publish_bound("vol1", "w1", &bind))
         .await
         .unwrap();
     assert_eq!(published.bind_to.as_deref(), Some(bind.to_str().unwrap()));
@@ -242,7 +231,7 @@ async fn bind_creates_only_beneath_the_root_and_removes_what_it_created() {
     assert!(scene.dir.path().join("plugin/volumes/vol1/seen").exists());
     // The retried publish is idempotent and answers the same.
     let again = api
-        .publish(&scene.bind_request("vol1", "w1", &bind))
+        .publish(&publish_bound("vol1", "w1", &bind))
         .await
         .unwrap();
     assert_eq!(again.bind_to, published.bind_to);
@@ -265,10 +254,10 @@ async fn a_dir_created_for_one_claim_and_shared_by_another_goes_with_the_last() 
     // the `pod/` the first made.
     let first = scene.root.join("pod/a/data");
     let second = scene.root.join("pod/b/data");
-    api.publish(&scene.bind_request("vol1", "w1", &first))
+    api.publish(&publish_bound("vol1", "w1", &first))
         .await
         .unwrap();
-    api.publish(&scene.bind_request("vol2", "w2", &second))
+    api.publish(&publish_bound("vol2", "w2", &second))
         .await
         .unwrap();
     let mut binds = scene.binds();
@@ -298,7 +287,7 @@ async fn a_component_swapped_for_a_symlink_before_unpublish_never_unmounts_the_w
     let api = scene.daemon.api();
     let bind = scene.root.join("w1/rootfs/data");
     std::fs::create_dir_all(scene.root.join("w1/rootfs")).unwrap();
-    api.publish(&scene.bind_request("vol1", "w1", &bind))
+    api.publish(&publish_bound("vol1", "w1", &bind))
         .await
         .unwrap();
     assert_eq!(scene.binds(), vec![bind.clone()]);
@@ -324,7 +313,7 @@ async fn a_bind_moved_outside_the_roots_is_left_alone_and_the_claim_kept() {
     let api = scene.daemon.api();
     let bind = scene.root.join("w1/rootfs/data");
     std::fs::create_dir_all(scene.root.join("w1/rootfs")).unwrap();
-    api.publish(&scene.bind_request("vol1", "w1", &bind))
+    api.publish(&publish_bound("vol1", "w1", &bind))
         .await
         .unwrap();
     // Moved out of the bind root entirely (the same file system, so rename works).
@@ -363,7 +352,7 @@ async fn foreign_mount_points_shared_and_nested_paths_are_refused() {
     std::fs::write(foreign.join("theirs"), "x").unwrap();
     expect_refusal(
         &scene,
-        &scene.bind_request("vol1", "w1", &foreign),
+        &publish_bound("vol1", "w1", &foreign),
         409,
         "already a mount point",
     )
@@ -375,26 +364,26 @@ async fn foreign_mount_points_shared_and_nested_paths_are_refused() {
 
     // Two claims on one path, and paths nested inside or around another claim's.
     let bind = scene.root.join("w1/data");
-    api.publish(&scene.bind_request("vol1", "w1", &bind))
+    api.publish(&publish_bound("vol1", "w1", &bind))
         .await
         .unwrap();
     expect_refusal(
         &scene,
-        &scene.bind_request("vol2", "w2", &bind),
+        &publish_bound("vol2", "w2", &bind),
         409,
         "already used by",
     )
     .await;
     expect_refusal(
         &scene,
-        &scene.bind_request("vol2", "w2", &bind.join("inner")),
+        &publish_bound("vol2", "w2", &bind.join("inner")),
         409,
         "already used by",
     )
     .await;
     expect_refusal(
         &scene,
-        &scene.bind_request("vol2", "w2", &scene.root.join("w1")),
+        &publish_bound("vol2", "w2", &scene.root.join("w1")),
         409,
         "already used by",
     )
@@ -402,7 +391,7 @@ async fn foreign_mount_points_shared_and_nested_paths_are_refused() {
     // The same workload asking for another path for the same volume.
     expect_refusal(
         &scene,
-        &scene.bind_request("vol1", "w1", &scene.root.join("w1/other")),
+        &publish_bound("vol1", "w1", &scene.root.join("w1/other")),
         409,
         "unpublish it first",
     )
@@ -411,7 +400,7 @@ async fn foreign_mount_points_shared_and_nested_paths_are_refused() {
     // The foreign mount survived every unpublish.
     assert_eq!(mounts_under(&scene.root), vec![foreign.clone()]);
     // Freed, the path can be used by another claim.
-    api.publish(&scene.bind_request("vol2", "w2", &bind))
+    api.publish(&publish_bound("vol2", "w2", &bind))
         .await
         .unwrap();
     api.unpublish(&unpublish("vol2", "w2")).await.unwrap();
@@ -424,20 +413,14 @@ async fn a_symlink_swapped_in_between_two_publishes_is_refused() {
     let scene = Scene::new();
     let api = scene.daemon.api();
     let bind = scene.root.join("w1/rootfs/data");
-    api.publish(&scene.bind_request("vol1", "w1", &bind))
+    api.publish(&publish_bound("vol1", "w1", &bind))
         .await
         .unwrap();
     api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
     std::fs::create_dir_all(scene.root.join("w1")).unwrap();
     let _ = std::fs::remove_dir_all(scene.root.join("w1/rootfs"));
     symlink(&scene.victim, &scene.root.join("w1/rootfs"));
-    expect_refusal(
-        &scene,
-        &scene.bind_request("vol1", "w1", &bind),
-        409,
-        "symlink",
-    )
-    .await;
+    expect_refusal(&scene, &publish_bound("vol1", "w1", &bind), 409, "symlink").await;
     scene.assert_victim_intact();
     assert!(scene.binds().is_empty());
 }
@@ -449,7 +432,7 @@ async fn a_hand_edited_record_cannot_make_the_daemon_unmount_or_mount_outside() 
     scene
         .daemon
         .api()
-        .publish(&scene.bind_request("vol1", "w1", &bind))
+        .publish(&publish_bound("vol1", "w1", &bind))
         .await
         .unwrap();
     scene.daemon.kill9();
@@ -494,7 +477,7 @@ async fn a_crash_between_the_bind_and_its_record_is_adopted_not_doubled() {
     let result = scene
         .daemon
         .api()
-        .publish(&scene.bind_request("vol1", "w1", &bind))
+        .publish(&publish_bound("vol1", "w1", &bind))
         .await;
     assert!(
         result.is_err(),
@@ -510,7 +493,7 @@ async fn a_crash_between_the_bind_and_its_record_is_adopted_not_doubled() {
     scene.daemon.start();
     let api = scene.daemon.api();
     let published = api
-        .publish(&scene.bind_request("vol1", "w1", &bind))
+        .publish(&publish_bound("vol1", "w1", &bind))
         .await
         .unwrap();
     assert_eq!(published.state, "PUBLISHED");
@@ -550,7 +533,7 @@ async fn crash_while_making_bind_dirs(point: &str) {
     let result = scene
         .daemon
         .api()
-        .publish(&scene.bind_request("vol1", "w1", &bind))
+        .publish(&publish_bound("vol1", "w1", &bind))
         .await;
     assert!(
         result.is_err(),
@@ -574,7 +557,7 @@ async fn crash_while_making_bind_dirs(point: &str) {
     let api = scene.daemon.api();
     // Whatever recovery made of the lost attempt, the retried publish binds and the unpublish
     // removes every dir made for it, the stale temporary one included.
-    api.publish(&scene.bind_request("vol1", "w1", &bind))
+    api.publish(&publish_bound("vol1", "w1", &bind))
         .await
         .unwrap();
     assert_eq!(scene.binds(), vec![bind.clone()]);
@@ -595,7 +578,7 @@ async fn a_published_record_whose_bind_is_missing_is_bound_again() {
     scene
         .daemon
         .api()
-        .publish(&scene.bind_request("vol1", "w1", &bind))
+        .publish(&publish_bound("vol1", "w1", &bind))
         .await
         .unwrap();
     // The bind vanishes behind the daemon's back (as after a crash before it was made).
@@ -603,7 +586,7 @@ async fn a_published_record_whose_bind_is_missing_is_bound_again() {
     assert!(umount.success());
     // A retried publish checks the bind instead of trusting the record.
     let api = scene.daemon.api();
-    api.publish(&scene.bind_request("vol1", "w1", &bind))
+    api.publish(&publish_bound("vol1", "w1", &bind))
         .await
         .unwrap();
     assert_eq!(scene.binds(), vec![bind.clone()]);
@@ -659,7 +642,7 @@ async fn unbinds_blocked_in_the_kernel_stall_no_read() {
     let api = scene.daemon.api();
     for i in 1..=2 {
         let bind = scene.root.join(format!("w{i}/data"));
-        api.publish(&scene.bind_request(&format!("vol{i}"), &format!("w{i}"), &bind))
+        api.publish(&publish_bound(&format!("vol{i}"), &format!("w{i}"), &bind))
             .await
             .unwrap();
     }

@@ -39,17 +39,6 @@ impl Scene {
         }
     }
 
-    fn bind_request(
-        &self,
-        volume: &str,
-        workload: &str,
-        bind: &Path,
-    ) -> csi_agent_api::PublishRequest {
-        let mut request = publish(volume, workload);
-        request.bind_to = Some(bind.to_string_lossy().into_owned());
-        request
-    }
-
     fn binds(&self) -> Vec<PathBuf> {
         let mut binds = mounts_under(&self.root);
         binds.sort();
@@ -68,10 +57,10 @@ async fn a_workload_that_swaps_its_bind_dir_for_a_symlink_blocks_only_itself() {
     let api = scene.daemon.api();
     let a_bind = scene.root.join("w1/rootfs/data");
     let b_bind = scene.root.join("w2/data");
-    api.publish(&scene.bind_request("vol1", "w1", &a_bind))
+    api.publish(&publish_bound("vol1", "w1", &a_bind))
         .await
         .unwrap();
-    api.publish(&scene.bind_request("vol1", "w2", &b_bind))
+    api.publish(&publish_bound("vol1", "w2", &b_bind))
         .await
         .unwrap();
     assert_eq!(scene.binds(), vec![a_bind.clone(), b_bind.clone()]);
@@ -85,20 +74,17 @@ async fn a_workload_that_swaps_its_bind_dir_for_a_symlink_blocks_only_itself() {
     // answered with A's problem.
     api.unpublish(&unpublish("vol1", "w2")).await.unwrap();
     assert!(!scene.binds().contains(&b_bind), "{:?}", scene.binds());
-    api.publish(&scene.bind_request("vol1", "w2", &b_bind))
+    api.publish(&publish_bound("vol1", "w2", &b_bind))
         .await
         .unwrap();
     let c_bind = scene.root.join("w3/data");
-    api.publish(&scene.bind_request("vol1", "w3", &c_bind))
+    api.publish(&publish_bound("vol1", "w3", &c_bind))
         .await
         .unwrap();
     assert!(scene.binds().contains(&b_bind) && scene.binds().contains(&c_bind));
 
     // A's own publish fails, naming A's path and what is wrong with it.
-    let (status, body) = api_error(
-        api.publish(&scene.bind_request("vol1", "w1", &a_bind))
-            .await,
-    );
+    let (status, body) = api_error(api.publish(&publish_bound("vol1", "w1", &a_bind)).await);
     assert_eq!(status, 409, "{}", body.message);
     assert!(
         body.message.contains(a_bind.to_str().unwrap()) && body.message.contains("symlink"),
@@ -123,7 +109,7 @@ async fn a_bind_to_inside_another_workloads_moved_bind_is_refused() {
     let scene = Scene::new(&[]);
     let api = scene.daemon.api();
     let a_bind = scene.root.join("w1/rootfs/data");
-    api.publish(&scene.bind_request("vol1", "w1", &a_bind))
+    api.publish(&publish_bound("vol1", "w1", &a_bind))
         .await
         .unwrap();
     // A moves its bind elsewhere beneath the root, out of the path its claim reserved.
@@ -139,7 +125,7 @@ async fn a_bind_to_inside_another_workloads_moved_bind_is_refused() {
         ("vol2", moved.join("inner/deeper")),
         ("vol1", moved.clone()),
     ] {
-        let (status, body) = api_error(api.publish(&scene.bind_request(volume, "w2", &path)).await);
+        let (status, body) = api_error(api.publish(&publish_bound(volume, "w2", &path)).await);
         assert_eq!(status, 409, "{volume} {path:?}: {}", body.message);
         assert!(
             body.message.contains("lies in the bind mount") && body.message.contains("\"w1\""),
@@ -155,7 +141,7 @@ async fn a_bind_to_inside_another_workloads_moved_bind_is_refused() {
     api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
     assert!(scene.binds().is_empty(), "{:?}", scene.binds());
     // Once A's bind is gone, the same place is a plain dir that B may use.
-    api.publish(&scene.bind_request("vol1", "w2", &moved))
+    api.publish(&publish_bound("vol1", "w2", &moved))
         .await
         .unwrap();
     assert_eq!(scene.binds(), vec![moved.clone()]);
@@ -200,7 +186,7 @@ async fn a_volume_at_its_claim_limits_publishes_in_constant_time_and_reads_back(
     let api = scene.daemon.api();
     let mut times = Vec::with_capacity(CLAIMS);
     for i in 0..CLAIMS {
-        let request = scene.bind_request(
+        let request = publish_bound(
             "vol1",
             &long_workload(i),
             &long_bind(&scene.root, i, BIND_BYTES),
@@ -231,8 +217,12 @@ async fn a_volume_at_its_claim_limits_publishes_in_constant_time_and_reads_back(
 
     // One claim more, and one byte more, are refused before anything is touched.
     let (status, body) = api_error(
-        api.publish(&scene.bind_request("vol1", "one-more", &scene.root.join("one-more/data")))
-            .await,
+        api.publish(&publish_bound(
+            "vol1",
+            "one-more",
+            &scene.root.join("one-more/data"),
+        ))
+        .await,
     );
     assert_eq!(status, 409, "{}", body.message);
     assert!(
@@ -242,10 +232,7 @@ async fn a_volume_at_its_claim_limits_publishes_in_constant_time_and_reads_back(
         body.message
     );
     let too_long = long_bind(&scene.root, 9999, BIND_BYTES + 1);
-    let (status, body) = api_error(
-        api.publish(&scene.bind_request("vol2", "w1", &too_long))
-            .await,
-    );
+    let (status, body) = api_error(api.publish(&publish_bound("vol2", "w1", &too_long)).await);
     assert_eq!(status, 400, "{}", body.message);
     assert!(
         body.message.contains("2701 bytes long") && body.message.contains("--max-bind-to-bytes"),
@@ -253,10 +240,7 @@ async fn a_volume_at_its_claim_limits_publishes_in_constant_time_and_reads_back(
         body.message
     );
     let control = scene.root.join("w1/da\nta");
-    let (status, body) = api_error(
-        api.publish(&scene.bind_request("vol2", "w1", &control))
-            .await,
-    );
+    let (status, body) = api_error(api.publish(&publish_bound("vol2", "w1", &control)).await);
     assert_eq!(status, 400, "{}", body.message);
     assert!(
         body.message.contains("control character"),

@@ -222,6 +222,13 @@ pub fn publish(volume: &str, workload: &str) -> PublishRequest {
     }
 }
 
+/// [`publish`] with a `bind_to`.
+pub fn publish_bound(volume: &str, workload: &str, bind: &Path) -> PublishRequest {
+    let mut request = publish(volume, workload);
+    request.bind_to = Some(bind.to_string_lossy().into_owned());
+    request
+}
+
 pub fn unpublish(volume: &str, workload: &str) -> UnpublishRequest {
     UnpublishRequest {
         plugin: PLUGIN.to_owned(),
