@@ -174,7 +174,7 @@ fn long_workload(i: usize) -> String {
 /// more or one byte more with messages naming the flag, and the record at the limits reads
 /// back after a restart.
 #[tokio::test]
-async fn a_volume_at_its_claim_limits_publishes_in_constant_time_and_reads_back() {
+async fn a_volume_at_its_claim_limits_publishes_in_time_linear_in_its_own_claims_and_reads_back() {
     const CLAIMS: usize = 768;
     const BIND_BYTES: usize = 2700;
     let mut scene = Scene::new(&[
