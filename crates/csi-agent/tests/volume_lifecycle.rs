@@ -688,3 +688,45 @@ async fn recovery_removes_an_empty_stray_mount_dir_and_keeps_one_holding_data() 
     );
     assert_eq!(std::fs::read(full_target.join("data")).unwrap(), b"kept");
 }
+
+#[tokio::test]
+async fn an_unreadable_secrets_file_is_reported_as_a_read_naming_the_file() {
+    require_private_mount_namespace();
+    let dir = tempfile::tempdir().unwrap();
+    let plugin = TestPlugin::start(dir.path(), &["--volumes", "v:1M"]);
+    let work = dir.path().join("agent");
+    let secrets_file = csi_agent::layout::Layout::new(&work)
+        .volume_dir(PLUGIN_TYPE, "default", "v")
+        .join("secrets.json");
+    {
+        let manager = manager(&work, &plugin.socket, "boot-a");
+        let mut request = publish_request("v", "w1");
+        request.secrets.node_stage = secrets(&[("stage-key", "stage-s3cret")]);
+        manager.publish(request).await.unwrap();
+    }
+    // A reboot: the staging must be redone, with the stored secrets, which are now garbage.
+    for mount in mounts_under(&work).into_iter().rev() {
+        rustix::mount::unmount(&mount, rustix::mount::UnmountFlags::DETACH).unwrap();
+    }
+    for mount in mounts_under(&plugin.work).into_iter().rev() {
+        rustix::mount::unmount(&mount, rustix::mount::UnmountFlags::DETACH).unwrap();
+    }
+    std::fs::write(&secrets_file, b"{not json").unwrap();
+    plugin.restart();
+    let manager = manager(&work, &plugin.socket, "boot-b");
+    manager.recover().await.unwrap();
+    let err = manager
+        .publish(publish_request("v", "w2"))
+        .await
+        .unwrap_err();
+    let message = err.to_string();
+    assert!(matches!(err, VolumeError::StoreRead(_)), "{message}");
+    assert!(
+        message.contains("could not be read")
+            && message.contains(&secrets_file.display().to_string()),
+        "{message}"
+    );
+    assert!(!message.contains("written"), "{message}");
+    // The file is kept for an operator to repair; it was not taken for missing.
+    assert_eq!(std::fs::read(&secrets_file).unwrap(), b"{not json");
+}

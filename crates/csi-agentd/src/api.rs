@@ -141,7 +141,7 @@ pub async fn require_token(
     let given = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
+        .and_then(bearer_credentials)
         .unwrap_or("");
     let ok: bool = given.as_bytes().ct_eq(token.as_bytes()).into();
     if ok && !given.is_empty() {
@@ -153,6 +153,15 @@ pub async fn require_token(
         )
         .into_response()
     }
+}
+
+/// The token of an `Authorization: <scheme> <token>` value whose scheme is `Bearer` in any
+/// case (RFC 7235 section 2.1: the scheme is case-insensitive), after one or more spaces.
+fn bearer_credentials(value: &str) -> Option<&str> {
+    let (scheme, token) = value.split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| token.trim_start_matches(' '))
 }
 
 async fn not_found() -> ApiFailure {
@@ -261,7 +270,10 @@ async fn plugin_infos(state: &AppState) -> api::PluginList {
         };
         let state_name = match (&report.error, &report.plugin) {
             (Some(_), _) => "failed",
-            (None, None) => "not_started",
+            // Not initialized: before the gate opens that is the gate's doing; after it (a
+            // plugin added by a reload) the plugin starts on first use, like an idle one.
+            (None, None) if !state.server.is_started() => "not_started",
+            (None, None) => "idle",
             (None, Some(_)) if ready => "ready",
             (None, Some(plugin)) => {
                 let statuses = plugin.components();

@@ -59,6 +59,7 @@ impl From<VolumeError> for ApiFailure {
             }
             VolumeError::Bind(_) => Self::new(api::ErrorCode::Internal, message),
             VolumeError::Store(_)
+            | VolumeError::StoreRead(_)
             | VolumeError::Io { .. }
             | VolumeError::Mounts(_)
             | VolumeError::Failpoint(_) => Self::new(api::ErrorCode::Internal, message),

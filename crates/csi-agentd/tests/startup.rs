@@ -7,6 +7,8 @@
 
 mod common;
 
+use std::io::{Read, Write};
+use std::os::unix::fs::PermissionsExt;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -116,4 +118,104 @@ async fn a_live_daemon_still_keeps_a_second_one_out_at_once() {
     assert!(took < Duration::from_secs(3), "refused after {took:?}");
     // The first one was not disturbed.
     daemon.api().health().await.unwrap();
+}
+
+const TOKEN: &str = "a-test-token-of-32-bytes-long-xx";
+
+/// The status of `GET /v1/health` over TCP with `authorization` as the header's value.
+fn health_status(port: u16, authorization: &str) -> u16 {
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    write!(
+        stream,
+        "GET /v1/health HTTP/1.1\r\nhost: localhost\r\nauthorization: {authorization}\r\nconnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut answer = String::new();
+    let _ = stream.read_to_string(&mut answer);
+    answer
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .unwrap_or_else(|| panic!("no status in {answer:?}"))
+}
+
+#[tokio::test]
+async fn the_bearer_scheme_is_case_insensitive_and_nothing_else_gets_in() {
+    let dir = tempfile::tempdir().unwrap();
+    let token = dir.path().join("token");
+    std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let listen = format!("127.0.0.1:{port}");
+    let mut daemon = Daemon::new(
+        dir.path(),
+        &["--listen", &listen, "--token-file", token.to_str().unwrap()],
+    );
+    daemon.start();
+    wait_serving(&mut daemon).await;
+    // RFC 7235 section 2.1: the scheme is case-insensitive.
+    for scheme in ["Bearer", "bearer", "BEARER", "bEaReR"] {
+        assert_eq!(
+            health_status(port, &format!("{scheme} {TOKEN}")),
+            200,
+            "{scheme}"
+        );
+    }
+    // The token itself is not: nor is any other scheme, or a scheme glued to the token.
+    for refused in [
+        format!("bearer {}", TOKEN.to_uppercase()),
+        format!("Basic {TOKEN}"),
+        format!("bearer{TOKEN}"),
+        format!("bearerx {TOKEN}"),
+        "bearer ".to_owned(),
+        TOKEN.to_owned(),
+    ] {
+        assert_eq!(health_status(port, &refused), 401, "{refused}");
+    }
+}
+
+#[tokio::test]
+async fn a_plugin_added_by_a_reload_is_not_said_to_wait_for_an_open_gate() {
+    let dir = tempfile::tempdir().unwrap();
+    // Gate closed (--start on-request): `not_started` is the truth, and says so.
+    let mut daemon = Daemon::new(dir.path(), &["--start", "on-request"]);
+    daemon.add_config(
+        "first.json",
+        &managed_config("org.example.first", &dir.path().join("p1"), "v:1M"),
+    );
+    daemon.start();
+    wait_serving(&mut daemon).await;
+    let before = daemon.api().plugin("org.example.first").await.unwrap();
+    assert_eq!(before.state, "not_started");
+    let text = String::from_utf8_lossy(&daemon.csictl(&["plugins"]).stdout).into_owned();
+    assert!(text.contains("the start gate is closed"), "{text}");
+
+    daemon.api().start().await.unwrap();
+    daemon.add_config(
+        "added.json",
+        &managed_config(PLUGIN, &dir.path().join("plugin"), "vol1:1M"),
+    );
+    let report = daemon.api().reload().await.unwrap();
+    assert_eq!(report.added, vec![PLUGIN.to_owned()], "{report:?}");
+    let added = daemon.api().plugin(PLUGIN).await.unwrap();
+    assert_eq!(added.state, "idle", "{added:?}");
+    let output = daemon.csictl(&["plugins"]);
+    let text = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(!text.contains("the start gate is closed"), "{text}");
+    assert!(text.contains("idle (starts on first use)"), "{text}");
+    // And it does start on first use.
+    daemon.api().publish(&publish("vol1", "w1")).await.unwrap();
+    assert_eq!(daemon.api().plugin(PLUGIN).await.unwrap().state, "ready");
+    daemon
+        .api()
+        .unpublish(&unpublish("vol1", "w1"))
+        .await
+        .unwrap();
 }

@@ -319,6 +319,19 @@ pub enum PullError {
         architecture: &'static str,
         available: String,
     },
+    /// The index's entry for this platform is itself an index. Nested indexes are not
+    /// followed: one level is what Docker and containerd publish, and following more would
+    /// let a registry chain fetches without bound.
+    #[error(
+        "{reference}: the image index's entry for {os}/{architecture} ({digest}) is itself an image index ({media_type}); nested indexes are not followed: pull that entry by its digest, or an image whose index lists a manifest for {os}/{architecture}"
+    )]
+    NestedIndex {
+        reference: String,
+        os: &'static str,
+        architecture: &'static str,
+        digest: String,
+        media_type: String,
+    },
     /// The registry (or its token service) sent an answer larger than its cap: reading
     /// stopped there, nothing of it was kept. Final: the same registry would send the same.
     #[error(
@@ -428,6 +441,7 @@ impl PullError {
             | Self::BlobRefused { .. }
             | Self::UnsupportedMediaType { .. }
             | Self::UnsupportedPlatform { .. }
+            | Self::NestedIndex { .. }
             | Self::Limit { .. }
             | Self::AnswerTooLarge { .. }
             | Self::Malformed { .. }
@@ -1254,25 +1268,50 @@ pub fn choose_platform(reference: &str, entries: &[IndexEntry]) -> Result<Digest
                 && (e.media_type == OCI_MANIFEST || e.media_type == DOCKER_MANIFEST)
         })
         .map(|e| e.digest.clone())
-        .ok_or_else(|| PullError::UnsupportedPlatform {
-            reference: reference.to_owned(),
-            os,
-            architecture,
-            available: entries
-                .iter()
-                .map(|e| {
-                    format!(
-                        "{}/{}{}",
-                        e.os.as_deref().unwrap_or("?"),
-                        e.architecture.as_deref().unwrap_or("?"),
-                        e.variant
-                            .as_deref()
-                            .map(|v| format!("/{v}"))
-                            .unwrap_or_default()
-                    )
-                })
-                .collect::<Vec<_>>()
-                .join(", "),
+        .ok_or_else(|| {
+            let is_index =
+                |e: &IndexEntry| e.media_type == OCI_INDEX || e.media_type == DOCKER_MANIFEST_LIST;
+            // Saying "no manifest for linux/amd64 (it has: linux/amd64)" would be a riddle:
+            // name the nested index instead.
+            if let Some(nested) = entries.iter().find(|e| {
+                e.os.as_deref() == Some(os)
+                    && e.architecture.as_deref() == Some(architecture)
+                    && is_index(e)
+            }) {
+                return PullError::NestedIndex {
+                    reference: reference.to_owned(),
+                    os,
+                    architecture,
+                    digest: nested.digest.to_string(),
+                    media_type: nested.media_type.clone(),
+                };
+            }
+            PullError::UnsupportedPlatform {
+                reference: reference.to_owned(),
+                os,
+                architecture,
+                available: entries
+                    .iter()
+                    .map(|e| {
+                        let kind =
+                            if e.media_type == OCI_MANIFEST || e.media_type == DOCKER_MANIFEST {
+                                String::new()
+                            } else {
+                                format!(" ({}, not an image manifest)", e.media_type)
+                            };
+                        format!(
+                            "{}/{}{}{kind}",
+                            e.os.as_deref().unwrap_or("?"),
+                            e.architecture.as_deref().unwrap_or("?"),
+                            e.variant
+                                .as_deref()
+                                .map(|v| format!("/{v}"))
+                                .unwrap_or_default()
+                        )
+                    })
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            }
         })
 }
 
@@ -1352,5 +1391,39 @@ mod tests {
         let err = choose_platform("r", &entries[..1]).unwrap_err();
         assert!(err.to_string().contains("linux/s390x"), "{err}");
         assert!(!err.is_transient());
+    }
+
+    #[test]
+    fn a_nested_index_for_this_platform_is_named_not_taken_for_a_missing_one() {
+        let (_, arch) = host_platform();
+        for nested_type in [OCI_INDEX, DOCKER_MANIFEST_LIST] {
+            let index = format!(
+                r#"{{"schemaVersion": 2, "manifests": [
+                  {{"mediaType": "{nested_type}", "digest": "sha256:{}", "size": 1,
+                    "platform": {{"os": "linux", "architecture": "{arch}"}}}},
+                  {{"mediaType": "{OCI_MANIFEST}", "digest": "sha256:{}", "size": 1,
+                    "platform": {{"os": "linux", "architecture": "s390x"}}}}]}}"#,
+                hex('3'),
+                hex('4')
+            );
+            let Manifest::Index(entries) = parse_manifest("r", index.as_bytes()).unwrap() else {
+                panic!("not an index");
+            };
+            let err = choose_platform("r", &entries).unwrap_err();
+            let message = err.to_string();
+            assert!(matches!(err, PullError::NestedIndex { .. }), "{message}");
+            assert!(
+                message.contains("is itself an image index")
+                    && message.contains("nested indexes are not followed")
+                    && message.contains(&format!("sha256:{}", hex('3')))
+                    && message.contains(nested_type),
+                "{message}"
+            );
+            assert!(!message.contains("has no manifest"), "{message}");
+            assert!(!err.is_transient());
+            // Without the nested entry the list says what each entry is.
+            let other = choose_platform("r", &entries[1..]).unwrap_err().to_string();
+            assert!(other.contains("(it has: linux/s390x)"), "{other}");
+        }
     }
 }

@@ -173,6 +173,10 @@ pub enum VolumeError {
     Protocol(String),
     #[error("durable state could not be written: {0}")]
     Store(#[from] StoreError),
+    /// A stored file the operation needs (a volume's `secrets.json`) could not be read; the
+    /// inner error names the file and why.
+    #[error("durable state could not be read: {0}")]
+    StoreRead(#[source] StoreError),
     #[error("file system error on {}: {source}", path.display())]
     Io {
         path: PathBuf,
@@ -1343,9 +1347,12 @@ impl VolumeManager {
         let store = self.inner.store.clone();
         let c = self.inner.config.clone();
         let volume_id = record.volume_id.clone();
-        let loaded: Option<VolumeSecrets> =
-            blocking(move || store.load_secrets(&c.plugin_type, &c.plugin_name, &volume_id))
-                .await?;
+        let loaded: Option<VolumeSecrets> = blocking(move || {
+            store
+                .load_secrets(&c.plugin_type, &c.plugin_name, &volume_id)
+                .map_err(VolumeError::StoreRead)
+        })
+        .await?;
         let secrets = loaded.unwrap_or_default();
         slot.secrets = Some(secrets.clone());
         Ok(secrets)
