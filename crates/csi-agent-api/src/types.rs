@@ -358,8 +358,9 @@ pub struct PluginInfo {
     pub plugin_type: String,
     pub name: String,
     pub managed: bool,
-    /// `not_started` (gate closed), `idle` (launched lazily, not needed yet; also a plugin
-    /// added by a reload after the gate opened, until its first use), `starting`, `ready`, `restarting` (a component is backing off after crashes), `failed` (bad config
+    /// `not_started` (gate closed, or start-up still initializing the plugin), `idle`
+    /// (launched lazily, not needed yet; also a plugin added by a reload after start-up,
+    /// until its first use), `starting`, `ready`, `restarting` (a component is backing off after crashes), `failed` (bad config
     /// or probe; see `error`).
     pub state: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]

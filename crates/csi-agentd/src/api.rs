@@ -270,9 +270,10 @@ async fn plugin_infos(state: &AppState) -> api::PluginList {
         };
         let state_name = match (&report.error, &report.plugin) {
             (Some(_), _) => "failed",
-            // Not initialized: before the gate opens that is the gate's doing; after it (a
-            // plugin added by a reload) the plugin starts on first use, like an idle one.
-            (None, None) if !state.server.is_started() => "not_started",
+            // Not initialized: before the gate opens, and while start-up initializes every
+            // plugin (recovering its volumes), that is start-up's doing; after it (a plugin
+            // added by a reload) the plugin starts on first use, like an idle one.
+            (None, None) if !state.server.is_recovered() => "not_started",
             (None, None) => "idle",
             (None, Some(_)) if ready => "ready",
             (None, Some(plugin)) => {

@@ -206,7 +206,9 @@ pub fn plugins(list: &PluginList) -> String {
 fn state_label(state: &str) -> String {
     match state {
         "idle" => "idle (starts on first use)".to_owned(),
-        "not_started" => "not started (the start gate is closed)".to_owned(),
+        "not_started" => {
+            "not started (the start gate is closed, or start-up is still recovering it)".to_owned()
+        }
         other => other.to_owned(),
     }
 }
