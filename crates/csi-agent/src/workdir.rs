@@ -195,10 +195,7 @@ fn holder_leaving(pid: u32, recorded_start: Option<u64>) -> Option<String> {
 fn leaving_from_proc(stat: &str, status: &str, recorded_start: Option<u64>) -> Option<String> {
     // The command name (field 2) may hold spaces and parentheses: fields start after the
     // last ')'. After it: state (field 3), ..., flags (field 9), ..., starttime (field 22).
-    let fields: Vec<&str> = stat
-        .rsplit_once(')')
-        .map(|(_, rest)| rest.split_whitespace().collect())
-        .unwrap_or_default();
+    let fields = stat_fields(stat);
     let state = fields.first().copied().unwrap_or("");
     if state == "Z" || state == "X" || state == "x" {
         return Some(format!("exiting (state {state})"));
@@ -231,11 +228,18 @@ fn leaving_from_proc(stat: &str, status: &str, recorded_start: Option<u64>) -> O
     killed.then(|| "exiting (SIGKILL pending)".to_owned())
 }
 
+/// The fields of `/proc/PID/stat` from field 3 (the state) on. The command name (field 2)
+/// may hold spaces and parentheses, so they start after the last ')'.
+fn stat_fields(stat: &str) -> Vec<&str> {
+    stat.rsplit_once(')')
+        .map(|(_, rest)| rest.split_whitespace().collect())
+        .unwrap_or_default()
+}
+
 /// The start time of `pid` (clock ticks after boot, field 22 of `/proc/PID/stat`).
 fn proc_start_time(pid: u32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let (_, rest) = stat.rsplit_once(')')?;
-    rest.split_whitespace().nth(19)?.parse().ok()
+    stat_fields(&stat).get(19)?.parse().ok()
 }
 
 fn o_nofollow() -> i32 {
