@@ -20,6 +20,7 @@
 pub mod db;
 pub mod files;
 pub mod migrate;
+pub mod vanished;
 mod writer;
 
 use std::path::{Path, PathBuf};
@@ -270,17 +271,29 @@ impl Store {
         }
         out.records
             .sort_unstable_by(|a, b| a.volume_id.cmp(&b.volume_id));
-        self.remove_orphan_secrets(plugin_type, plugin_name, &out.records)?;
+        self.sweep_volume_dirs(plugin_type, plugin_name, &out.records)?;
         for problem in &out.problems {
             tracing::warn!(%problem, "volume record problem");
         }
         Ok(out)
     }
 
-    /// Removes the secrets of volumes without a record: written first, they outlive a publish
-    /// killed before its claim was committed, and nothing was promised about such a volume.
-    /// Only at recovery, when no operation of the plugin runs.
-    fn remove_orphan_secrets<T>(
+    /// Sweeps the plugin's volume dirs at recovery, when no operation of the plugin runs:
+    /// temp files of dead writers go (a daemon SIGKILLed mid-write leaves
+    /// `.secrets.json.<pid>.<n>.tmp`), and so do the secrets of a volume without a record
+    /// when nothing says the record may merely be missing from this database:
+    ///
+    /// - written first, secrets outlive a publish killed before its claim was committed (its
+    ///   volume has no mount dir yet: the mount dir is made after the commit), and nothing was
+    ///   promised about such a volume: removed;
+    /// - a volume that has a mount dir got further than that, so its record existed; a
+    ///   database restored from an older copy lacks it: the secrets are kept, and reported;
+    /// - secrets older than a `--reinitialize-state` start belong to the database that
+    ///   vanished: kept, and reported (docs/operations.md, "The state database vanished").
+    ///
+    /// So secrets are deleted with the record that owns them, or as the leftover of a publish
+    /// that never had one; never because their owner's record is lost.
+    fn sweep_volume_dirs<T>(
         &self,
         plugin_type: &str,
         plugin_name: &str,
@@ -302,12 +315,55 @@ impl Store {
         };
         let known: std::collections::HashSet<String> =
             records.iter().map(|l| encode_id(&l.volume_id)).collect();
+        let reinitialized_at = self.reinitialized_at();
         for entry in entries.flatten() {
             let name = entry.file_name();
             let Some(volume_id) = name.to_str().and_then(decode_id) else {
                 continue;
             };
+            if let Err(err) = files::remove_stale_temps(&entry.path()) {
+                tracing::warn!(dir = %entry.path().display(), error = %err, "stale temp files not removed; retried at the next start");
+            }
             if known.contains(&encode_id(&volume_id)) {
+                continue;
+            }
+            let secrets = self
+                .files
+                .secrets_path(plugin_type, plugin_name, &volume_id);
+            let kept = match std::fs::symlink_metadata(&secrets) {
+                Err(_) => None,
+                Ok(meta) => {
+                    let written = meta
+                        .modified()
+                        .ok()
+                        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                        .map(|d| d.as_millis() as u64);
+                    if reinitialized_at.is_some_and(|at| written.is_none_or(|w| w <= at)) {
+                        Some(
+                            "it predates the --reinitialize-state start: its volume's record was in the database that vanished",
+                        )
+                    } else if std::fs::symlink_metadata(self.layout().volume_mount_dir(
+                        plugin_type,
+                        plugin_name,
+                        &volume_id,
+                    ))
+                    .is_ok()
+                    {
+                        Some(
+                            "its volume has a mount dir, so it had a record, which this database (restored from an older copy?) lacks",
+                        )
+                    } else {
+                        None
+                    }
+                }
+            };
+            if let Some(why) = kept {
+                tracing::warn!(
+                    plugin = %plugin_type,
+                    volume_id = ?volume_id,
+                    file = %secrets.display(),
+                    "secrets of a volume without a record kept: {why}. Restore the database that has the record, or publish the volume again; remove the file by hand once it is not needed (docs/operations.md)"
+                );
                 continue;
             }
             if let Err(err) = self
@@ -318,6 +374,23 @@ impl Store {
             }
         }
         Ok(())
+    }
+
+    /// When `--reinitialize-state` created this database (Unix milliseconds), if it did.
+    fn reinitialized_at(&self) -> Option<u64> {
+        self.db
+            .read(|conn| {
+                use rusqlite::OptionalExtension;
+                conn.query_row(
+                    "SELECT value FROM meta WHERE key = ?1",
+                    [vanished::REINITIALIZED_AT],
+                    |row| row.get::<_, String>(0),
+                )
+                .optional()
+            })
+            .ok()
+            .flatten()
+            .and_then(|v| v.parse().ok())
     }
 
     /// Moves an unreadable row into the `quarantine` table (kept for an operator, never read
@@ -432,5 +505,97 @@ fn decode_row<T: Record>(version: u32, json: &str) -> Result<T, Unreadable> {
             found: version,
             supported: T::SCHEMA_VERSION,
         }),
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+    struct Vol {
+        state: String,
+    }
+
+    impl Record for Vol {
+        const SCHEMA_VERSION: u32 = 1;
+    }
+
+    const T: &str = "org.example";
+    const N: &str = "default";
+
+    fn secrets() -> BTreeMap<&'static str, &'static str> {
+        BTreeMap::from([("k", "s")])
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn secrets_without_a_record_go_only_when_their_record_cannot_merely_be_missing() {
+        let dir = tempfile::tempdir().unwrap();
+        let layout = Layout::new(dir.path().join("work"));
+        std::fs::create_dir_all(layout.work_dir()).unwrap();
+        let store = Store::open(layout.clone(), None).unwrap();
+        store
+            .save_volume(T, N, "recorded", &Vol { state: "x".into() })
+            .await
+            .unwrap();
+        for volume in ["recorded", "never-committed", "mounted-once"] {
+            store.save_secrets(T, N, volume, &secrets()).unwrap();
+        }
+        // A publish that got as far as its mount dir had a record: this database lacks it.
+        std::fs::create_dir_all(layout.volume_mount_dir(T, N, "mounted-once")).unwrap();
+        // A writer killed mid-write left its temp file beside the recorded volume's secrets.
+        let stale = layout
+            .volume_dir(T, N, "recorded")
+            .join(".secrets.json.999999.0.tmp");
+        std::fs::write(&stale, b"{").unwrap();
+
+        let loaded = store.load_all::<Vol>(T, N).unwrap();
+        assert_eq!(loaded.records.len(), 1);
+        let path = |v: &str| store.files().secrets_path(T, N, v);
+        assert!(path("recorded").exists());
+        assert!(!stale.exists(), "the stale temp file was not swept");
+        assert!(
+            !path("never-committed").exists(),
+            "the secrets of a publish killed before its claim was committed stay"
+        );
+        assert!(
+            path("mounted-once").exists(),
+            "secrets deleted without their record"
+        );
+        // Deleting the record deletes its secrets.
+        store.delete_volume(T, N, "recorded").await.unwrap();
+        assert!(!path("recorded").exists());
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn secrets_older_than_a_reinitialization_are_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let layout = Layout::new(dir.path().join("work"));
+        let volume_dir = layout.volume_dir(T, N, "from-the-lost-db");
+        std::fs::create_dir_all(&volume_dir).unwrap();
+        std::fs::write(volume_dir.join("secrets.json"), b"{}").unwrap();
+        // Written a while ago, before the reinitialization.
+        let old = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
+        std::fs::File::options()
+            .write(true)
+            .open(volume_dir.join("secrets.json"))
+            .unwrap()
+            .set_modified(old)
+            .unwrap();
+        assert!(matches!(
+            vanished::check(&layout, true).unwrap(),
+            vanished::Outcome::Reinitialized(_)
+        ));
+        let store = Store::open(layout.clone(), None).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        store.save_secrets(T, N, "after", &secrets()).unwrap();
+        for _ in 0..2 {
+            store.load_all::<Vol>(T, N).unwrap();
+            assert!(volume_dir.join("secrets.json").exists());
+        }
+        // One written after it, of a publish that never committed its claim, still goes.
+        assert!(!store.files().secrets_path(T, N, "after").exists());
     }
 }

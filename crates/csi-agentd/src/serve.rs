@@ -109,6 +109,13 @@ pub struct ServeArgs {
     /// Launch every managed plugin when the daemon starts, instead of on first use.
     #[arg(long)]
     start_plugins: bool,
+    /// Start once on a work dir whose `state.db` is missing or empty although the work dir
+    /// shows earlier state (refused otherwise): start from an empty database, deleting
+    /// nothing (docs/operations.md, "The state database vanished"). Command line only, so
+    /// that it is never left in a config file; ignored, with a warning, when `state.db` is
+    /// there.
+    #[arg(long)]
+    reinitialize_state: bool,
     /// The registry of plugin images named without a registry host (`busybox` is
     /// `<this>/library/busybox:latest`); `host[:port]` or an `https://` URL (default Docker
     /// Hub, `registry-1.docker.io`).
@@ -214,6 +221,8 @@ pub struct Settings {
     pub claim_limits: ClaimLimits,
     pub oci_runtime: PathBuf,
     pub start_plugins: bool,
+    /// `--reinitialize-state`: start on vanished state from an empty database.
+    pub reinitialize_state: bool,
     pub registry: RegistrySettings,
     /// Bounds on image pulls (the throughput floor from its flags, the rest defaults).
     pub pull_limits: PullLimits,
@@ -361,6 +370,7 @@ pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
         image_limits,
         worker_threads,
         start_plugins: args.start_plugins || file.start_plugins == Some(true),
+        reinitialize_state: args.reinitialize_state,
         registry,
         pull_limits,
         bind_roots,
@@ -512,6 +522,12 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     let _work_dir_lock = csi_agent::workdir::lock(&settings.work_dir)?;
     std::fs::set_permissions(&settings.work_dir, std::fs::Permissions::from_mode(0o700))
         .with_context(|| format!("cannot make {} private", settings.work_dir.display()))?;
+    // Before the store opens (and would create an empty database): a lost state.db is not a
+    // new node.
+    csi_agent::store::vanished::check(
+        &csi_agent::layout::Layout::new(&settings.work_dir),
+        settings.reinitialize_state,
+    )?;
     // Before the store is opened: a live socket means another daemon may be using this work dir.
     let socket = &settings.api_socket;
     let mut limits = settings.limits;

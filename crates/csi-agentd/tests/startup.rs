@@ -84,6 +84,21 @@ async fn a_daemon_started_at_once_after_kill_9_serves_fifty_times_in_a_row() {
         .unwrap();
 }
 
+/// `csi-agentd serve` on the work dir, configs and socket root of `daemon`, for a second
+/// daemon started beside (or instead of) it.
+fn serve_command(daemon: &Daemon) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_csi-agentd"));
+    command
+        .arg("serve")
+        .arg("--work-dir")
+        .arg(&daemon.work)
+        .arg("--plugin-config-dir")
+        .arg(&daemon.configs)
+        .arg("--socket-root")
+        .arg(&daemon.socket_root);
+    command
+}
+
 #[tokio::test]
 async fn a_live_daemon_still_keeps_a_second_one_out_at_once() {
     let dir = tempfile::tempdir().unwrap();
@@ -92,16 +107,9 @@ async fn a_live_daemon_still_keeps_a_second_one_out_at_once() {
     wait_serving(&mut daemon).await;
     let first = daemon.child.as_ref().unwrap().id();
     let started = Instant::now();
-    let second = Command::new(env!("CARGO_BIN_EXE_csi-agentd"))
-        .arg("serve")
-        .arg("--work-dir")
-        .arg(&daemon.work)
+    let second = serve_command(&daemon)
         .arg("--api-socket")
         .arg(dir.path().join("second.sock"))
-        .arg("--plugin-config-dir")
-        .arg(&daemon.configs)
-        .arg("--socket-root")
-        .arg(&daemon.socket_root)
         .stdout(Stdio::null())
         .output()
         .unwrap();
@@ -218,4 +226,206 @@ async fn a_plugin_added_by_a_reload_is_not_said_to_wait_for_an_open_gate() {
         .unpublish(&unpublish("vol1", "w1"))
         .await
         .unwrap();
+}
+
+/// Runs `csi-agentd serve` on the daemon's work dir with `extra` flags, expecting it to exit by
+/// itself (a refusal) within 10 s: its output and how long it took.
+fn serve_expecting_exit(daemon: &Daemon, extra: &[&str]) -> (std::process::Output, Duration) {
+    let started = Instant::now();
+    let mut child = serve_command(daemon)
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    while child.try_wait().unwrap().is_none() {
+        if started.elapsed() > Duration::from_secs(10) {
+            let _ = child.kill();
+            panic!("the daemon started instead of refusing");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let output = child.wait_with_output().unwrap();
+    (output, started.elapsed())
+}
+
+/// Every secrets file under the work dir, with its content.
+fn secrets_files(work: &std::path::Path) -> Vec<(std::path::PathBuf, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut dirs = vec![work.join("csi")];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let path = entry.path();
+            let kind = entry.file_type().unwrap();
+            // Never into a mount: the volumes' data is not ours to walk.
+            if kind.is_dir() && !mounts_under(&dir).contains(&path) {
+                dirs.push(path);
+            } else if path.file_name().is_some_and(|n| n == "secrets.json") {
+                out.push((path.clone(), std::fs::read(&path).unwrap()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// Waits until the daemon has recovered every plugin's volumes.
+async fn wait_recovered(daemon: &Daemon) -> csi_agent_api::VolumeList {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let list = daemon.api().volumes().await.unwrap();
+        if !list.recovering {
+            return list;
+        }
+        assert!(Instant::now() < deadline, "still recovering after 30 s");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn with_secrets(volume: &str, workload: &str) -> csi_agent_api::PublishRequest {
+    let mut request = publish(volume, workload);
+    request.secrets = Some(csi_agent_api::SecretsSpec {
+        node_stage: [("user".to_owned(), format!("secret-of-{volume}"))].into(),
+        node_publish: Default::default(),
+    });
+    request
+}
+
+const DB_FILES: [&str; 3] = ["state.db", "state.db-wal", "state.db-shm"];
+
+#[tokio::test]
+async fn a_vanished_state_db_is_refused_restored_or_reinitialized_and_nothing_is_deleted() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut daemon = setup(dir.path(), &[]);
+    for (volume, workload) in [("vol1", "w1"), ("vol2", "w2")] {
+        daemon
+            .api()
+            .publish(&with_secrets(volume, workload))
+            .await
+            .unwrap();
+    }
+    daemon.kill9();
+    let secrets = secrets_files(&daemon.work);
+    let mounts = mounts_under(&daemon.work);
+    assert_eq!(secrets.len(), 2, "{secrets:?}");
+    assert!(mounts.len() >= 4, "{mounts:?}");
+    // The operator's backup, taken while no daemon runs.
+    let backup = dir.path().join("backup");
+    std::fs::create_dir(&backup).unwrap();
+    for file in DB_FILES {
+        let _ = std::fs::copy(daemon.work.join(file), backup.join(file));
+    }
+
+    // Truncated to 0 bytes: refused, at once, naming what was found and the way out.
+    std::fs::File::create(daemon.work.join("state.db")).unwrap();
+    let (output, took) = serve_expecting_exit(&daemon, &[]);
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(!output.status.success(), "{stderr}");
+    assert!(took < Duration::from_secs(5), "{took:?}");
+    for part in [
+        "is empty (0 bytes)",
+        "shows earlier state",
+        "2 secrets file(s) (e.g. ",
+        "2 volume mount dir(s)",
+        "mount(s) beneath the work dir",
+        "--reinitialize-state",
+        "restore",
+    ] {
+        assert!(stderr.contains(part), "{part:?} not in {stderr}");
+    }
+    assert!(
+        stderr.contains(&secrets[0].0.display().to_string()),
+        "{stderr}"
+    );
+    assert_eq!(secrets_files(&daemon.work), secrets, "secrets changed");
+    assert_eq!(mounts_under(&daemon.work), mounts, "mounts changed");
+
+    // Restored from the copy: every claim is back, and an unpublish works.
+    for file in DB_FILES {
+        let _ = std::fs::remove_file(daemon.work.join(file));
+        let _ = std::fs::copy(backup.join(file), daemon.work.join(file));
+    }
+    daemon.start();
+    wait_serving(&mut daemon).await;
+    let list = wait_recovered(&daemon).await;
+    let claims: Vec<(String, Vec<String>)> = list
+        .volumes
+        .iter()
+        .map(|v| (v.volume_id.clone(), v.claims.clone()))
+        .collect();
+    assert_eq!(
+        claims,
+        vec![
+            ("vol1".to_owned(), vec!["w1".to_owned()]),
+            ("vol2".to_owned(), vec!["w2".to_owned()])
+        ]
+    );
+    daemon
+        .api()
+        .unpublish(&unpublish("vol1", "w1"))
+        .await
+        .unwrap();
+    assert!(
+        !mounts_under(&daemon.work)
+            .iter()
+            .any(|m| m.to_string_lossy().contains("vol1")),
+        "{:?}",
+        mounts_under(&daemon.work)
+    );
+    daemon.kill9();
+    let secrets = secrets_files(&daemon.work);
+    let mounts = mounts_under(&daemon.work);
+    assert_eq!(
+        secrets.len(),
+        1,
+        "vol2's secrets stay, vol1's went with its record"
+    );
+
+    // Removed: refused the same way.
+    for file in DB_FILES {
+        let _ = std::fs::remove_file(daemon.work.join(file));
+    }
+    let (output, _) = serve_expecting_exit(&daemon, &[]);
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(!output.status.success(), "{stderr}");
+    assert!(stderr.contains("is missing"), "{stderr}");
+    assert!(
+        !daemon.work.join("state.db").exists(),
+        "the refusal created the database"
+    );
+
+    // --reinitialize-state: serves on an empty database and deletes nothing.
+    daemon.extra = vec!["--reinitialize-state".to_owned()];
+    daemon.start();
+    wait_serving(&mut daemon).await;
+    let list = wait_recovered(&daemon).await;
+    assert!(list.volumes.is_empty(), "{list:?}");
+    assert_eq!(secrets_files(&daemon.work), secrets, "secrets deleted");
+    assert_eq!(mounts_under(&daemon.work), mounts, "mounts changed");
+    let log = log_of(&daemon);
+    assert!(
+        log.contains("--reinitialize-state: the state database was missing"),
+        "{log}"
+    );
+    assert!(
+        log.contains("mount without a volume record; left in place"),
+        "{log}"
+    );
+
+    // And at the next start, without the flag: the database is there, the secrets still kept.
+    daemon.kill9();
+    daemon.extra.clear();
+    daemon.start();
+    wait_serving(&mut daemon).await;
+    wait_recovered(&daemon).await;
+    assert_eq!(
+        secrets_files(&daemon.work),
+        secrets,
+        "secrets deleted later"
+    );
+    assert!(
+        log_of(&daemon).contains("secrets of a volume without a record kept"),
+        "{}",
+        log_of(&daemon)
+    );
 }

@@ -464,7 +464,7 @@ fn remove_optional(path: &Path) -> Result<bool, StoreError> {
 }
 
 /// Removes temp files of dead writers from `dir`. Returns how many were removed.
-fn remove_stale_temps(dir: &Path) -> Result<usize, StoreError> {
+pub(crate) fn remove_stale_temps(dir: &Path) -> Result<usize, StoreError> {
     let entries = match fs::read_dir(dir) {
         Ok(entries) => entries,
         Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(0),
@@ -756,6 +756,29 @@ impl FileStore {
         plugin_type: &str,
         plugin_name: &str,
     ) -> Result<LoadAll<T>, StoreError> {
+        self.load_all_with(plugin_type, plugin_name, Orphans::Remove)
+    }
+
+    /// [`FileStore::load_all`] for the migration into the database: a volume dir without a
+    /// record file that holds secrets is left as it is. In a work dir of the database era
+    /// every volume dir is such a dir (the record is in the database), and the migration runs
+    /// on every new database, a reinitialized one included: removing them would delete the
+    /// secrets of every volume (issue #24). Whether such secrets are leftovers is decided
+    /// against the database's records, by the store's recovery sweep.
+    pub fn load_all_keeping_secrets<T: Record>(
+        &self,
+        plugin_type: &str,
+        plugin_name: &str,
+    ) -> Result<LoadAll<T>, StoreError> {
+        self.load_all_with(plugin_type, plugin_name, Orphans::KeepSecrets)
+    }
+
+    fn load_all_with<T: Record>(
+        &self,
+        plugin_type: &str,
+        plugin_name: &str,
+        orphans: Orphans,
+    ) -> Result<LoadAll<T>, StoreError> {
         let volumes = self.layout.volumes_dir(plugin_type, plugin_name);
         let mut out = LoadAll {
             records: Vec::new(),
@@ -797,9 +820,10 @@ impl FileStore {
             let Some(volume_id) = volume_id else {
                 continue;
             };
-            match load_volume_dir::<T>(&path) {
+            match load_volume_dir::<T>(&path, orphans) {
                 DirOutcome::Record(record) => out.records.push(Loaded { volume_id, record }),
                 DirOutcome::Removed => changed = true,
+                DirOutcome::Kept => {}
                 DirOutcome::Problem(kind @ ProblemKind::Unreadable(_)) => {
                     changed = true;
                     out.problems.push(quarantine_entry(
@@ -903,14 +927,25 @@ fn remove_all_temps(dir: &Path) -> Result<(), StoreError> {
     Ok(())
 }
 
+/// What [`FileStore::load_all_with`] does with a volume dir that has no record file.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Orphans {
+    /// Removed with its secrets (the per-file store's own rule).
+    Remove,
+    /// Left in place when it holds secrets (the migration's rule).
+    KeepSecrets,
+}
+
 enum DirOutcome<T> {
     Record(T),
     /// A dir without a record, removed (it held at most secrets and temp files).
     Removed,
+    /// A dir without a record holding secrets, left in place ([`Orphans::KeepSecrets`]).
+    Kept,
     Problem(ProblemKind),
 }
 
-fn load_volume_dir<T: Record>(dir: &Path) -> DirOutcome<T> {
+fn load_volume_dir<T: Record>(dir: &Path, orphans: Orphans) -> DirOutcome<T> {
     if let Err(err) = remove_stale_temps(dir) {
         // Harmless: a temp file is never read as a record. Retried at the next load.
         tracing::warn!(%err, "stale temp file not removed");
@@ -925,6 +960,11 @@ fn load_volume_dir<T: Record>(dir: &Path) -> DirOutcome<T> {
             DirOutcome::Problem(ProblemKind::Unreadable(reason))
         }
         Ok(None) => {
+            if orphans == Orphans::KeepSecrets
+                && fs::symlink_metadata(dir.join(SECRETS_FILE)).is_ok()
+            {
+                return DirOutcome::Kept;
+            }
             // No record: a first write or a delete was interrupted. Without a record nothing
             // was promised about this volume, so its secrets are garbage.
             if let Err(err) = remove_optional(&dir.join(SECRETS_FILE)) {

@@ -6,8 +6,11 @@
 //! crash before the commit leaves the files as they were (the next start migrates again, and
 //! `INSERT OR REPLACE` makes a repeated insert harmless); a crash after it leaves files that
 //! the next start only removes, never imports again (the database has moved on since). Secrets
-//! files stay where they are: the database era keeps them there too. Unreadable record files
-//! are moved to `quarantine/` by the file store's own rules and reported.
+//! files stay where they are: the database era keeps them there too. A volume dir with secrets
+//! and no record file (what every volume dir of the database era is) is left alone, never taken
+//! for an interrupted first-release write, since the migration also runs on every new database
+//! (a reinitialized one included). Unreadable record files are moved to `quarantine/` by the
+//! file store's own rules and reported.
 //!
 //! It must not touch anything but record files and the database.
 
@@ -65,7 +68,8 @@ pub fn from_files(
         let mut left = Vec::new();
         for (plugin_type, plugin_name) in &plugins {
             // Moves unreadable files to quarantine/ and reports them, as the file store did.
-            let loaded = files.load_all::<FirstRelease>(plugin_type, plugin_name)?;
+            let loaded =
+                files.load_all_keeping_secrets::<FirstRelease>(plugin_type, plugin_name)?;
             for problem in &loaded.problems {
                 if problem.moved_to.is_none() && matches!(problem.kind, ProblemKind::Io(_)) {
                     left.push((
