@@ -211,11 +211,20 @@ fn plugin_dirs(layout: &Layout) -> Result<Vec<PathBuf>, VanishedError> {
     Ok(out)
 }
 
-/// The subdirectories of `dir` (not following symlinks), sorted; none when `dir` is missing.
+/// The subdirectories of `dir` (not following symlinks), sorted; none when `dir` is missing
+/// or not a directory (a broken plugin dir is the plugin's initialization to report, not a
+/// reason to refuse the whole daemon). Any other error refuses: what it hides is unknown.
 fn list_dirs(dir: &Path) -> Result<Vec<PathBuf>, VanishedError> {
     let entries = match std::fs::read_dir(dir) {
         Ok(entries) => entries,
-        Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(err)
+            if matches!(
+                err.kind(),
+                std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory
+            ) =>
+        {
+            return Ok(Vec::new());
+        }
         Err(source) => {
             return Err(VanishedError::Io {
                 op: "list",
@@ -376,6 +385,16 @@ mod tests {
         assert!(at.parse::<u64>().unwrap() > 0);
         // Once the database is there, the flag changes nothing.
         assert_eq!(check(&layout, true).unwrap(), Outcome::Proceed);
+    }
+
+    #[test]
+    fn a_plugin_dir_that_is_not_a_directory_is_no_evidence_and_no_error() {
+        let (_dir, layout) = layout();
+        let volumes = layout.volumes_dir("org.example", "default");
+        std::fs::create_dir_all(volumes.parent().unwrap()).unwrap();
+        std::fs::write(&volumes, b"not a directory").unwrap();
+        std::fs::write(layout.csi_root().join("stray-file"), b"").unwrap();
+        assert_eq!(check(&layout, false).unwrap(), Outcome::Proceed);
     }
 
     #[test]
