@@ -88,14 +88,7 @@ async fn a_daemon_started_at_once_after_kill_9_serves_fifty_times_in_a_row() {
 /// daemon started beside (or instead of) it.
 fn serve_command(daemon: &Daemon) -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_csi-agentd"));
-    command
-        .arg("serve")
-        .arg("--work-dir")
-        .arg(&daemon.work)
-        .arg("--plugin-config-dir")
-        .arg(&daemon.configs)
-        .arg("--socket-root")
-        .arg(&daemon.socket_root);
+    daemon.serve_args(&mut command);
     command
 }
 

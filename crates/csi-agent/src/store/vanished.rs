@@ -289,6 +289,14 @@ mod tests {
         (dir, layout)
     }
 
+    /// The dir of volume `v1` of `org.example/default`, holding a secrets file.
+    fn volume_with_secrets(layout: &Layout) -> PathBuf {
+        let vol = layout.volume_dir("org.example", "default", "v1");
+        std::fs::create_dir_all(&vol).unwrap();
+        std::fs::write(vol.join(super::super::files::SECRETS_FILE), b"{}").unwrap();
+        vol
+    }
+
     #[test]
     fn a_new_node_and_a_healthy_one_proceed() {
         let (_dir, layout) = layout();
@@ -302,9 +310,7 @@ mod tests {
     #[test]
     fn vanished_state_is_refused_naming_what_was_found() {
         let (_dir, layout) = layout();
-        let vol = layout.volume_dir("org.example", "default", "v1");
-        std::fs::create_dir_all(&vol).unwrap();
-        std::fs::write(vol.join(super::super::files::SECRETS_FILE), b"{}").unwrap();
+        let vol = volume_with_secrets(&layout);
         std::fs::create_dir_all(layout.staging_path("org.example", "default", "v2")).unwrap();
         std::fs::create_dir_all(layout.container_dir("org.example", "default", "c1")).unwrap();
         for db in [DbFile::Missing, DbFile::Empty] {
@@ -365,9 +371,7 @@ mod tests {
     #[test]
     fn reinitializing_creates_a_marked_database_and_deletes_nothing() {
         let (_dir, layout) = layout();
-        let vol = layout.volume_dir("org.example", "default", "v1");
-        std::fs::create_dir_all(&vol).unwrap();
-        std::fs::write(vol.join(super::super::files::SECRETS_FILE), b"{}").unwrap();
+        let vol = volume_with_secrets(&layout);
         let Outcome::Reinitialized(found) = check(&layout, true).unwrap() else {
             panic!("not reinitialized");
         };
@@ -400,10 +404,8 @@ mod tests {
     #[test]
     fn a_first_release_work_dir_is_migrated_not_refused() {
         let (_dir, layout) = layout();
-        let vol = layout.volume_dir("org.example", "default", "v1");
-        std::fs::create_dir_all(&vol).unwrap();
+        let vol = volume_with_secrets(&layout);
         std::fs::write(vol.join(super::super::files::VOLUME_RECORD_FILE), b"{}").unwrap();
-        std::fs::write(vol.join(super::super::files::SECRETS_FILE), b"{}").unwrap();
         assert_eq!(check(&layout, false).unwrap(), Outcome::Proceed);
     }
 }

@@ -87,14 +87,8 @@ impl Daemon {
             }
             None => Command::new(daemon),
         };
-        let child = command
-            .arg("serve")
-            .arg("--work-dir")
-            .arg(&self.work)
-            .arg("--plugin-config-dir")
-            .arg(&self.configs)
-            .arg("--socket-root")
-            .arg(&self.socket_root)
+        let child = self
+            .serve_args(&mut command)
             .args(&self.extra)
             .env("CSI_AGENT_LOG", "info")
             .envs(self.env.iter().map(|(k, v)| (k, v)))
@@ -117,6 +111,20 @@ impl Daemon {
             );
             std::thread::sleep(Duration::from_millis(10));
         }
+    }
+
+    /// Adds `serve` and this daemon's work dir, config dir and socket root to `command` (the
+    /// `csi-agentd` binary or its wrapper): for `start`, and for a second daemon a test runs
+    /// beside or instead of this one.
+    pub fn serve_args<'a>(&self, command: &'a mut Command) -> &'a mut Command {
+        command
+            .arg("serve")
+            .arg("--work-dir")
+            .arg(&self.work)
+            .arg("--plugin-config-dir")
+            .arg(&self.configs)
+            .arg("--socket-root")
+            .arg(&self.socket_root)
     }
 
     /// Kills the daemon if it runs, and sets `key=value` for the next `start`.
