@@ -51,8 +51,9 @@
 //! - A service listed by several components (or endpoints) is served by the first one; a
 //!   component left serving nothing is dropped with a warning. A service served by no
 //!   component is fine (a node-only plugin).
-//! - Only `*.json` files are read, in file-name order, skipping hidden files. Two files with
-//!   the same `type`: the second one is an error naming both.
+//! - Every file is read as JSON, whatever its name (as Mesos; DC/OS ships `nfs.conf`), in
+//!   file-name order, skipping hidden files and directories. Two files with the same `type`:
+//!   the second one is an error naming both.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -348,7 +349,15 @@ pub enum ConfigError {
         #[source]
         source: std::io::Error,
     },
-    #[error("{}: malformed JSON at line {line}, column {column}: {message}; fix the syntax", file.display())]
+    #[error(
+        "{}: not a regular file; a plugin config must be a regular file (or a symlink to one): remove it from the config dir",
+        file.display()
+    )]
+    NotAFile { file: PathBuf },
+    #[error(
+        "{}: malformed JSON at line {line}, column {column}: {message}; fix the syntax (every non-hidden file of the config dir is read as a plugin config: move other files out)",
+        file.display()
+    )]
     Malformed {
         file: PathBuf,
         line: usize,
@@ -379,6 +388,7 @@ impl ConfigError {
         match self {
             ConfigError::ReadDir { dir, .. } => dir,
             ConfigError::Read { file, .. }
+            | ConfigError::NotAFile { file }
             | ConfigError::Malformed { file, .. }
             | ConfigError::Invalid { file, .. }
             | ConfigError::DuplicateType { file, .. } => file,
@@ -456,17 +466,19 @@ impl ConfigDiff {
     }
 }
 
-/// Loads every `*.json` file of `dir` (sorted by file name, hidden files skipped). Never
+/// Loads every file of `dir` as JSON, whatever its name (sorted by file name, hidden files
+/// and directories skipped; see [`list_config_files`]). Never
 /// fails as a whole: unreadable or invalid files become errors in the report. When `metrics`
 /// is given, `config_errors` is reset to exactly the failing files of this load.
 pub fn load_dir(dir: &Path, metrics: Option<&Metrics>) -> LoadReport {
     let mut report = LoadReport::default();
-    match list_json_files(dir) {
+    match list_config_files(dir) {
         Err(source) => report.errors.push(ConfigError::ReadDir {
             dir: dir.to_path_buf(),
             source,
         }),
-        Ok(files) => {
+        Ok((files, unreadable)) => {
+            report.errors.extend(unreadable);
             for file in files {
                 match load_file(&file) {
                     Err(err) => report.errors.push(err),
@@ -508,24 +520,35 @@ pub fn load_dir(dir: &Path, metrics: Option<&Metrics>) -> LoadReport {
     report
 }
 
-fn list_json_files(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
+/// The files of `dir` to load, and one error per entry that cannot be one.
+///
+/// Every non-hidden entry is a config, whatever its name, as Mesos reads every file of
+/// `--csi_plugin_config_dir` (`src/slave/csi_server.cpp`: `os::ls`, directories skipped):
+/// DC/OS ships its NFS plugin as `nfs.conf`. Hidden entries are skipped (Mesos reads them
+/// too): editors and config management leave `.x.json.swp`, `.#x.json` and temp files
+/// there, which are never meant as configs. Symlinks are followed, as before and as Mesos
+/// does (the dir is operator-owned, and config management links files in); directories are
+/// skipped, as Mesos does. Anything else (a FIFO, a socket, a device, a dangling link) is an
+/// error on that entry: reading a FIFO would block the load forever.
+fn list_config_files(dir: &Path) -> std::io::Result<(Vec<PathBuf>, Vec<ConfigError>)> {
     let mut files = Vec::new();
+    let mut errors = Vec::new();
     for entry in std::fs::read_dir(dir)? {
         let entry = entry?;
-        let name = entry.file_name();
-        let name = name.to_string_lossy();
-        // Editors and config management leave hidden temp files (`.x.json.swp`, `.#x.json`).
-        if name.starts_with('.') || !name.ends_with(".json") {
+        if entry.file_name().as_encoded_bytes().starts_with(b".") {
             continue;
         }
-        // Follow symlinks (config management often links files in); skip directories.
-        if std::fs::metadata(entry.path())?.is_dir() {
-            continue;
+        let path = entry.path();
+        match std::fs::metadata(&path) {
+            Ok(meta) if meta.is_file() => files.push(path),
+            Ok(meta) if meta.is_dir() => {}
+            Ok(_) => errors.push(ConfigError::NotAFile { file: path }),
+            Err(source) => errors.push(ConfigError::Read { file: path, source }),
         }
-        files.push(entry.path());
     }
     files.sort();
-    Ok(files)
+    errors.sort_by(|a, b| a.file().cmp(b.file()));
+    Ok((files, errors))
 }
 
 /// Reads and validates one file.

@@ -1,5 +1,7 @@
 //! The bad-config corpus: every bad file in `tests/fixtures/configs/` yields exactly one clear
-//! error (file, field, what to fix), while the good files of the same directory load.
+//! error (file, field, what to fix), while the good files of the same directory load. Every
+//! non-hidden file is a config whatever its name (as Mesos): `nfs.conf` loads, `README` is an
+//! error, the hidden `.#lvm.json` (not JSON) and `.hidden-editor-backup.json` are skipped.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -30,15 +32,33 @@ fn config_corpus_reports_each_bad_file_once_and_loads_the_good_ones() -> anyhow:
     assert_eq!(
         loaded,
         vec![
+            // DC/OS's name: a config is a config whatever its file is called.
+            "nfs.csi.k8s.io",
             "org.apache.mesos.csi.managed-plugin",
             "org.example.managed",
             "org.example.tuned",
             "org.example.unmanaged",
         ]
     );
+    assert_eq!(
+        report.set.plugins["nfs.csi.k8s.io"]
+            .file
+            .file_name()
+            .and_then(|n| n.to_str()),
+        Some("nfs.conf")
+    );
 
     // file -> substrings its one error message must contain.
     let expected: BTreeMap<&str, &[&str]> = BTreeMap::from([
+        // Not a config, yet in the dir: an error on that file, not silence.
+        (
+            "README",
+            &[
+                "malformed JSON at line 1, column 1",
+                "every non-hidden file of the config dir is read as a plugin config",
+                "move other files out",
+            ][..],
+        ),
         (
             "bad-backoff.json",
             &["restart_backoff.max_ms", "at least initial_ms"][..],
@@ -289,5 +309,60 @@ fn config_service_listed_twice_is_served_by_the_first_component() -> anyhow::Res
     };
     assert_eq!(components.len(), 1);
     assert_eq!(components[0].command.value, "/first");
+    Ok(())
+}
+
+#[test]
+fn config_dir_entries_links_dirs_fifos_and_dotfiles() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let outside = tempfile::tempdir()?;
+    let plugin = |plugin_type: &str| {
+        format!(
+            r#"{{"type": "{plugin_type}", "endpoints": [{{"csi_service": "NODE_SERVICE", "endpoint": "/{plugin_type}.sock"}}]}}"#
+        )
+    };
+    // Any name loads, extension or not.
+    std::fs::write(dir.path().join("plain"), plugin("plain"))?;
+    std::fs::write(dir.path().join("nfs.conf"), plugin("nfs"))?;
+    // A symlink to a file elsewhere is followed (config management links files in).
+    std::fs::write(outside.path().join("linked.json"), plugin("linked"))?;
+    std::os::unix::fs::symlink(
+        outside.path().join("linked.json"),
+        dir.path().join("linked"),
+    )?;
+    // Directories are skipped, even one named like a config, as Mesos does.
+    std::fs::create_dir(dir.path().join("subdir.json"))?;
+    std::fs::write(dir.path().join("subdir.json/inner.json"), "{ broken")?;
+    // Hidden entries are skipped: a broken swap file and a valid-looking hidden config alike.
+    std::fs::write(dir.path().join(".plain.swp"), "\0\0 not json")?;
+    std::fs::write(dir.path().join(".hidden.json"), plugin("hidden"))?;
+    // A dangling symlink and a FIFO are errors on those entries; the FIFO is not opened (a
+    // read would block the load forever: this test would hang).
+    std::os::unix::fs::symlink("/nonexistent/csi-agent/x.json", dir.path().join("dangling"))?;
+    let fifo = dir.path().join("fifo.json");
+    let status = std::process::Command::new("mkfifo").arg(&fifo).status()?;
+    assert!(status.success(), "mkfifo");
+
+    let report = load_dir(dir.path(), None);
+    let loaded: Vec<&str> = report.set.plugins.keys().map(String::as_str).collect();
+    assert_eq!(loaded, vec!["linked", "nfs", "plain"]);
+    let errors: BTreeMap<String, String> = report
+        .errors
+        .iter()
+        .map(|err| (file_name(err), err.to_string()))
+        .collect();
+    assert_eq!(
+        errors.keys().map(String::as_str).collect::<Vec<_>>(),
+        vec!["dangling", "fifo.json"],
+        "{errors:#?}"
+    );
+    assert!(
+        errors["fifo.json"].contains("not a regular file"),
+        "{errors:?}"
+    );
+    assert!(
+        errors["dangling"].contains("cannot read the file"),
+        "{errors:?}"
+    );
     Ok(())
 }

@@ -48,7 +48,7 @@ pub struct ServeArgs {
     /// Root of all durable state.
     #[arg(long)]
     work_dir: Option<PathBuf>,
-    /// Directory of plugin configs (`*.json`, Mesos `CSIPluginInfo`).
+    /// Directory of plugin configs: every non-hidden file, as JSON (Mesos `CSIPluginInfo`).
     #[arg(long)]
     plugin_config_dir: Option<PathBuf>,
     /// The API's unix socket (mode 0600). Default: `<work-dir>/api.sock`.
