@@ -27,8 +27,9 @@
 //! Mesos's protobuf), `environment.variables[{name, value}]`. With `shell: true`, `value` runs
 //! through `/bin/sh -c` and `arguments` are ignored. With `shell: false`, `value` is the
 //! executable and `arguments` the whole argv, `argv[0]` included (an empty `arguments` means
-//! `argv[0] = value`); since no shell expands them, the references `$CSI_ENDPOINT`,
-//! `${CSI_ENDPOINT}`, `$CSI_NODE_ID` and `${CSI_NODE_ID}` inside `arguments` are replaced by
+//! `argv[0] = value`); since no shell expands them, the references `$NAME` and `${NAME}` to
+//! the variables csi-agent sets over the config's (`CSI_ENDPOINT`, `CSI_NODE_ID`,
+//! `MESOS_AGENT_ID`: `crate::runtime::agent_vars`) inside `arguments` are replaced by
 //! csi-agent. `uris` and `user` are recognised but rejected (the process runtime cannot honour
 //! them).
 //!

@@ -545,8 +545,14 @@ async fn a_container_stopped_while_the_daemon_was_down_is_replaced_and_a_changed
     // A changed config (here: the environment, and Mesos `linux_info` capabilities)
     // replaces the container.
     let mut changed = oci_config(&plugin_dir, json!({"kind": "oci"}));
-    changed["containers"][0]["command"]["environment"] =
-        json!({"variables": [{"name": "CHANGED", "value": "1"}]});
+    // Its MESOS_AGENT_ID is csi-agent's node id (here the plugin's own), over the config's
+    // variable of that name (as Mesos's service manager's wins); no MESOS_SANDBOX (the
+    // component's dir is not given to a container).
+    changed["node_id"] = json!("node-oci");
+    changed["containers"][0]["command"]["environment"] = json!({"variables": [
+        {"name": "CHANGED", "value": "1"},
+        {"name": "MESOS_AGENT_ID", "value": "from-the-config"}
+    ]});
     changed["containers"][0]["container"]["linux_info"] =
         json!({"effective_capabilities": {"capabilities": ["SYS_ADMIN", "DAC_OVERRIDE"]}});
     daemon.add_config("test.json", &changed);
@@ -564,6 +570,19 @@ async fn a_container_stopped_while_the_daemon_was_down_is_replaced_and_a_changed
     assert!(
         environ.split(|b| *b == 0).any(|v| v == b"CHANGED=1"),
         "the new container lacks the new environment"
+    );
+    let vars: Vec<&[u8]> = environ.split(|b| *b == 0).collect();
+    assert!(
+        vars.contains(&&b"MESOS_AGENT_ID=node-oci"[..]),
+        "the container lacks MESOS_AGENT_ID=node-oci: {:?}",
+        String::from_utf8_lossy(&environ)
+    );
+    assert!(
+        !vars
+            .iter()
+            .any(|v| v.starts_with(b"MESOS_AGENT_ID=from") || v.starts_with(b"MESOS_SANDBOX=")),
+        "{:?}",
+        String::from_utf8_lossy(&environ)
     );
     // CAP_DAC_OVERRIDE is bit 1, CAP_SYS_ADMIN bit 21: exactly those.
     let status = std::fs::read_to_string(format!("/proc/{third}/status")).unwrap();

@@ -27,6 +27,28 @@ pub use process::ProcessRuntime;
 pub const CSI_ENDPOINT_VAR: &str = "CSI_ENDPOINT";
 /// Environment variable carrying the node id.
 pub const CSI_NODE_ID_VAR: &str = "CSI_NODE_ID";
+/// Environment variable carrying the node id under Mesos's name: Mesos's service manager
+/// (`src/csi/service_manager.cpp`) gives a plugin's node component the agent id there, and
+/// real plugin configs pass it on (`nfsplugin --nodeid=$MESOS_AGENT_ID`).
+pub const MESOS_AGENT_ID_VAR: &str = "MESOS_AGENT_ID";
+/// Environment variable carrying the component's sandbox (its working directory), as Mesos's
+/// containerizer sets it for every standalone container.
+pub const MESOS_SANDBOX_VAR: &str = "MESOS_SANDBOX";
+
+/// The variables csi-agent sets *over* the config's `environment` (they win over a variable
+/// of the same name there, as under Mesos: its service manager appends `CSI_ENDPOINT` and
+/// `MESOS_AGENT_ID` after the config's variables, and its launcher keeps the last of a
+/// name). Also the references a non-shell command's arguments may use
+/// ([`CommandConfig::argv`]). `MESOS_AGENT_ID` goes to every component, not only those
+/// listing `NODE_SERVICE` as in Mesos: a controller sharing the node's command line then
+/// gets the node id instead of an empty string (docs/configuration.md).
+pub fn agent_vars<'a>(endpoint: &'a str, node_id: &'a str) -> [(&'static str, &'a str); 3] {
+    [
+        (CSI_ENDPOINT_VAR, endpoint),
+        (CSI_NODE_ID_VAR, node_id),
+        (MESOS_AGENT_ID_VAR, node_id),
+    ]
+}
 
 /// Everything that defines *what* a component runs. Its hash is stored in `component.json`;
 /// a component whose stored spec differs from the configured one is outdated and relaunched.

@@ -48,8 +48,8 @@ use rustix::process::{
 use tokio::io::unix::AsyncFd;
 
 use super::{
-    CSI_ENDPOINT_VAR, CSI_NODE_ID_VAR, Component, ExitInfo, LaunchContext, LaunchSpec, Runtime,
-    RuntimeError, RuntimeHandle,
+    Component, ExitInfo, LaunchContext, LaunchSpec, MESOS_SANDBOX_VAR, Runtime, RuntimeError,
+    RuntimeHandle, agent_vars,
 };
 
 /// Runs components as host processes.
@@ -192,21 +192,22 @@ fn launch(spec: &LaunchSpec, context: &LaunchContext) -> Result<ProcessComponent
     let stdout = open_log(&context.container_dir.join("stdout"))?;
     let stderr = open_log(&context.container_dir.join("stderr"))?;
     let endpoint = format!("unix://{}", context.socket.display());
-    let vars = [
-        (CSI_ENDPOINT_VAR, endpoint.as_str()),
-        (CSI_NODE_ID_VAR, spec.node_id.as_str()),
-    ];
+    let vars = agent_vars(&endpoint, &spec.node_id);
     let (program, argv) = spec.command.argv(&vars);
     let mut command = Command::new(&program);
     if let Some((argv0, args)) = argv.split_first() {
         command.arg0(argv0).args(args);
     }
+    // The daemon's environment, then Mesos's sandbox variable (the config's may replace it,
+    // as under Mesos's containerizer), then the config's, then ours (which win).
+    command.env(MESOS_SANDBOX_VAR, &context.container_dir);
     for var in &spec.command.environment {
         command.env(&var.name, &var.value);
     }
+    for (name, value) in vars {
+        command.env(name, value);
+    }
     command
-        .env(CSI_ENDPOINT_VAR, &endpoint)
-        .env(CSI_NODE_ID_VAR, &spec.node_id)
         .env(COMPONENT_MARKER_VAR, component_marker(context))
         .current_dir(&context.container_dir)
         .stdin(Stdio::null())

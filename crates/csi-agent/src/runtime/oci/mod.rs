@@ -56,10 +56,7 @@ use serde_json::Value;
 use tokio::io::unix::AsyncFd;
 
 use super::process::{current_boot_id, read_stat};
-use super::{
-    CSI_ENDPOINT_VAR, CSI_NODE_ID_VAR, Component, ExitInfo, LaunchContext, LaunchSpec, Runtime,
-    RuntimeError, RuntimeHandle,
-};
+use super::{Component, ExitInfo, LaunchContext, LaunchSpec, Runtime, RuntimeError, RuntimeHandle};
 use crate::config::{CommandConfig, OciConfig, RuntimeConfig, Service};
 use crate::image::reference::ContainerImage;
 use crate::image::store::{ImageConfig, ImageStore, Prepared, PreparedRoot, StoreError};
@@ -804,10 +801,7 @@ impl OciRuntime {
         let socket_dir = context.socket.parent().unwrap_or(Path::new("/"));
 
         let endpoint = format!("unix://{}", context.socket.display());
-        let vars = [
-            (CSI_ENDPOINT_VAR, endpoint.as_str()),
-            (CSI_NODE_ID_VAR, spec.node_id.as_str()),
-        ];
+        let vars = super::agent_vars(&endpoint, &spec.node_id);
         let (args, mut env, cwd, user) = match (&prepared, &image) {
             (Some(prepared), Some(image)) => {
                 let args =
@@ -870,9 +864,12 @@ impl OciRuntime {
                 (args, env, "/".to_owned(), (0, 0))
             }
         };
-        // Then ours.
-        env.push((CSI_ENDPOINT_VAR.to_owned(), endpoint.clone()));
-        env.push((CSI_NODE_ID_VAR.to_owned(), spec.node_id.clone()));
+        // Then ours, which win. No MESOS_SANDBOX: the component's dir is not mounted in a
+        // container (docs/configuration.md).
+        env.extend(
+            vars.iter()
+                .map(|(name, value)| ((*name).to_owned(), (*value).to_owned())),
+        );
         let mut seen = std::collections::BTreeSet::new();
         let mut env: Vec<String> = env
             .into_iter()

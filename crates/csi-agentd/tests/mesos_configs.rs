@@ -1,0 +1,194 @@
+//! Mesos plugin configs as Mesos runs them (issue #29), end to end through the real
+//! `csi-agentd` and the real `csi-testplugin`:
+//!
+//! - every non-hidden file of the config dir is a config whatever its name (DC/OS's
+//!   `nfs.conf`, a file without an extension), and a stray non-JSON `README` is an error on
+//!   that file in the API and `csictl plugins` while the others serve;
+//! - a plugin whose command takes its node id from `$MESOS_AGENT_ID` (a shell command, as in
+//!   DC/OS's NFS config, and a non-shell argument csi-agent substitutes) answers
+//!   `NodeGetInfo` with csi-agent's node id; `MESOS_AGENT_ID` wins over the config's own
+//!   variable of that name and `MESOS_SANDBOX` does not (Mesos's order); `MESOS_SANDBOX` is
+//!   the component's working directory.
+//!
+//! Real bind mounts: run under `unshare -m --propagation private`.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use csi_agent::client::{ClientOptions, CsiClient};
+use csi_agent::mounts::require_private_mount_namespace;
+use csi_agent_api::PluginInfo;
+use serde_json::json;
+
+use common::*;
+
+const DAEMON_NODE_ID: &str = "agent-7f3e";
+const OTHER: &str = "org.example.other";
+
+/// `NAME=value` entries of a process's environment.
+fn environ(pid: u32) -> Vec<String> {
+    std::fs::read(format!("/proc/{pid}/environ"))
+        .unwrap()
+        .split(|b| *b == 0)
+        .filter(|v| !v.is_empty())
+        .map(|v| String::from_utf8_lossy(v).into_owned())
+        .collect()
+}
+
+fn var(environ: &[String], name: &str) -> Option<String> {
+    environ
+        .iter()
+        .find_map(|entry| entry.strip_prefix(&format!("{name}=")).map(str::to_owned))
+}
+
+async fn ready_plugin(daemon: &Daemon, plugin_type: &str) -> PluginInfo {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let info = daemon.api().plugin(plugin_type).await.unwrap();
+        if info
+            .components
+            .first()
+            .is_some_and(|c| c.ready && c.pid.is_some())
+        {
+            return info;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{plugin_type} never ready: {info:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn node_id_answered(info: &PluginInfo) -> String {
+    let socket = PathBuf::from(info.components[0].endpoint.clone().unwrap());
+    let client = CsiClient::connect(&socket, ClientOptions::default())
+        .await
+        .unwrap();
+    client.node_get_info().await.unwrap().node_id
+}
+
+#[tokio::test]
+async fn any_file_name_loads_and_the_plugin_gets_the_agents_variables() {
+    require_private_mount_namespace();
+    let dir = tempfile::tempdir().unwrap();
+    let mut daemon = Daemon::new(dir.path(), &["--node-id", DAEMON_NODE_ID]);
+    let plugin_dir = dir.path().join("plugin");
+    let other_dir = dir.path().join("other");
+    let testplugin = binary("csi-testplugin");
+
+    // DC/OS's shape: a shell command taking the node id from $MESOS_AGENT_ID, in `nfs.conf`.
+    // Its environment names both Mesos variables: MESOS_AGENT_ID is csi-agent's (it wins, as
+    // the service manager's does in Mesos), MESOS_SANDBOX the config's (as in Mesos).
+    daemon.add_config(
+        "nfs.conf",
+        &json!({
+            "type": PLUGIN,
+            "containers": [{
+                "services": ["CONTROLLER_SERVICE", "NODE_SERVICE"],
+                "command": {
+                    "value": format!(
+                        "exec '{}' --endpoint=$CSI_ENDPOINT --work-dir '{}' --volumes vol1:1M --node-id=$MESOS_AGENT_ID",
+                        testplugin.display(), plugin_dir.display()
+                    ),
+                    "environment": {"variables": [
+                        {"name": "MESOS_AGENT_ID", "value": "from-the-config"},
+                        {"name": "MESOS_SANDBOX", "value": "/from/the/config"}
+                    ]}
+                }
+            }],
+            "startup_timeout_ms": 20000
+        }),
+    );
+    // No extension at all, a non-shell command (csi-agent substitutes the reference), and the
+    // plugin's own node id.
+    daemon.add_config(
+        "other",
+        &json!({
+            "type": OTHER,
+            "node_id": "node-of-other",
+            "containers": [{
+                "services": ["CONTROLLER_SERVICE", "NODE_SERVICE"],
+                "command": {
+                    "shell": false,
+                    "value": testplugin,
+                    "arguments": ["csi-testplugin", "--endpoint", "$CSI_ENDPOINT",
+                                  "--work-dir", other_dir, "--volumes", "o1:1M",
+                                  "--node-id=${MESOS_AGENT_ID}"]
+                }
+            }],
+            "startup_timeout_ms": 20000
+        }),
+    );
+    // Not a config, yet in the dir; and a hidden file, skipped.
+    std::fs::write(
+        daemon.configs.join("README"),
+        "plugin configs for this node\n",
+    )
+    .unwrap();
+    std::fs::write(daemon.configs.join(".nfs.conf.swp"), "\0\0binary").unwrap();
+    daemon.start();
+    let api = daemon.api();
+
+    let list = api.plugins().await.unwrap();
+    let mut types: Vec<&str> = list
+        .plugins
+        .iter()
+        .map(|p| p.plugin_type.as_str())
+        .collect();
+    types.sort_unstable();
+    assert_eq!(types, vec![OTHER, PLUGIN]);
+    assert_eq!(list.config_errors.len(), 1, "{:?}", list.config_errors);
+    assert!(list.config_errors[0].file.ends_with("README"), "{list:?}");
+    assert!(
+        list.config_errors[0].message.contains("malformed JSON"),
+        "{list:?}"
+    );
+    let csictl = daemon.csictl(&["plugins"]);
+    let text = String::from_utf8_lossy(&csictl.stdout);
+    assert!(text.contains("README"), "csictl plugins: {text}");
+    assert!(!text.contains(".nfs.conf.swp"), "csictl plugins: {text}");
+
+    // Both serve: a publish goes through ControllerPublish with the node id NodeGetInfo gave.
+    let published = api.publish(&publish("vol1", "w1")).await.unwrap();
+    assert!(Path::new(&published.target_path).is_dir());
+    let mut other = publish("o1", "w1");
+    other.plugin = OTHER.to_owned();
+    api.publish(&other).await.unwrap();
+
+    let info = ready_plugin(&daemon, PLUGIN).await;
+    assert_eq!(node_id_answered(&info).await, DAEMON_NODE_ID);
+    let pid = info.components[0].pid.unwrap();
+    let env = environ(pid);
+    assert_eq!(var(&env, "MESOS_AGENT_ID").as_deref(), Some(DAEMON_NODE_ID));
+    assert_eq!(var(&env, "CSI_NODE_ID").as_deref(), Some(DAEMON_NODE_ID));
+    assert_eq!(
+        var(&env, "MESOS_SANDBOX").as_deref(),
+        Some("/from/the/config")
+    );
+
+    let info = ready_plugin(&daemon, OTHER).await;
+    assert_eq!(node_id_answered(&info).await, "node-of-other");
+    let pid = info.components[0].pid.unwrap();
+    let env = environ(pid);
+    assert_eq!(
+        var(&env, "MESOS_AGENT_ID").as_deref(),
+        Some("node-of-other")
+    );
+    // Without the config's, MESOS_SANDBOX is the component's dir, its working directory.
+    let cwd = std::fs::read_link(format!("/proc/{pid}/cwd")).unwrap();
+    assert_eq!(
+        var(&env, "MESOS_SANDBOX").map(PathBuf::from),
+        Some(cwd.clone())
+    );
+    assert!(cwd.starts_with(&daemon.work), "{cwd:?}");
+
+    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    let mut other = unpublish("o1", "w1");
+    other.plugin = OTHER.to_owned();
+    api.unpublish(&other).await.unwrap();
+    assert_eq!(mounts_under(dir.path()), Vec::<PathBuf>::new());
+}
