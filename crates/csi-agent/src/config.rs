@@ -24,7 +24,9 @@
 //! `-` and `_`, must not start with a dot and are at most [`MAX_NAME_LEN`] bytes.
 //!
 //! `command` is Mesos's `CommandInfo`: `value`, `arguments`, `shell` (default **true**, as in
-//! Mesos's protobuf), `environment.variables[{name, value}]`. With `shell: true`, `value` runs
+//! Mesos's protobuf), `environment.variables[{name, value}]` (or `{name, type: SECRET,
+//! secret: {type: VALUE, value: {data: <base64>}}}`, whose value is redacted wherever it
+//! is shown: [`EnvVar`]). With `shell: true`, `value` runs
 //! through `/bin/sh -c` and `arguments` are ignored. With `shell: false`, `value` is the
 //! executable and `arguments` the whole argv, `argv[0]` included (an empty `arguments` means
 //! `argv[0] = value`); since no shell expands them, the references `$NAME` and `${NAME}` to
@@ -65,6 +67,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::metrics::{ConfigFileLabels, Metrics};
+
+mod env_secret;
 
 /// Longest accepted `type` or `name`, in bytes. They become path components and parts of
 /// component ids and socket paths, so they are kept well below `NAME_MAX` (255).
@@ -117,11 +121,63 @@ impl fmt::Display for Service {
     }
 }
 
+/// What a secret variable's value is replaced with wherever it is shown or recorded.
+pub const REDACTED: &str = "<redacted>";
+
 /// One environment variable of a command.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+///
+/// A `secret` one (Mesos `type: SECRET` with an inline `VALUE`) reaches the plugin's
+/// environment like any other, but its value is never shown: `Debug` and `Serialize` (hence
+/// `component.json`, whose spec is this serialization, and the launch spec's hash) write
+/// [`REDACTED`] instead. So a change of the secret's value alone does not make the running
+/// component outdated; the new value applies at its next launch (docs/configuration.md).
+/// A non-secret variable serializes exactly as before secrets existed, so the hash of an
+/// existing component's spec does not change.
+#[derive(Clone, PartialEq, Eq, Hash, Deserialize)]
 pub struct EnvVar {
     pub name: String,
     pub value: String,
+    #[serde(default)]
+    pub secret: bool,
+}
+
+impl EnvVar {
+    /// A plain (not secret) variable.
+    pub fn plain(name: impl Into<String>, value: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            value: value.into(),
+            secret: false,
+        }
+    }
+
+    /// The value to show: the value itself, or [`REDACTED`] for a secret.
+    pub fn shown_value(&self) -> &str {
+        if self.secret { REDACTED } else { &self.value }
+    }
+}
+
+impl fmt::Debug for EnvVar {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EnvVar")
+            .field("name", &self.name)
+            .field("value", &self.shown_value())
+            .field("secret", &self.secret)
+            .finish()
+    }
+}
+
+impl Serialize for EnvVar {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let mut out = serializer.serialize_struct("EnvVar", 2 + usize::from(self.secret))?;
+        out.serialize_field("name", &self.name)?;
+        out.serialize_field("value", self.shown_value())?;
+        if self.secret {
+            out.serialize_field("secret", &true)?;
+        }
+        out.end()
+    }
 }
 
 /// Mesos `CommandInfo`, reduced to what a runtime needs.
@@ -1157,16 +1213,25 @@ impl Parser<'_> {
         {
             let field = format!("{prefix}.variables[{index}]");
             let var = self.object(item, &field)?;
-            self.check_keys(var, &field, &["name", "value", "type"])?;
-            match self.string(var, &field, "type")? {
-                None | Some("VALUE") => {}
+            self.check_keys(var, &field, &["name", "value", "type", "secret"])?;
+            let secret = match self.string(var, &field, "type")? {
+                None | Some("VALUE") => {
+                    if var.get("secret").is_some_and(|s| !s.is_null()) {
+                        return Err(self.invalid(
+                            join(&field, "secret"),
+                            "is only for \"type\": \"SECRET\"; set the type, or give `value` instead",
+                        ));
+                    }
+                    false
+                }
+                Some("SECRET") => true,
                 Some(other) => {
                     return Err(self.invalid(
                         join(&field, "type"),
-                        format!("\"{other}\" is not supported; only plain \"VALUE\" variables are"),
+                        format!("\"{other}\" is not a variable type; use \"VALUE\" or \"SECRET\""),
                     ));
                 }
-            }
+            };
             let name = self.string(var, &field, "name")?.unwrap_or_default();
             if name.is_empty() || name.contains('=') || name.contains('\0') {
                 return Err(self.invalid(
@@ -1174,13 +1239,28 @@ impl Parser<'_> {
                     "must be a non-empty variable name without '=' or NUL",
                 ));
             }
-            let value = self.string(var, &field, "value")?.unwrap_or_default();
+            let value = if secret {
+                if var.get("value").is_some_and(|v| !v.is_null()) {
+                    return Err(self.invalid(
+                        join(&field, "value"),
+                        "a SECRET variable takes its value from `secret`, not `value`; remove one",
+                    ));
+                }
+                env_secret::inline_secret(var.get("secret"))
+                    .map_err(|(key, message)| self.invalid(join(&field, &key), message))?
+            } else {
+                self.string(var, &field, "value")?
+                    .unwrap_or_default()
+                    .to_owned()
+            };
             if value.contains('\0') {
+                // Never the value itself in the message: it may be a secret.
                 return Err(self.invalid(join(&field, "value"), "must not contain NUL"));
             }
             vars.push(EnvVar {
                 name: name.to_owned(),
-                value: value.to_owned(),
+                value,
+                secret,
             });
         }
         Ok(vars)
@@ -1484,6 +1564,69 @@ mod tests {
             "containers[0].container.volumes[0].host_path"
         );
         Ok(())
+    }
+
+    #[test]
+    #[allow(clippy::unwrap_used)]
+    fn a_secret_variable_is_decoded_and_redacted_wherever_shown() {
+        let with = |var: &str| {
+            parse(&format!(
+                r#"{{"type": "t", "containers": [{{"services": ["NODE_SERVICE"],
+                    "command": {{"value": "/p", "environment": {{"variables": [{var}]}}}}}}]}}"#
+            ))
+        };
+        let config = with(
+            r#"{"name": "TOKEN", "type": "SECRET",
+                "secret": {"type": "VALUE", "value": {"data": "aHVudGVyMg=="}}}"#,
+        )
+        .unwrap();
+        let Deployment::Managed(components) = &config.deployment else {
+            panic!("not managed");
+        };
+        let var = &components[0].command.environment[0];
+        assert_eq!((var.value.as_str(), var.secret), ("hunter2", true));
+        for shown in [
+            format!("{config:?}"),
+            serde_json::to_string(&components[0].command).unwrap(),
+        ] {
+            assert!(!shown.contains("hunter2"), "{shown}");
+            assert!(shown.contains(REDACTED), "{shown}");
+        }
+        // A plain variable serializes as before secrets existed (launch spec hashes hold).
+        assert_eq!(
+            serde_json::to_string(&EnvVar::plain("A", "1")).unwrap(),
+            r#"{"name":"A","value":"1"}"#
+        );
+        let field = |var: &str| match with(var) {
+            Err(ConfigError::Invalid { field, message, .. }) => {
+                assert!(!message.contains("aHVudGVyMg"), "{message}");
+                field
+            }
+            other => panic!("expected an invalid field, got {other:?}"),
+        };
+        let prefix = "containers[0].command.environment.variables[0]";
+        assert_eq!(
+            field(
+                r#"{"name": "T", "type": "SECRET", "value": "x", "secret": {"type": "VALUE", "value": {"data": "aHVudGVyMg=="}}}"#
+            ),
+            format!("{prefix}.value")
+        );
+        assert_eq!(
+            field(
+                r#"{"name": "T", "value": "x", "secret": {"type": "VALUE", "value": {"data": "aHVudGVyMg=="}}}"#
+            ),
+            format!("{prefix}.secret")
+        );
+        assert_eq!(
+            field(
+                r#"{"name": "T", "type": "SECRET", "secret": {"type": "REFERENCE", "reference": {"name": "a", "key": "b"}}}"#
+            ),
+            format!("{prefix}.secret.type")
+        );
+        assert_eq!(
+            field(r#"{"name": "T", "type": "UNKNOWN", "value": "x"}"#),
+            format!("{prefix}.type")
+        );
     }
 
     #[test]

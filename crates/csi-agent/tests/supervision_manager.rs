@@ -330,10 +330,10 @@ async fn supervision_recreated_manager_adopts_then_replaces_outdated_then_remove
     // launched; the old manager no longer supervises anything.
     let mut changed = config.clone();
     if let Deployment::Managed(components) = &mut changed.deployment {
-        components[0].command.environment.push(EnvVar {
-            name: "CHANGED".into(),
-            value: "1".into(),
-        });
+        components[0]
+            .command
+            .environment
+            .push(EnvVar::plain("CHANGED", "1"));
     }
     let third = second.replace_with(changed.clone()).await?;
     assert!(

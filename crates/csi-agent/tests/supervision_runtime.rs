@@ -25,10 +25,7 @@ fn shell(script: &str) -> CommandConfig {
         value: script.into(),
         arguments: vec![],
         shell: true,
-        environment: vec![EnvVar {
-            name: "FROM_CONFIG".into(),
-            value: "yes".into(),
-        }],
+        environment: vec![EnvVar::plain("FROM_CONFIG", "yes")],
     }
 }
 

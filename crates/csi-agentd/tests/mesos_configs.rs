@@ -8,7 +8,10 @@
 //!   DC/OS's NFS config, and a non-shell argument csi-agent substitutes) answers
 //!   `NodeGetInfo` with csi-agent's node id; `MESOS_AGENT_ID` wins over the config's own
 //!   variable of that name and `MESOS_SANDBOX` does not (Mesos's order); `MESOS_SANDBOX` is
-//!   the component's working directory.
+//!   the component's working directory;
+//! - a SECRET variable given inline reaches the plugin's environment and appears in no API
+//!   answer, metric, `csictl` output, daemon log line or `component.json`; a REFERENCE one
+//!   is a config error naming `secret.type`.
 //!
 //! Real bind mounts: run under `unshare -m --propagation private`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -191,4 +194,111 @@ async fn any_file_name_loads_and_the_plugin_gets_the_agents_variables() {
     other.plugin = OTHER.to_owned();
     api.unpublish(&other).await.unwrap();
     assert_eq!(mounts_under(dir.path()), Vec::<PathBuf>::new());
+}
+
+/// Every regular file beneath `dir` whose name is `name`.
+fn files_named(dir: &Path, name: &str) -> Vec<PathBuf> {
+    let mut found = Vec::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return found;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let Ok(kind) = entry.file_type() else {
+            continue;
+        };
+        if kind.is_dir() {
+            found.extend(files_named(&path, name));
+        } else if kind.is_file() && entry.file_name() == name {
+            found.push(path);
+        }
+    }
+    found
+}
+
+#[tokio::test]
+async fn a_secret_variable_reaches_the_plugin_and_nothing_else() {
+    require_private_mount_namespace();
+    let dir = tempfile::tempdir().unwrap();
+    let mut daemon = Daemon::new(dir.path(), &["--node-id", DAEMON_NODE_ID]);
+    // A value found nowhere else, and its base64 form (as the config gives it).
+    let secret = "s3cr3t-9c41e07b-only-in-the-plugin";
+    let encoded = base64_encode(secret);
+    let mut config = managed_config(PLUGIN, &dir.path().join("plugin"), "vol1:1M");
+    config["containers"][0]["command"]["environment"] = json!({"variables": [
+        {"name": "PLAIN", "value": "visible"},
+        {"name": "TOKEN", "type": "SECRET",
+         "secret": {"type": "VALUE", "value": {"data": encoded}}}
+    ]});
+    daemon.add_config("test.json", &config);
+    // A REFERENCE secret is refused, naming the field, in the same dir (the other loads).
+    let mut reference = managed_config(OTHER, &dir.path().join("other"), "o1:1M");
+    reference["containers"][0]["command"]["environment"] = json!({"variables": [
+        {"name": "TOKEN", "type": "SECRET",
+         "secret": {"type": "REFERENCE", "reference": {"name": "nfs", "key": "password"}}}
+    ]});
+    daemon.add_config("reference.json", &reference);
+    daemon.start();
+    let api = daemon.api();
+    api.publish(&publish("vol1", "w1")).await.unwrap();
+    let info = ready_plugin(&daemon, PLUGIN).await;
+
+    // The plugin has it.
+    let env = environ(info.components[0].pid.unwrap());
+    assert_eq!(var(&env, "TOKEN").as_deref(), Some(secret));
+    assert_eq!(var(&env, "PLAIN").as_deref(), Some("visible"));
+
+    // Nothing else does: the API's answers, the metrics, csictl, the daemon's log, and the
+    // records csi-agent keeps of the component.
+    let list = api.plugins().await.unwrap();
+    assert_eq!(list.config_errors.len(), 1, "{list:?}");
+    assert!(
+        list.config_errors[0].message.contains("secret.type")
+            && list.config_errors[0].message.contains("REFERENCE"),
+        "{list:?}"
+    );
+    let mut shown = vec![
+        serde_json::to_string(&list).unwrap(),
+        serde_json::to_string(&api.plugin(PLUGIN).await.unwrap()).unwrap(),
+        api.metrics().await.unwrap(),
+        String::from_utf8_lossy(&daemon.csictl(&["plugins"]).stdout).into_owned(),
+        String::from_utf8_lossy(&daemon.csictl(&["plugins", PLUGIN]).stdout).into_owned(),
+    ];
+    let records = files_named(&daemon.work, "component.json");
+    assert_eq!(records.len(), 1, "{records:?}");
+    let record = std::fs::read_to_string(&records[0]).unwrap();
+    assert!(record.contains("<redacted>"), "{record}");
+    assert!(
+        record.contains("visible"),
+        "the plain variable is recorded: {record}"
+    );
+    shown.push(record);
+    let log = dir.path().join("daemon.log");
+    shown.push(std::fs::read_to_string(&log).unwrap());
+    for text in &shown {
+        assert!(!text.is_empty());
+        assert!(!text.contains(secret), "the secret leaked: {text}");
+        assert!(
+            !text.contains(&encoded),
+            "the encoded secret leaked: {text}"
+        );
+    }
+
+    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    assert_eq!(mounts_under(dir.path()), Vec::<PathBuf>::new());
+}
+
+fn base64_encode(text: &str) -> String {
+    let out = std::process::Command::new("base64")
+        .arg("-w0")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .and_then(|mut child| {
+            use std::io::Write;
+            child.stdin.take().unwrap().write_all(text.as_bytes())?;
+            child.wait_with_output()
+        })
+        .unwrap();
+    String::from_utf8(out.stdout).unwrap()
 }

@@ -943,6 +943,21 @@ impl OciRuntime {
             }
         }
         let config_path = bundle_dir.join(bundle::CONFIG_FILE);
+        // It holds the process's environment, SECRET variables included (runc reads them
+        // from here): made 0600 before anything is written to it, like every secret
+        // csi-agent keeps (the save truncates it, keeping the mode).
+        {
+            use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+            let file = std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(&config_path)
+                .map_err(io("cannot create", &config_path))?;
+            file.set_permissions(std::fs::Permissions::from_mode(0o600))
+                .map_err(io("cannot restrict the mode of", &config_path))?;
+        }
         oci_spec.save(&config_path).map_err(|err| OciError::Io {
             what: "cannot write",
             path: config_path.clone(),
