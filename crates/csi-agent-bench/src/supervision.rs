@@ -158,6 +158,7 @@ pub async fn run(env: &Env, args: &SupervisionArgs) -> anyhow::Result<Supervisio
                 metrics: metrics.clone(),
                 oci_runtime: "runc".into(),
                 images: None,
+                fetch: csi_agent::fetch::FetchOptions::new(&scratch.join("sm-work")),
             },
         )
         .await
@@ -196,6 +197,7 @@ pub async fn run(env: &Env, args: &SupervisionArgs) -> anyhow::Result<Supervisio
                     metrics: Arc::new(Metrics::new()),
                     oci_runtime: "runc".into(),
                     images: None,
+                    fetch: csi_agent::fetch::FetchOptions::new(&scratch.join("sm-oci-work")),
                 },
             )
             .await

@@ -32,8 +32,8 @@
 //! `argv[0] = value`); since no shell expands them, the references `$NAME` and `${NAME}` to
 //! the variables csi-agent sets over the config's (`CSI_ENDPOINT`, `CSI_NODE_ID`,
 //! `MESOS_AGENT_ID`: `crate::runtime::agent_vars`) inside `arguments` are replaced by
-//! csi-agent. `uris` and `user` are recognised but rejected (the process runtime cannot honour
-//! them).
+//! csi-agent. `uris` are fetched into the component's sandbox before each launch
+//! ([`UriConfig`], `crate::fetch`); `user` is recognised but rejected.
 //!
 //! csi-agent's own optional top-level fields:
 //!
@@ -187,6 +187,25 @@ pub struct CommandConfig {
     pub arguments: Vec<String>,
     pub shell: bool,
     pub environment: Vec<EnvVar>,
+    /// Mesos `CommandInfo.uris`: fetched into the sandbox before each launch. Not serialized
+    /// when empty, so that the spec hash of a component without any is what it was before.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub uris: Vec<UriConfig>,
+}
+
+/// One Mesos `CommandInfo.URI`, validated (`crate::fetch` fetches it).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct UriConfig {
+    /// `http://…`, `https://…`, `file:///abs` or `/abs`.
+    pub value: String,
+    /// chmod 0755, never extracted. Default false.
+    pub executable: bool,
+    /// Extract a `.tar`, `.tar.gz` or `.tgz` into the sandbox. Default **true**, as Mesos.
+    pub extract: bool,
+    /// Reuse an earlier download of the same `value` (http/https). Default false.
+    pub cache: bool,
+    /// The name in the sandbox instead of the last component of `value`; one file name.
+    pub output_file: Option<String>,
 }
 
 impl CommandConfig {
@@ -1174,14 +1193,14 @@ impl Parser<'_> {
         }
         // Mesos's CommandInfo.shell defaults to true.
         let shell = self.boolean(obj, prefix, "shell")?.unwrap_or(true);
-        if self
+        let mut uris = Vec::new();
+        for (index, item) in self
             .array(obj, prefix, "uris")?
-            .is_some_and(|uris| !uris.is_empty())
+            .unwrap_or_default()
+            .iter()
+            .enumerate()
         {
-            return Err(self.invalid(
-                join(prefix, "uris"),
-                "fetching URIs is not supported; install the plugin on the host and remove `uris`",
-            ));
+            uris.push(self.uri(item, &format!("{prefix}.uris[{index}]"))?);
         }
         if self.string(obj, prefix, "user")?.is_some() {
             return Err(self.invalid(
@@ -1198,6 +1217,33 @@ impl Parser<'_> {
             arguments,
             shell,
             environment,
+            uris,
+        })
+    }
+
+    /// One `CommandInfo.URI` (Mesos's fields and defaults; the schemes `crate::fetch` can
+    /// fetch).
+    fn uri(&self, value: &Value, field: &str) -> Result<UriConfig, ConfigError> {
+        let obj = self.object(value, field)?;
+        self.check_keys(
+            obj,
+            field,
+            &["value", "executable", "extract", "cache", "output_file"],
+        )?;
+        let text = self.string(obj, field, "value")?.unwrap_or_default();
+        crate::fetch::check_uri(text)
+            .map_err(|message| self.invalid(join(field, "value"), message))?;
+        let output_file = self.string(obj, field, "output_file")?;
+        if let Some(name) = output_file {
+            crate::fetch::check_output_file(name)
+                .map_err(|message| self.invalid(join(field, "output_file"), message))?;
+        }
+        Ok(UriConfig {
+            value: text.to_owned(),
+            executable: self.boolean(obj, field, "executable")?.unwrap_or(false),
+            extract: self.boolean(obj, field, "extract")?.unwrap_or(true),
+            cache: self.boolean(obj, field, "cache")?.unwrap_or(false),
+            output_file: output_file.map(str::to_owned),
         })
     }
 
@@ -1332,6 +1378,50 @@ mod tests {
 
     #[test]
     #[allow(clippy::unwrap_used)]
+    fn uris_take_mesos_defaults_and_bad_ones_name_their_field() {
+        let config = parse(
+            r#"{"type": "t", "containers": [{"services": ["NODE_SERVICE"],
+                "command": {"value": "./p", "uris": [
+                    {"value": "http://127.0.0.1:1/p", "executable": true},
+                    {"value": "/opt/p.tar.gz", "cache": true, "output_file": "q.tgz"}]}}]}"#,
+        )
+        .unwrap();
+        let Deployment::Managed(components) = &config.deployment else {
+            panic!("not managed");
+        };
+        let uris = &components[0].command.uris;
+        assert_eq!(uris.len(), 2);
+        assert!(uris[0].executable && uris[0].extract && !uris[0].cache);
+        assert!(!uris[1].executable && uris[1].extract && uris[1].cache);
+        assert_eq!(uris[1].output_file.as_deref(), Some("q.tgz"));
+        for (uri, field) in [
+            (
+                r#"{"value": "ftp://h/p"}"#,
+                "containers[0].command.uris[1].value",
+            ),
+            (r#"{"value": "p"}"#, "containers[0].command.uris[1].value"),
+            (
+                r#"{"value": "/p", "output_file": "../x"}"#,
+                "containers[0].command.uris[1].output_file",
+            ),
+            (
+                r#"{"value": "/p", "exec": true}"#,
+                "containers[0].command.uris[1].exec",
+            ),
+        ] {
+            let text = format!(
+                r#"{{"type": "t", "containers": [{{"services": ["NODE_SERVICE"],
+                    "command": {{"value": "./p", "uris": [{{"value": "/ok"}}, {uri}]}}}}]}}"#
+            );
+            match parse(&text) {
+                Err(ConfigError::Invalid { field: got, .. }) => assert_eq!(got, field, "{uri}"),
+                other => panic!("{uri}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    #[allow(clippy::unwrap_used)]
     fn a_config_naming_an_image_runs_it_with_the_oci_runtime() {
         let image = r#"{"type": "MESOS", "mesos": {"image": {"type": "DOCKER",
             "docker": {"name": "org/plugin:1"}}}}"#;
@@ -1453,6 +1543,7 @@ mod tests {
             arguments: vec![],
             shell: false,
             environment: vec![],
+            uris: vec![],
         };
         assert_eq!(cmd.argv(&[]).1, vec!["/bin/plugin"]);
         cmd.arguments = vec![

@@ -13,6 +13,7 @@ pub mod client;
 pub mod config;
 pub mod endpoints;
 pub mod failpoint;
+pub mod fetch;
 pub mod image;
 pub mod layout;
 pub mod logs;

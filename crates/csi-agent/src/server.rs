@@ -63,6 +63,8 @@ pub struct ServerOptions {
     /// Caps on each image's unpacked bytes and inodes, and the image store's quota
     /// (`--image-max-unpacked-bytes`, `--image-max-inodes`, `--image-store-max-bytes`).
     pub image_limits: crate::image::budget::ImageLimits,
+    /// Where and how plugins' `command.uris` are fetched (`--fetch-max-bytes`, ...).
+    pub fetch: crate::fetch::FetchOptions,
 }
 
 /// The image store's dir in the work dir (docs/operations.md, "Image store").
@@ -890,6 +892,7 @@ impl CsiServer {
             metrics: self.inner.metrics.clone(),
             oci_runtime: self.inner.options.oci_runtime.clone(),
             images: self.inner.images.clone(),
+            fetch: self.inner.options.fetch.clone(),
         }
     }
 

@@ -110,6 +110,8 @@ pub struct ManagerOptions {
     /// The image store components naming an image are run from (`None`: such a component
     /// fails to launch, saying why).
     pub images: Option<Arc<crate::image::store::ImageStore>>,
+    /// Where and how components' `command.uris` are fetched (`crate::fetch`).
+    pub fetch: crate::fetch::FetchOptions,
 }
 
 impl ManagerOptions {
@@ -959,6 +961,28 @@ impl Inner {
         }
     }
 
+    /// Fetches the command's `uris` into the sandbox (the container dir, the process
+    /// runtime's working directory), before every launch: a failure is this launch's error,
+    /// retried with the restart backoff like any other. The `oci` runtime does not mount the
+    /// sandbox in the container, so a component with `uris` there is refused, saying so.
+    async fn fetch_uris(&self, spec: &LaunchSpec, container_dir: &Path) -> Result<(), String> {
+        let uris = &spec.command.uris;
+        if uris.is_empty() {
+            return Ok(());
+        }
+        if self.runtime.kind() != "process" {
+            return Err(format!(
+                "command.uris are fetched only for the process runtime, and this component runs in the {} runtime; install the plugin in its image (or on the host) and remove `uris`",
+                self.runtime.kind()
+            ));
+        }
+        crate::fetch::fetch_all(uris, container_dir, &self.options.fetch)
+            .await
+            .map_err(|err| err.to_string())?;
+        tracing::info!(plugin = self.plugin(), component = %spec.container_id, uris = uris.len(), "fetched the command's uris into the sandbox");
+        Ok(())
+    }
+
     /// Prepares the dirs, removes a stale socket, launches and records the component.
     async fn launch(
         &self,
@@ -980,6 +1004,7 @@ impl Inner {
         // MESOS-8429: a stale socket would make the new component fail to bind, or make us
         // believe it is up.
         remove_file_if_exists(&socket);
+        self.fetch_uris(spec, container_dir).await?;
         let context = LaunchContext {
             container_dir: container_dir.to_path_buf(),
             socket: socket.clone(),

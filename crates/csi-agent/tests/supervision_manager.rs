@@ -52,6 +52,7 @@ impl Fixture {
             metrics: Arc::clone(&self.metrics),
             oci_runtime: "runc".into(),
             images: None,
+            fetch: csi_agent::fetch::FetchOptions::new(&self.root.join("work")),
         }
     }
 
@@ -76,6 +77,7 @@ impl Fixture {
                 arguments,
                 shell: false,
                 environment: vec![],
+                uris: vec![],
             },
         )
     }
@@ -254,6 +256,7 @@ async fn supervision_crash_loop_backs_off_and_never_gives_up() -> anyhow::Result
             arguments: vec![],
             shell: true,
             environment: vec![],
+            uris: vec![],
         },
     );
     let mut config = config;
@@ -428,6 +431,7 @@ async fn supervision_unmanaged_plugin_started_elsewhere_is_awaited_probed_and_re
                 arguments: vec![],
                 shell: false,
                 environment: vec![],
+                uris: vec![],
             },
         )
     };
@@ -510,6 +514,7 @@ async fn supervision_plugin_that_changes_version_is_an_error() -> anyhow::Result
             arguments: vec![],
             shell: true,
             environment: vec![],
+            uris: vec![],
         },
     );
     let manager = ServiceManager::new(config, fx.options()).await?;
@@ -583,6 +588,7 @@ async fn supervision_stale_socket_is_removed_before_each_relaunch_and_after_stop
             arguments: vec![],
             shell: true,
             environment: vec![],
+            uris: vec![],
         },
     );
     let manager = ServiceManager::new(config, fx.options()).await?;

@@ -26,6 +26,7 @@ fn shell(script: &str) -> CommandConfig {
         arguments: vec![],
         shell: true,
         environment: vec![EnvVar::plain("FROM_CONFIG", "yes")],
+        uris: vec![],
     }
 }
 
@@ -116,6 +117,7 @@ async fn supervision_process_argv_follows_mesos_semantics() -> anyhow::Result<()
         ],
         shell: false,
         environment: vec![],
+        uris: vec![],
     };
     let component = runtime_launch(&spec(command), dir.path()).await?;
     assert_eq!(component.wait().await, ExitInfo::Code(0));
@@ -151,6 +153,7 @@ async fn supervision_process_exit_is_seen_through_the_pidfd() -> anyhow::Result<
             arguments: vec![],
             shell: false,
             environment: vec![],
+            uris: vec![],
         }),
         dir.path(),
     )

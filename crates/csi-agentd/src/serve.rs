@@ -153,6 +153,14 @@ pub struct ServeArgs {
     /// The window of `--image-pull-min-bytes-per-sec`, in seconds (default 60).
     #[arg(long)]
     image_pull_floor_window_secs: Option<NonZeroU64>,
+    /// The largest file a plugin's `command.uris` may fetch (a download, or a local file
+    /// copied), in bytes (default 1 GiB); an archive may extract to 4 times this.
+    #[arg(long)]
+    fetch_max_bytes: Option<NonZeroU64>,
+    /// The time one download of a plugin's `command.uris` may take in all, in seconds
+    /// (default 600).
+    #[arg(long)]
+    fetch_timeout_secs: Option<NonZeroU64>,
     /// How long, in microseconds, a durable write waits for others to share its commit (one
     /// fsync) when they have been arriving closer together than this; 0 commits at once
     /// (default 1000, at most 100000). A lone operation never waits.
@@ -199,6 +207,8 @@ struct FileSettings {
     image_store_max_bytes: Option<NonZeroU64>,
     image_pull_min_bytes_per_sec: Option<u64>,
     image_pull_floor_window_secs: Option<NonZeroU64>,
+    fetch_max_bytes: Option<NonZeroU64>,
+    fetch_timeout_secs: Option<NonZeroU64>,
     commit_delay_us: Option<u64>,
     worker_threads: Option<NonZeroUsize>,
 }
@@ -229,6 +239,8 @@ pub struct Settings {
     pub store: StoreOptions,
     /// `--image-max-unpacked-bytes`, `--image-max-inodes`, `--image-store-max-bytes`.
     pub image_limits: ImageLimits,
+    /// `--fetch-max-bytes`, `--fetch-timeout-secs`, the cache in the work dir.
+    pub fetch: csi_agent::fetch::FetchOptions,
     /// The async runtime's worker threads (`--worker-threads`).
     pub worker_threads: NonZeroUsize,
 }
@@ -360,11 +372,19 @@ pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
             .or(file.image_store_max_bytes)
             .map_or(defaults.store_max_bytes, NonZeroU64::get),
     };
+    let mut fetch = csi_agent::fetch::FetchOptions::new(&work_dir);
+    if let Some(max) = args.fetch_max_bytes.or(file.fetch_max_bytes) {
+        fetch.max_bytes = max.get();
+    }
+    if let Some(secs) = args.fetch_timeout_secs.or(file.fetch_timeout_secs) {
+        fetch.timeout = std::time::Duration::from_secs(secs.get());
+    }
     let claim_limits = ClaimLimits::new(
         args.max_claims_per_volume.or(file.max_claims_per_volume),
         args.max_bind_to_bytes.or(file.max_bind_to_bytes),
     )?;
     Ok(Settings {
+        fetch,
         claim_limits,
         store,
         image_limits,
@@ -552,6 +572,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
             pull_limits: settings.pull_limits.clone(),
             store: settings.store,
             image_limits: settings.image_limits.clone(),
+            fetch: settings.fetch.clone(),
         },
         metrics,
     )

@@ -943,13 +943,15 @@ impl Puller {
         let name = reference.to_string();
         let registry = reference.registry().to_owned();
         match &err {
-            RegistryError::Request { .. } | RegistryError::BrokenOff { .. } => {
-                PullError::Unreachable {
-                    reference: name,
-                    registry,
-                    source: Box::new(err),
-                }
-            }
+            // A sink only buffers in memory here: it cannot fail, but it is not the
+            // registry's answer either.
+            RegistryError::Request { .. }
+            | RegistryError::BrokenOff { .. }
+            | RegistryError::Sink { .. } => PullError::Unreachable {
+                reference: name,
+                registry,
+                source: Box::new(err),
+            },
             RegistryError::TooLarge {
                 what,
                 received,

@@ -70,6 +70,13 @@ pub enum RegistryError {
         received: u64,
         max: u64,
     },
+    /// What was received could not be kept ([`stream_capped`]'s sink failed).
+    #[error("{url}: keeping the answer: {source}")]
+    Sink {
+        url: String,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// The caps on what is buffered from a registry (bytes).
@@ -88,6 +95,24 @@ pub async fn read_capped(
     max: u64,
     what: &str,
 ) -> Result<Vec<u8>, RegistryError> {
+    let mut body = Vec::new();
+    stream_capped(response, max, what, |chunk| {
+        body.extend_from_slice(chunk);
+        Ok(())
+    })
+    .await?;
+    Ok(body)
+}
+
+/// [`read_capped`], handing each chunk to `sink` instead of buffering it (the fetcher
+/// writes it to a file): the same cap, checked before a chunk is handed on. Returns the
+/// bytes received.
+pub async fn stream_capped(
+    response: Response,
+    max: u64,
+    what: &str,
+    mut sink: impl FnMut(&[u8]) -> std::io::Result<()>,
+) -> Result<u64, RegistryError> {
     let url = response.url().to_string();
     let too_large = |received: u64| RegistryError::TooLarge {
         url: url.clone(),
@@ -101,7 +126,7 @@ pub async fn read_capped(
         return Err(too_large(declared));
     }
     let mut response = response;
-    let mut body = Vec::new();
+    let mut total: u64 = 0;
     loop {
         let chunk = response
             .chunk()
@@ -111,13 +136,17 @@ pub async fn read_capped(
                 source,
             })?;
         let Some(chunk) = chunk else {
-            return Ok(body);
+            return Ok(total);
         };
-        let received = (body.len() as u64).saturating_add(chunk.len() as u64);
+        let received = total.saturating_add(chunk.len() as u64);
         if received > max {
             return Err(too_large(received));
         }
-        body.extend_from_slice(&chunk);
+        sink(&chunk).map_err(|source| RegistryError::Sink {
+            url: url.clone(),
+            source,
+        })?;
+        total = received;
     }
 }
 

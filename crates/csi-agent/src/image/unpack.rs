@@ -208,6 +208,12 @@ pub enum Refusal {
     LinkToSelf,
     #[error("it whites out '.', '..' or nothing")]
     WhiteoutName,
+    /// [`apply_archive_within`] only: an archive is not a layer rooted at `/`.
+    #[error("its name is an absolute path")]
+    Absolute,
+    /// [`apply_archive_within`] only: a fetched archive has no business making devices.
+    #[error("it is a device node")]
+    Device,
 }
 
 /// Why a layer could not be applied. Every variant about an entry names it (cut to 200
@@ -331,7 +337,15 @@ pub fn apply_layer<R: Read>(
     compression: Compression,
     limits: &Limits,
 ) -> Result<Report, UnpackError> {
-    apply(root, None, layer, compression, limits, &Budget::unlimited())
+    apply(
+        root,
+        None,
+        layer,
+        compression,
+        limits,
+        &Budget::unlimited(),
+        false,
+    )
 }
 
 /// [`apply_layer`], charging what it writes to `budget` (the image's, shared by its layers).
@@ -342,7 +356,29 @@ pub fn apply_layer_within<R: Read>(
     limits: &Limits,
     budget: &Budget,
 ) -> Result<Report, UnpackError> {
-    apply(root, None, layer, compression, limits, budget)
+    apply(root, None, layer, compression, limits, budget, false)
+}
+
+/// Extracts a tar (plain or gzip, detected) that is not an image layer — an archive the
+/// fetcher downloaded (crate::fetch) — into `root`, an empty directory the caller owns and
+/// discards on error. The layer rules hold (no `..`, nothing through a symlink, limits,
+/// `budget`), stricter where a layer's conventions have no place: an absolute name and a
+/// device node are refused, and a `.wh.` name is an ordinary file, not a whiteout.
+pub fn apply_archive_within<R: Read>(
+    root: &Path,
+    archive: R,
+    limits: &Limits,
+    budget: &Budget,
+) -> Result<Report, UnpackError> {
+    apply(
+        root,
+        None,
+        archive,
+        Compression::Detect,
+        limits,
+        budget,
+        true,
+    )
 }
 
 /// Unpacks one layer tar into `dir` (an empty directory the caller owns) in the overlay
@@ -384,9 +420,10 @@ pub fn apply_overlay_layer_within<R: Read>(
             })?,
         );
     }
-    apply(dir, Some(fds), layer, compression, limits, budget)
+    apply(dir, Some(fds), layer, compression, limits, budget, false)
 }
 
+/// `archive`: the stricter rules of [`apply_archive_within`].
 fn apply<R: Read>(
     root: &Path,
     lowers: Option<Vec<OwnedFd>>,
@@ -394,6 +431,7 @@ fn apply<R: Read>(
     compression: Compression,
     limits: &Limits,
     budget: &Budget,
+    archive: bool,
 ) -> Result<Report, UnpackError> {
     let root_fd = beneath::open_root(root).map_err(|source| UnpackError::Root {
         root: root.to_path_buf(),
@@ -427,7 +465,7 @@ fn apply<R: Read>(
             UnpackError::Read { source }
         }
     };
-    let mut archive = tar::Archive::new(bounded);
+    let mut tar = tar::Archive::new(bounded);
     let mut layer = Layer {
         root,
         root_fd,
@@ -439,8 +477,9 @@ fn apply<R: Read>(
         keys: (RandomState::new(), RandomState::new()),
         dirs: DeferredDirs::default(),
         lowers,
+        archive,
     };
-    let entries = archive.entries().map_err(read_error)?;
+    let entries = tar.entries().map_err(read_error)?;
     for entry in entries {
         let mut entry = entry.map_err(read_error)?;
         layer.apply(&mut entry, &read_error)?;
@@ -487,6 +526,8 @@ struct Layer<'a> {
     dirs: DeferredDirs,
     /// The overlay form: the lower layers' directories, nearest first (`None`: flattened).
     lowers: Option<Vec<OwnedFd>>,
+    /// Not a layer: the rules of [`apply_archive_within`].
+    archive: bool,
 }
 
 type ReadError<'f> = &'f dyn Fn(io::Error) -> UnpackError;
@@ -516,11 +557,14 @@ impl Layer<'_> {
         {
             return Ok(());
         }
+        if self.archive && raw.starts_with(b"/") {
+            return Err(refused(&shown, Refusal::Absolute));
+        }
         let components = self.components(&raw, &shown, Refusal::ParentDir)?;
         let Some((name, parent)) = components.split_last() else {
             return Ok(());
         };
-        if name.starts_with(WHITEOUT_PREFIX) {
+        if !self.archive && name.starts_with(WHITEOUT_PREFIX) {
             return self.whiteout(parent, name, &shown);
         }
         let meta = self.meta(entry, &shown, read_error)?;
@@ -636,6 +680,9 @@ impl Layer<'_> {
             } else {
                 FileType::Fifo
             };
+            if file_type != FileType::Fifo && self.archive {
+                return Err(refused(&shown, Refusal::Device));
+            }
             if file_type != FileType::Fifo && !self.as_root {
                 self.report.devices_skipped += 1;
                 return Ok(());
@@ -1807,6 +1854,7 @@ mod tests {
             keys: (RandomState::new(), RandomState::new()),
             dirs: DeferredDirs::default(),
             lowers: None,
+            archive: false,
         }
     }
 

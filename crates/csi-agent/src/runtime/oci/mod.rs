@@ -1538,6 +1538,7 @@ mod tests {
             shell,
             arguments: arguments.iter().map(|a| (*a).to_owned()).collect(),
             environment: Vec::new(),
+            uris: vec![],
         };
         // Nothing given: Entrypoint + Cmd.
         assert_eq!(

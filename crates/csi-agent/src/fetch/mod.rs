@@ -1,0 +1,568 @@
+//! The Mesos fetcher for managed components: a component's `command.uris` (Mesos
+//! `CommandInfo.URI`) are fetched into its sandbox (its container dir, the working directory
+//! of the process runtime) before each launch, so `"value": "./test-csi-plugin"` runs what was
+//! fetched, as under Mesos (`src/launcher/fetcher.cpp`).
+//!
+//! It owns: the schemes it accepts (`http`, `https`, `file://` and a plain absolute path), the
+//! download (bounded in bytes by [`FetchOptions::max_bytes`] and in time by
+//! [`FetchOptions::timeout`], written to a temp name, fsynced and renamed, so a partial
+//! download is never used), the download cache (`<work>/fetch-cache/<sha256 of the URI>`,
+//! used when a URI asks for `cache`), and what is put in the sandbox: the file under its name
+//! (`output_file`, or the URI's last path component), made 0755 when `executable`, or a tar
+//! archive's content when `extract` (and not `executable`) and the name ends in `.tar`,
+//! `.tar.gz` or `.tgz`. Extraction is `crate::image::unpack::apply_archive_within`: the image
+//! layer rules (nothing through `..`, an absolute name, a symlink; no device node; entries
+//! and bytes bounded), into a fresh directory beneath the sandbox whose entries are then
+//! renamed into place, so a refused archive leaves nothing in the sandbox.
+//!
+//! It must not decide when to fetch or retry (the service manager fetches before every launch
+//! and a failure is that launch's error, retried with the restart backoff), nor run anything
+//! it fetched, nor write anywhere but the sandbox and the cache dir.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, Write as _};
+use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use sha2::{Digest as _, Sha256};
+
+use crate::config::UriConfig;
+use crate::image::registry::{self, RegistryError};
+use crate::image::unpack::{self, UnpackError};
+
+/// `--fetch-max-bytes`' default: 1 GiB per downloaded file.
+pub const DEFAULT_MAX_BYTES: u64 = 1 << 30;
+/// `--fetch-timeout`'s default: a whole download, from the request to the last byte.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
+/// The dir under the work dir holding cached downloads.
+pub const CACHE_DIR: &str = "fetch-cache";
+/// Extraction bounds: entries of one archive.
+const MAX_ARCHIVE_ENTRIES: u64 = 100_000;
+/// Extraction bounds: bytes written per archive, as a multiple of the download cap (a
+/// compressed plugin tarball rarely expands more than a few times).
+const EXTRACT_FACTOR: u64 = 4;
+/// Prefix of the fetcher's temp names in the sandbox and cache (hidden, never a URI's name:
+/// names starting with `.` are refused as `output_file` and as a URI's last component).
+const TEMP_PREFIX: &str = ".fetch-tmp-";
+
+/// The daemon's fetch settings.
+#[derive(Clone, Debug)]
+pub struct FetchOptions {
+    /// Where cached downloads live (`<work>/fetch-cache`).
+    pub cache_dir: PathBuf,
+    /// Bytes of one download (and of a copied local file).
+    pub max_bytes: u64,
+    /// The time one download may take in all.
+    pub timeout: Duration,
+}
+
+impl FetchOptions {
+    /// The defaults, the cache under `work_dir`.
+    pub fn new(work_dir: &Path) -> Self {
+        Self {
+            cache_dir: work_dir.join(CACHE_DIR),
+            max_bytes: DEFAULT_MAX_BYTES,
+            timeout: DEFAULT_TIMEOUT,
+        }
+    }
+}
+
+/// Why a URI could not be fetched; each names the URI.
+#[derive(Debug, thiserror::Error)]
+pub enum FetchError {
+    #[error("fetching {uri}: {source}")]
+    Http {
+        uri: String,
+        #[source]
+        source: RegistryError,
+    },
+    #[error("fetching {uri}: HTTP {status}")]
+    Status { uri: String, status: u16 },
+    #[error(
+        "fetching {uri}: not done within {timeout:?}; raise --fetch-timeout or serve it faster"
+    )]
+    Timeout { uri: String, timeout: Duration },
+    #[error("fetching {uri}: {} is more than {max} bytes; raise --fetch-max-bytes", path.display())]
+    TooLarge {
+        uri: String,
+        path: PathBuf,
+        max: u64,
+    },
+    #[error("fetching {uri}: {op} {}: {source}", path.display())]
+    Io {
+        uri: String,
+        op: &'static str,
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("extracting {uri} into {}: {source}; fix the archive or set \"extract\": false", sandbox.display())]
+    Extract {
+        uri: String,
+        sandbox: PathBuf,
+        #[source]
+        source: UnpackError,
+    },
+    #[error(
+        "fetching {uri}: zip archives are not extracted by csi-agent; ship a .tar.gz, or set \"extract\": false"
+    )]
+    Zip { uri: String },
+    #[error("fetching {uri}: {reason}")]
+    Invalid { uri: String, reason: String },
+}
+
+/// Where a URI's content comes from.
+enum Source<'a> {
+    Http(&'a str),
+    Local(&'a Path),
+}
+
+fn source(value: &str) -> Result<Source<'_>, String> {
+    if value.starts_with("http://") || value.starts_with("https://") {
+        return reqwest::Url::parse(value)
+            .map(|_| Source::Http(value))
+            .map_err(|err| format!("{value:?} is not a valid URL: {err}"));
+    }
+    let path = value.strip_prefix("file://").unwrap_or(value);
+    if path.starts_with('/') && !path.contains('\0') {
+        return Ok(Source::Local(Path::new(path)));
+    }
+    Err(format!(
+        "{value:?} is not fetchable: use http://, https://, file:///absolute/path or an absolute path"
+    ))
+}
+
+/// Config-time check of a URI's `value` (the message says what to fix).
+pub fn check_uri(value: &str) -> Result<(), String> {
+    source(value)?;
+    file_name(value).map(|_| ())
+}
+
+/// Config-time check of `output_file`: one file name, as it is put in the sandbox.
+pub fn check_output_file(name: &str) -> Result<(), String> {
+    if name.is_empty() || name.contains('/') || name.contains('\0') || name.starts_with('.') {
+        return Err(format!(
+            "{name:?} must be one file name (no '/', not starting with '.'), put in the sandbox"
+        ));
+    }
+    Ok(())
+}
+
+/// The last path component of the URI (no query or fragment), as Mesos names the file.
+fn file_name(value: &str) -> Result<String, String> {
+    let path = match source(value)? {
+        Source::Http(url) => reqwest::Url::parse(url)
+            .map_err(|err| err.to_string())?
+            .path()
+            .to_owned(),
+        Source::Local(path) => path.to_string_lossy().into_owned(),
+    };
+    let name = path.rsplit('/').next().unwrap_or_default();
+    check_output_file(name).map_err(|_| {
+        format!("{value:?} does not end in a file name to put in the sandbox; give \"output_file\"")
+    })?;
+    Ok(name.to_owned())
+}
+
+/// What to do with the fetched file.
+#[derive(Debug, PartialEq, Eq)]
+enum Action {
+    Copy,
+    Executable,
+    ExtractTar,
+}
+
+fn action(uri: &UriConfig, name: &str) -> Result<Action, FetchError> {
+    if uri.executable {
+        // Mesos: an executable is never extracted.
+        return Ok(Action::Executable);
+    }
+    if !uri.extract {
+        return Ok(Action::Copy);
+    }
+    let lower = name.to_ascii_lowercase();
+    if [".tar", ".tar.gz", ".tgz"]
+        .iter()
+        .any(|ext| lower.ends_with(ext))
+    {
+        return Ok(Action::ExtractTar);
+    }
+    if lower.ends_with(".zip") {
+        return Err(FetchError::Zip {
+            uri: uri.value.clone(),
+        });
+    }
+    Ok(Action::Copy)
+}
+
+/// Fetches every URI into `sandbox` (an existing directory csi-agent owns), in order.
+pub async fn fetch_all(
+    uris: &[UriConfig],
+    sandbox: &Path,
+    options: &FetchOptions,
+) -> Result<(), FetchError> {
+    if uris.is_empty() {
+        return Ok(());
+    }
+    let client = registry::http_client(Duration::from_secs(30), Duration::from_secs(60)).map_err(
+        |source| FetchError::Http {
+            uri: uris[0].value.clone(),
+            source: RegistryError::Request {
+                url: uris[0].value.clone(),
+                source,
+            },
+        },
+    )?;
+    for uri in uris {
+        fetch_one(&client, uri, sandbox, options).await?;
+    }
+    Ok(())
+}
+
+async fn fetch_one(
+    client: &reqwest::Client,
+    uri: &UriConfig,
+    sandbox: &Path,
+    options: &FetchOptions,
+) -> Result<(), FetchError> {
+    let invalid = |reason: String| FetchError::Invalid {
+        uri: uri.value.clone(),
+        reason,
+    };
+    let name = match &uri.output_file {
+        Some(name) => {
+            check_output_file(name).map_err(invalid)?;
+            name.clone()
+        }
+        None => file_name(&uri.value).map_err(invalid)?,
+    };
+    let action = action(uri, &name)?;
+    // The file to install from, and whether it is a temp file to remove afterwards.
+    let (file, temporary) = match source(&uri.value).map_err(invalid)? {
+        Source::Local(path) => (path.to_path_buf(), false),
+        Source::Http(url) => {
+            mkdir(&options.cache_dir, &uri.value)?;
+            let cached = options.cache_dir.join(cache_key(&uri.value));
+            if uri.cache && cached.is_file() {
+                tracing::debug!(uri = %uri.value, "fetch: using the cached download");
+                (cached, false)
+            } else {
+                let temp = download(client, url, &uri.value, options).await?;
+                if uri.cache {
+                    rename(&temp, &cached, &uri.value)?;
+                    sync_dir(&options.cache_dir, &uri.value)?;
+                    (cached, false)
+                } else {
+                    (temp, true)
+                }
+            }
+        }
+    };
+    let (uri_value, sandbox_dir, max) =
+        (uri.value.clone(), sandbox.to_path_buf(), options.max_bytes);
+    let install_file = file.clone();
+    let installed = tokio::task::spawn_blocking(move || {
+        install(&install_file, &uri_value, &sandbox_dir, &name, &action, max)
+    })
+    .await
+    .map_err(|err| FetchError::Io {
+        uri: uri.value.clone(),
+        op: "installing",
+        path: sandbox.to_path_buf(),
+        source: io::Error::other(err.to_string()),
+    })
+    .and_then(|result| result);
+    if temporary {
+        let _ = std::fs::remove_file(&file);
+    }
+    installed
+}
+
+/// `sha256(uri)` in hex: a cache name no URI can steer.
+fn cache_key(uri: &str) -> String {
+    let digest = Sha256::digest(uri.as_bytes());
+    digest.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A fresh temp name in `dir`.
+fn temp_name(dir: &Path) -> PathBuf {
+    dir.join(format!("{TEMP_PREFIX}{:016x}", rand::random::<u64>()))
+}
+
+/// Downloads `url` to a temp file in the cache dir, whole and fsynced, or fails removing it.
+async fn download(
+    client: &reqwest::Client,
+    url: &str,
+    uri: &str,
+    options: &FetchOptions,
+) -> Result<PathBuf, FetchError> {
+    let temp = temp_name(&options.cache_dir);
+    let result = tokio::time::timeout(
+        options.timeout,
+        download_to(client, url, uri, &temp, options),
+    )
+    .await
+    .unwrap_or_else(|_| {
+        Err(FetchError::Timeout {
+            uri: uri.to_owned(),
+            timeout: options.timeout,
+        })
+    });
+    match result {
+        Ok(()) => Ok(temp),
+        Err(err) => {
+            let _ = std::fs::remove_file(&temp);
+            Err(err)
+        }
+    }
+}
+
+async fn download_to(
+    client: &reqwest::Client,
+    url: &str,
+    uri: &str,
+    temp: &Path,
+    options: &FetchOptions,
+) -> Result<(), FetchError> {
+    let http = |source: RegistryError| FetchError::Http {
+        uri: uri.to_owned(),
+        source,
+    };
+    let response = client.get(url).send().await.map_err(|source| {
+        http(RegistryError::Request {
+            url: url.to_owned(),
+            source,
+        })
+    })?;
+    if !response.status().is_success() {
+        return Err(FetchError::Status {
+            uri: uri.to_owned(),
+            status: response.status().as_u16(),
+        });
+    }
+    let mut file = create_new(temp, uri)?;
+    registry::stream_capped(response, options.max_bytes, "the download", |chunk| {
+        file.write_all(chunk)
+    })
+    .await
+    .map_err(http)?;
+    file.sync_all().map_err(|source| FetchError::Io {
+        uri: uri.to_owned(),
+        op: "fsync",
+        path: temp.to_path_buf(),
+        source,
+    })
+}
+
+/// Puts `file` in the sandbox under `name` as `action` says.
+fn install(
+    file: &Path,
+    uri: &str,
+    sandbox: &Path,
+    name: &str,
+    action: &Action,
+    max: u64,
+) -> Result<(), FetchError> {
+    let io = |op: &'static str, path: &Path| {
+        let path = path.to_path_buf();
+        move |source| FetchError::Io {
+            uri: uri.to_owned(),
+            op,
+            path,
+            source,
+        }
+    };
+    match action {
+        Action::ExtractTar => extract(file, uri, sandbox, max),
+        Action::Copy | Action::Executable => {
+            let mut input = File::open(file).map_err(io("opening", file))?;
+            let size = input.metadata().map_err(io("stat", file))?.len();
+            if size > max {
+                return Err(FetchError::TooLarge {
+                    uri: uri.to_owned(),
+                    path: file.to_path_buf(),
+                    max,
+                });
+            }
+            let temp = temp_name(sandbox);
+            let result = (|| {
+                let mut output = create_new(&temp, uri)?;
+                // `take`: a local file growing while it is copied stays within the cap.
+                io::copy(&mut io::Read::take(&mut input, max), &mut output)
+                    .map_err(io("copying to", &temp))?;
+                let mode = if *action == Action::Executable {
+                    0o755
+                } else {
+                    0o644
+                };
+                output
+                    .set_permissions(std::fs::Permissions::from_mode(mode))
+                    .map_err(io("chmod", &temp))?;
+                output.sync_all().map_err(io("fsync", &temp))?;
+                // rename replaces whatever is at the name (a symlink itself, never its
+                // target).
+                rename(&temp, &sandbox.join(name), uri)
+            })();
+            if result.is_err() {
+                let _ = std::fs::remove_file(&temp);
+            }
+            result?;
+            sync_dir(sandbox, uri)
+        }
+    }
+}
+
+/// Extracts a tar into a fresh dir beneath the sandbox, then renames its top-level entries
+/// into the sandbox (replacing what an earlier launch put there).
+fn extract(file: &Path, uri: &str, sandbox: &Path, max: u64) -> Result<(), FetchError> {
+    let io = |op: &'static str, path: &Path| {
+        let path = path.to_path_buf();
+        move |source| FetchError::Io {
+            uri: uri.to_owned(),
+            op,
+            path,
+            source,
+        }
+    };
+    let staging = temp_name(sandbox);
+    std::fs::create_dir(&staging).map_err(io("creating", &staging))?;
+    let result = (|| {
+        let input = File::open(file).map_err(io("opening", file))?;
+        let limits = unpack::Limits {
+            max_entries: MAX_ARCHIVE_ENTRIES,
+            max_file_bytes: max.saturating_mul(EXTRACT_FACTOR),
+            max_layer_bytes: max.saturating_mul(EXTRACT_FACTOR).saturating_add(max),
+            ..unpack::Limits::default()
+        };
+        unpack::apply_archive_within(
+            &staging,
+            input,
+            &limits,
+            &crate::image::budget::Budget::unlimited(),
+        )
+        .map_err(|source| FetchError::Extract {
+            uri: uri.to_owned(),
+            sandbox: sandbox.to_path_buf(),
+            source,
+        })?;
+        for entry in std::fs::read_dir(&staging).map_err(io("listing", &staging))? {
+            let entry = entry.map_err(io("listing", &staging))?;
+            let target = sandbox.join(entry.file_name());
+            if std::fs::rename(entry.path(), &target).is_err() {
+                // A directory left by an earlier launch: replace it. remove_dir_all does not
+                // follow symlinks.
+                match std::fs::symlink_metadata(&target) {
+                    Ok(meta) if meta.is_dir() => {
+                        std::fs::remove_dir_all(&target).map_err(io("replacing", &target))?;
+                    }
+                    _ => {}
+                }
+                rename(&entry.path(), &target, uri)?;
+            }
+        }
+        sync_dir(sandbox, uri)
+    })();
+    let _ = std::fs::remove_dir_all(&staging);
+    result
+}
+
+fn create_new(path: &Path, uri: &str) -> Result<File, FetchError> {
+    OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+        .open(path)
+        .map_err(|source| FetchError::Io {
+            uri: uri.to_owned(),
+            op: "creating",
+            path: path.to_path_buf(),
+            source,
+        })
+}
+
+fn rename(from: &Path, to: &Path, uri: &str) -> Result<(), FetchError> {
+    std::fs::rename(from, to).map_err(|source| FetchError::Io {
+        uri: uri.to_owned(),
+        op: "renaming into",
+        path: to.to_path_buf(),
+        source,
+    })
+}
+
+fn mkdir(dir: &Path, uri: &str) -> Result<(), FetchError> {
+    std::fs::create_dir_all(dir).map_err(|source| FetchError::Io {
+        uri: uri.to_owned(),
+        op: "creating",
+        path: dir.to_path_buf(),
+        source,
+    })
+}
+
+fn sync_dir(dir: &Path, uri: &str) -> Result<(), FetchError> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|source| FetchError::Io {
+            uri: uri.to_owned(),
+            op: "fsync",
+            path: dir.to_path_buf(),
+            source,
+        })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schemes_and_names_follow_mesos() {
+        assert!(check_uri("http://h/p/test-csi-plugin").is_ok());
+        assert!(check_uri("https://h/a.tar.gz?x=1").is_ok());
+        assert!(check_uri("file:///opt/plugin").is_ok());
+        assert!(check_uri("/opt/plugin").is_ok());
+        for bad in [
+            "ftp://h/x",
+            "hdfs://h/x",
+            "relative/x",
+            "file://relative",
+            "",
+            "http://h/",
+        ] {
+            assert!(check_uri(bad).is_err(), "{bad}");
+        }
+        assert_eq!(file_name("https://h/a/b.tgz?q#f").unwrap(), "b.tgz");
+        for bad in ["a/b", "..", ".", ".hidden", ""] {
+            assert!(check_output_file(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn executable_is_never_extracted_and_zip_is_refused() {
+        let uri = |executable, extract| UriConfig {
+            value: "http://h/p.tar.gz".into(),
+            executable,
+            extract,
+            cache: false,
+            output_file: None,
+        };
+        assert_eq!(
+            action(&uri(true, true), "p.tar.gz").unwrap(),
+            Action::Executable
+        );
+        assert_eq!(
+            action(&uri(false, true), "p.tar.gz").unwrap(),
+            Action::ExtractTar
+        );
+        assert_eq!(
+            action(&uri(false, false), "p.tar.gz").unwrap(),
+            Action::Copy
+        );
+        assert_eq!(action(&uri(false, true), "p.bin").unwrap(), Action::Copy);
+        assert!(matches!(
+            action(&uri(false, true), "p.zip"),
+            Err(FetchError::Zip { .. })
+        ));
+    }
+}
