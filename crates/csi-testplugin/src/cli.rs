@@ -29,8 +29,9 @@ pub struct Args {
     pub endpoint: String,
 
     /// Root of the plugin's state: `volumes/`, `state.json`, and by default
-    /// the fault file and the call log.
-    #[arg(long, env = "CSI_TESTPLUGIN_WORK_DIR")]
+    /// the fault file and the call log. Also `--work_dir`, the flag of Mesos's
+    /// `test-csi-plugin`, so Mesos's sample configs run this plugin unchanged.
+    #[arg(long, env = "CSI_TESTPLUGIN_WORK_DIR", alias = "work_dir")]
     pub work_dir: PathBuf,
 
     /// The node id answered by NodeGetInfo/NodeGetId (default: host name).
@@ -55,8 +56,10 @@ pub struct Args {
     #[arg(long)]
     pub volume_series: Option<String>,
 
-    /// Total capacity of the pool in bytes (suffixes as for --volumes).
-    #[arg(long, default_value = "1T")]
+    /// Total capacity of the pool in bytes (suffixes as for --volumes). Also
+    /// `--available_capacity`, Mesos's `test-csi-plugin` flag, whose `2GB`
+    /// (Mesos's `Bytes`: binary multiples) means 2 GiB here too.
+    #[arg(long, default_value = "1T", alias = "available_capacity")]
     pub capacity: String,
 
     /// Advertise and serve STAGE_UNSTAGE_VOLUME (default).
@@ -172,6 +175,17 @@ pub fn parse_size(s: &str) -> anyhow::Result<i64> {
     csi_agent_api::size::parse_size(s).map_err(|err| anyhow::anyhow!("size {s:?}: {err}"))
 }
 
+/// Mesos's `Bytes` suffixes (`KB`, `MB`, `GB`, `TB`: binary multiples) in the IEC form
+/// [`parse_size`] reads; anything else unchanged.
+fn mesos_bytes(s: &str) -> String {
+    for (mesos, iec) in [("KB", "Ki"), ("MB", "Mi"), ("GB", "Gi"), ("TB", "Ti")] {
+        if let Some(number) = s.strip_suffix(mesos) {
+            return format!("{number}{iec}");
+        }
+    }
+    s.to_owned()
+}
+
 /// Accepts `unix:///abs` or a bare absolute path (some plugins get a plain
 /// path in `CSI_ENDPOINT`).
 pub fn parse_endpoint(s: &str) -> anyhow::Result<PathBuf> {
@@ -240,7 +254,7 @@ impl Args {
         if let Some(series) = &self.volume_series {
             volumes.extend(volume_series(series)?);
         }
-        let capacity = parse_size(&self.capacity)?;
+        let capacity = parse_size(&mesos_bytes(&self.capacity))?;
 
         let work_dir = if self.work_dir.is_absolute() {
             self.work_dir
