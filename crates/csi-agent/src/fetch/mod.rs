@@ -75,7 +75,7 @@ pub enum FetchError {
     Http {
         uri: String,
         #[source]
-        source: RegistryError,
+        source: Box<RegistryError>,
     },
     #[error("fetching {uri}: HTTP {status}")]
     Status { uri: String, status: u16 },
@@ -102,7 +102,7 @@ pub enum FetchError {
         uri: String,
         sandbox: PathBuf,
         #[source]
-        source: UnpackError,
+        source: Box<UnpackError>,
     },
     #[error(
         "fetching {uri}: zip archives are not extracted by csi-agent; ship a .tar.gz, or set \"extract\": false"
@@ -139,11 +139,31 @@ pub fn check_uri(value: &str) -> Result<(), String> {
     file_name(value).map(|_| ())
 }
 
+/// Whether `name` (a top-level name in the sandbox) is, or starts like, one of csi-agent's
+/// own files there: the logs (and their rotated copies), the endpoint link, the component
+/// record, the oci bundle. A fetched file or an archive's entry there would be written
+/// through by csi-agent (a `stdout` symlink to `/etc/shadow` would get the plugin's output).
+fn reserved(name: &str) -> bool {
+    crate::logs::LOG_FILES
+        .iter()
+        .chain(&[
+            crate::service_manager::ENDPOINT_LINK,
+            crate::service_manager::COMPONENT_RECORD,
+            crate::runtime::oci::BUNDLE_DIR,
+        ])
+        .any(|own| name.starts_with(own))
+}
+
 /// Config-time check of `output_file`: one file name, as it is put in the sandbox.
 pub fn check_output_file(name: &str) -> Result<(), String> {
     if name.is_empty() || name.contains('/') || name.contains('\0') || name.starts_with('.') {
         return Err(format!(
             "{name:?} must be one file name (no '/', not starting with '.'), put in the sandbox"
+        ));
+    }
+    if reserved(name) {
+        return Err(format!(
+            "{name:?} is csi-agent's own file in the sandbox (stdout, stderr, endpoint, component.json, bundle); give another \"output_file\""
         ));
     }
     Ok(())
@@ -159,8 +179,8 @@ fn file_name(value: &str) -> Result<String, String> {
         Source::Local(path) => path.to_string_lossy().into_owned(),
     };
     let name = path.rsplit('/').next().unwrap_or_default();
-    check_output_file(name).map_err(|_| {
-        format!("{value:?} does not end in a file name to put in the sandbox; give \"output_file\"")
+    check_output_file(name).map_err(|reason| {
+        format!("{value:?} does not end in a file name to put in the sandbox ({reason}); give \"output_file\"")
     })?;
     Ok(name.to_owned())
 }
@@ -208,10 +228,10 @@ pub async fn fetch_all(
     let client = registry::http_client(Duration::from_secs(30), Duration::from_secs(60)).map_err(
         |source| FetchError::Http {
             uri: uris[0].value.clone(),
-            source: RegistryError::Request {
+            source: Box::new(RegistryError::Request {
                 url: uris[0].value.clone(),
                 source,
-            },
+            }),
         },
     )?;
     for uri in uris {
@@ -327,7 +347,7 @@ async fn download_to(
 ) -> Result<(), FetchError> {
     let http = |source: RegistryError| FetchError::Http {
         uri: uri.to_owned(),
-        source,
+        source: Box::new(source),
     };
     let response = client.get(url).send().await.map_err(|source| {
         http(RegistryError::Request {
@@ -347,12 +367,7 @@ async fn download_to(
     })
     .await
     .map_err(http)?;
-    file.sync_all().map_err(|source| FetchError::Io {
-        uri: uri.to_owned(),
-        op: "fsync",
-        path: temp.to_path_buf(),
-        source,
-    })
+    file.sync_all().map_err(io_error(uri, "fsync", temp))
 }
 
 /// Puts `file` in the sandbox under `name` as `action` says.
@@ -364,15 +379,7 @@ fn install(
     action: &Action,
     max: u64,
 ) -> Result<(), FetchError> {
-    let io = |op: &'static str, path: &Path| {
-        let path = path.to_path_buf();
-        move |source| FetchError::Io {
-            uri: uri.to_owned(),
-            op,
-            path,
-            source,
-        }
-    };
+    let io = |op, path: &Path| io_error(uri, op, path);
     match action {
         Action::ExtractTar => extract(file, uri, sandbox, max),
         Action::Copy | Action::Executable => {
@@ -416,15 +423,7 @@ fn install(
 /// Extracts a tar into a fresh dir beneath the sandbox, then renames its top-level entries
 /// into the sandbox (replacing what an earlier launch put there).
 fn extract(file: &Path, uri: &str, sandbox: &Path, max: u64) -> Result<(), FetchError> {
-    let io = |op: &'static str, path: &Path| {
-        let path = path.to_path_buf();
-        move |source| FetchError::Io {
-            uri: uri.to_owned(),
-            op,
-            path,
-            source,
-        }
-    };
+    let io = |op, path: &Path| io_error(uri, op, path);
     let staging = temp_name(sandbox);
     std::fs::create_dir(&staging).map_err(io("creating", &staging))?;
     let result = (|| {
@@ -444,10 +443,24 @@ fn extract(file: &Path, uri: &str, sandbox: &Path, max: u64) -> Result<(), Fetch
         .map_err(|source| FetchError::Extract {
             uri: uri.to_owned(),
             sandbox: sandbox.to_path_buf(),
-            source,
+            source: Box::new(source),
         })?;
+        let mut entries = Vec::new();
         for entry in std::fs::read_dir(&staging).map_err(io("listing", &staging))? {
             let entry = entry.map_err(io("listing", &staging))?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if reserved(&name) {
+                return Err(FetchError::Invalid {
+                    uri: uri.to_owned(),
+                    reason: format!(
+                        "the archive's top-level entry {name:?} would replace csi-agent's own file in the sandbox (stdout, stderr, endpoint, component.json, bundle); nothing was extracted"
+                    ),
+                });
+            }
+            entries.push(entry);
+        }
+        // Checked all first: a refused archive moves nothing into the sandbox.
+        for entry in entries {
             let target = sandbox.join(entry.file_name());
             if std::fs::rename(entry.path(), &target).is_err() {
                 // A directory left by an earlier launch: replace it. remove_dir_all does not
@@ -467,6 +480,21 @@ fn extract(file: &Path, uri: &str, sandbox: &Path, max: u64) -> Result<(), Fetch
     result
 }
 
+/// The [`FetchError::Io`] of `op` on `path`, for `map_err`.
+fn io_error(
+    uri: &str,
+    op: &'static str,
+    path: &Path,
+) -> impl FnOnce(io::Error) -> FetchError + use<> {
+    let (uri, path) = (uri.to_owned(), path.to_path_buf());
+    move |source| FetchError::Io {
+        uri,
+        op,
+        path,
+        source,
+    }
+}
+
 fn create_new(path: &Path, uri: &str) -> Result<File, FetchError> {
     OpenOptions::new()
         .write(true)
@@ -474,41 +502,21 @@ fn create_new(path: &Path, uri: &str) -> Result<File, FetchError> {
         .mode(0o600)
         .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
         .open(path)
-        .map_err(|source| FetchError::Io {
-            uri: uri.to_owned(),
-            op: "creating",
-            path: path.to_path_buf(),
-            source,
-        })
+        .map_err(io_error(uri, "creating", path))
 }
 
 fn rename(from: &Path, to: &Path, uri: &str) -> Result<(), FetchError> {
-    std::fs::rename(from, to).map_err(|source| FetchError::Io {
-        uri: uri.to_owned(),
-        op: "renaming into",
-        path: to.to_path_buf(),
-        source,
-    })
+    std::fs::rename(from, to).map_err(io_error(uri, "renaming into", to))
 }
 
 fn mkdir(dir: &Path, uri: &str) -> Result<(), FetchError> {
-    std::fs::create_dir_all(dir).map_err(|source| FetchError::Io {
-        uri: uri.to_owned(),
-        op: "creating",
-        path: dir.to_path_buf(),
-        source,
-    })
+    std::fs::create_dir_all(dir).map_err(io_error(uri, "creating", dir))
 }
 
 fn sync_dir(dir: &Path, uri: &str) -> Result<(), FetchError> {
     File::open(dir)
         .and_then(|d| d.sync_all())
-        .map_err(|source| FetchError::Io {
-            uri: uri.to_owned(),
-            op: "fsync",
-            path: dir.to_path_buf(),
-            source,
-        })
+        .map_err(io_error(uri, "fsync", dir))
 }
 
 #[cfg(test)]
@@ -533,7 +541,17 @@ mod tests {
             assert!(check_uri(bad).is_err(), "{bad}");
         }
         assert_eq!(file_name("https://h/a/b.tgz?q#f").unwrap(), "b.tgz");
-        for bad in ["a/b", "..", ".", ".hidden", ""] {
+        for bad in [
+            "a/b",
+            "..",
+            ".",
+            ".hidden",
+            "",
+            "stdout",
+            "stderr.1",
+            "endpoint",
+            "component.json",
+        ] {
             assert!(check_output_file(bad).is_err(), "{bad}");
         }
     }
