@@ -191,6 +191,8 @@ enum Action {
     Copy,
     Executable,
     ExtractTar,
+    /// A bare `.gz` file: decompressed to the name without `.gz`, as Mesos's `gunzip`.
+    Gunzip,
 }
 
 fn action(uri: &UriConfig, name: &str) -> Result<Action, FetchError> {
@@ -207,6 +209,9 @@ fn action(uri: &UriConfig, name: &str) -> Result<Action, FetchError> {
         .any(|ext| lower.ends_with(ext))
     {
         return Ok(Action::ExtractTar);
+    }
+    if lower.ends_with(".gz") {
+        return Ok(Action::Gunzip);
     }
     if lower.ends_with(".zip") {
         return Err(FetchError::Zip {
@@ -382,8 +387,8 @@ fn install(
     let io = |op, path: &Path| io_error(uri, op, path);
     match action {
         Action::ExtractTar => extract(file, uri, sandbox, max),
-        Action::Copy | Action::Executable => {
-            let mut input = File::open(file).map_err(io("opening", file))?;
+        Action::Copy | Action::Executable | Action::Gunzip => {
+            let input = File::open(file).map_err(io("opening", file))?;
             let size = input.metadata().map_err(io("stat", file))?.len();
             if size > max {
                 return Err(FetchError::TooLarge {
@@ -392,12 +397,32 @@ fn install(
                     max,
                 });
             }
+            let (mut reader, name, cap): (Box<dyn io::Read>, &str, u64) = match action {
+                Action::Gunzip => {
+                    let plain = &name[..name.len() - ".gz".len()];
+                    check_output_file(plain).map_err(|reason| FetchError::Invalid {
+                        uri: uri.to_owned(),
+                        reason: format!("cannot gunzip to {plain:?}: {reason}"),
+                    })?;
+                    let decoder = flate2::read::MultiGzDecoder::new(input);
+                    (Box::new(decoder), plain, max.saturating_mul(EXTRACT_FACTOR))
+                }
+                _ => (Box::new(input), name, max),
+            };
             let temp = temp_name(sandbox);
             let result = (|| {
                 let mut output = create_new(&temp, uri)?;
-                // `take`: a local file growing while it is copied stays within the cap.
-                io::copy(&mut io::Read::take(&mut input, max), &mut output)
+                // `take` one byte past the cap: a local file growing while it is copied, or
+                // a gzip bomb, stops there.
+                let copied = io::copy(&mut io::Read::take(&mut reader, cap + 1), &mut output)
                     .map_err(io("copying to", &temp))?;
+                if copied > cap {
+                    return Err(FetchError::TooLarge {
+                        uri: uri.to_owned(),
+                        path: sandbox.join(name),
+                        max: cap,
+                    });
+                }
                 let mode = if *action == Action::Executable {
                     0o755
                 } else {
@@ -578,9 +603,62 @@ mod tests {
             Action::Copy
         );
         assert_eq!(action(&uri(false, true), "p.bin").unwrap(), Action::Copy);
+        assert_eq!(action(&uri(false, true), "p.gz").unwrap(), Action::Gunzip);
+        assert_eq!(action(&uri(false, false), "p.gz").unwrap(), Action::Copy);
         assert!(matches!(
             action(&uri(false, true), "p.zip"),
             Err(FetchError::Zip { .. })
         ));
+    }
+
+    #[test]
+    fn a_bare_gz_is_gunzipped_and_a_bomb_stops_at_the_cap() {
+        use std::io::Write as _;
+        let dir = tempfile::tempdir().unwrap();
+        let sandbox = dir.path().join("sandbox");
+        std::fs::create_dir(&sandbox).unwrap();
+        let gz = |data: &[u8]| {
+            let mut encoder =
+                flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+            encoder.write_all(data).unwrap();
+            encoder.finish().unwrap()
+        };
+        let source = dir.path().join("tool.gz");
+        std::fs::write(&source, gz(b"plain text")).unwrap();
+        install(
+            &source,
+            "/x/tool.gz",
+            &sandbox,
+            "tool.gz",
+            &Action::Gunzip,
+            1024,
+        )
+        .unwrap();
+        assert_eq!(std::fs::read(sandbox.join("tool")).unwrap(), b"plain text");
+        // 1 MiB of zeros compresses to about 1 KiB: under the 1 KiB download cap, over the
+        // 4 KiB the decompressed file may take.
+        let bomb = dir.path().join("bomb.gz");
+        std::fs::write(&bomb, gz(&vec![0; 1 << 20])).unwrap();
+        let size = std::fs::metadata(&bomb).unwrap().len();
+        let err = install(
+            &bomb,
+            "/x/bomb.gz",
+            &sandbox,
+            "bomb.gz",
+            &Action::Gunzip,
+            size,
+        )
+        .unwrap_err();
+        assert!(matches!(err, FetchError::TooLarge { .. }), "{err}");
+        assert!(!sandbox.join("bomb").exists());
+        let names: Vec<_> = std::fs::read_dir(&sandbox)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(
+            names,
+            vec![std::ffi::OsString::from("tool")],
+            "no temp file left"
+        );
     }
 }
