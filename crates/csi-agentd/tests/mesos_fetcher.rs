@@ -366,7 +366,18 @@ async fn hostile_archives_are_refused_and_write_nothing_outside_the_sandbox() {
             json!({"value": server.url(&format!("/{name}.tar.gz"))});
         daemon.add_config(&format!("{name}.json"), &config);
     }
+    // The oci runtime does not see the sandbox: uris there are refused, saying so, before
+    // anything is fetched.
+    let mut oci = sample_plugin(&server.url("/dotdot.tar.gz"));
+    oci["type"] = json!("org.example.oci");
+    oci["runtime"] = json!({"kind": "oci"});
+    daemon.add_config("oci.json", &oci);
     daemon.start();
+    let error = launch_error(&daemon, "org.example.oci").await;
+    assert!(
+        error.contains("fetched only for the process runtime"),
+        "oci: {error}"
+    );
     for (name, _, expected) in &hostile {
         let error = launch_error(&daemon, &format!("org.example.{name}")).await;
         assert!(error.contains(expected), "{name}: {error}");
