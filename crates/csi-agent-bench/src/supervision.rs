@@ -159,6 +159,7 @@ pub async fn run(env: &Env, args: &SupervisionArgs) -> anyhow::Result<Supervisio
                 oci_runtime: "runc".into(),
                 images: None,
                 fetch: csi_agent::fetch::FetchOptions::new(&scratch.join("sm-work")),
+                secret_dir: None,
             },
         )
         .await
@@ -198,6 +199,7 @@ pub async fn run(env: &Env, args: &SupervisionArgs) -> anyhow::Result<Supervisio
                     oci_runtime: "runc".into(),
                     images: None,
                     fetch: csi_agent::fetch::FetchOptions::new(&scratch.join("sm-oci-work")),
+                    secret_dir: None,
                 },
             )
             .await

@@ -25,8 +25,9 @@
 //!
 //! `command` is Mesos's `CommandInfo`: `value`, `arguments`, `shell` (default **true**, as in
 //! Mesos's protobuf), `environment.variables[{name, value}]` (or `{name, type: SECRET,
-//! secret: {type: VALUE, value: {data: <base64>}}}`, whose value is redacted wherever it
-//! is shown: [`EnvVar`]). With `shell: true`, `value` runs
+//! secret: {type: VALUE, value: {data: <base64>}}}` or `secret: {type: REFERENCE,
+//! reference: {name, key}}}` read at launch from `--secret-dir` by [`crate::secrets`],
+//! whose value is redacted wherever it is shown: [`EnvVar`]). With `shell: true`, `value` runs
 //! through `/bin/sh -c` and `arguments` are ignored. With `shell: false`, `value` is the
 //! executable and `arguments` the whole argv, `argv[0]` included (an empty `arguments` means
 //! `argv[0] = value`); since no shell expands them, the references `$NAME` and `${NAME}` to
@@ -139,6 +140,10 @@ pub struct EnvVar {
     pub value: String,
     #[serde(default)]
     pub secret: bool,
+    /// A REFERENCE secret (`secret` is true): `value` is empty in the config and read from
+    /// `<secret-dir>/<name>/<key>` at each launch ([`crate::secrets::resolve`]).
+    #[serde(default)]
+    pub reference: Option<crate::secrets::SecretRef>,
 }
 
 impl EnvVar {
@@ -148,6 +153,7 @@ impl EnvVar {
             name: name.into(),
             value: value.into(),
             secret: false,
+            reference: None,
         }
     }
 
@@ -163,6 +169,7 @@ impl fmt::Debug for EnvVar {
             .field("name", &self.name)
             .field("value", &self.shown_value())
             .field("secret", &self.secret)
+            .field("reference", &self.reference)
             .finish()
     }
 }
@@ -170,11 +177,17 @@ impl fmt::Debug for EnvVar {
 impl Serialize for EnvVar {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeStruct;
-        let mut out = serializer.serialize_struct("EnvVar", 2 + usize::from(self.secret))?;
+        let fields = 2 + usize::from(self.secret) + usize::from(self.reference.is_some());
+        let mut out = serializer.serialize_struct("EnvVar", fields)?;
         out.serialize_field("name", &self.name)?;
         out.serialize_field("value", self.shown_value())?;
         if self.secret {
             out.serialize_field("secret", &true)?;
+        }
+        // The reference (not its content) is shown and hashed: pointing the variable at
+        // another file makes the component outdated.
+        if let Some(reference) = &self.reference {
+            out.serialize_field("reference", reference)?;
         }
         out.end()
     }
@@ -1285,19 +1298,22 @@ impl Parser<'_> {
                     "must be a non-empty variable name without '=' or NUL",
                 ));
             }
-            let value = if secret {
+            let (value, reference) = if secret {
                 if var.get("value").is_some_and(|v| !v.is_null()) {
                     return Err(self.invalid(
                         join(&field, "value"),
                         "a SECRET variable takes its value from `secret`, not `value`; remove one",
                     ));
                 }
-                env_secret::inline_secret(var.get("secret"))
+                match env_secret::secret(var.get("secret"))
                     .map_err(|(key, message)| self.invalid(join(&field, &key), message))?
+                {
+                    env_secret::Secret::Value(value) => (value, None),
+                    env_secret::Secret::Reference(reference) => (String::new(), Some(reference)),
+                }
             } else {
-                self.string(var, &field, "value")?
-                    .unwrap_or_default()
-                    .to_owned()
+                let value = self.string(var, &field, "value")?.unwrap_or_default();
+                (value.to_owned(), None)
             };
             if value.contains('\0') {
                 // Never the value itself in the message: it may be a secret.
@@ -1307,6 +1323,7 @@ impl Parser<'_> {
                 name: name.to_owned(),
                 value,
                 secret,
+                reference,
             });
         }
         Ok(vars)
@@ -1710,9 +1727,24 @@ mod tests {
         );
         assert_eq!(
             field(
-                r#"{"name": "T", "type": "SECRET", "secret": {"type": "REFERENCE", "reference": {"name": "a", "key": "b"}}}"#
+                r#"{"name": "T", "type": "SECRET", "secret": {"type": "REFERENCE", "reference": {"name": "a", "key": "../b"}}}"#
             ),
-            format!("{prefix}.secret.type")
+            format!("{prefix}.secret.reference.key")
+        );
+        // A reference is kept as such, its value read at launch; it is shown and hashed.
+        let config = with(
+            r#"{"name": "T", "type": "SECRET", "secret": {"type": "REFERENCE", "reference": {"name": "a", "key": "b"}}}"#,
+        )
+        .unwrap();
+        let Deployment::Managed(components) = &config.deployment else {
+            panic!("not managed");
+        };
+        let var = &components[0].command.environment[0];
+        assert_eq!(var.value, "");
+        assert!(var.secret);
+        assert_eq!(
+            serde_json::to_string(var).unwrap(),
+            r#"{"name":"T","value":"<redacted>","secret":true,"reference":{"name":"a","key":"b"}}"#
         );
         assert_eq!(
             field(r#"{"name": "T", "type": "UNKNOWN", "value": "x"}"#),

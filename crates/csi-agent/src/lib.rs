@@ -20,6 +20,7 @@ pub mod logs;
 pub mod metrics;
 pub mod mounts;
 pub mod runtime;
+pub mod secrets;
 pub mod server;
 pub mod service_manager;
 pub mod store;

@@ -65,6 +65,8 @@ pub struct ServerOptions {
     pub image_limits: crate::image::budget::ImageLimits,
     /// Where and how plugins' `command.uris` are fetched (`--fetch-max-bytes`, ...).
     pub fetch: crate::fetch::FetchOptions,
+    /// `--secret-dir`: where REFERENCE secrets of plugin configs are read at each launch.
+    pub secret_dir: Option<PathBuf>,
 }
 
 /// The image store's dir in the work dir (docs/operations.md, "Image store").
@@ -893,6 +895,7 @@ impl CsiServer {
             oci_runtime: self.inner.options.oci_runtime.clone(),
             images: self.inner.images.clone(),
             fetch: self.inner.options.fetch.clone(),
+            secret_dir: self.inner.options.secret_dir.clone(),
         }
     }
 

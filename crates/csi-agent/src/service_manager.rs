@@ -112,6 +112,9 @@ pub struct ManagerOptions {
     pub images: Option<Arc<crate::image::store::ImageStore>>,
     /// Where and how components' `command.uris` are fetched (`crate::fetch`).
     pub fetch: crate::fetch::FetchOptions,
+    /// `--secret-dir`: where REFERENCE secrets are read at each launch (`None`: a component
+    /// using one fails to launch, naming the flag).
+    pub secret_dir: Option<PathBuf>,
 }
 
 impl ManagerOptions {
@@ -1010,9 +1013,17 @@ impl Inner {
             socket: socket.clone(),
             mount_roots: self.mount_roots(),
         };
+        // Read at each launch, so a rotated secret applies now. Only the runtime sees the
+        // resolved copy: the record below keeps `spec`, whose secrets serialize redacted.
+        let mut resolved = spec.clone();
+        resolved.command.environment = crate::secrets::resolve(
+            &spec.command.environment,
+            self.options.secret_dir.as_deref(),
+        )
+        .map_err(|err| err.to_string())?;
         let component = self
             .runtime
-            .launch(spec, &context)
+            .launch(&resolved, &context)
             .await
             .map_err(|err| err.to_string())?;
         let record = ComponentRecord {

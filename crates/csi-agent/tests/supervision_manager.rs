@@ -53,6 +53,7 @@ impl Fixture {
             oci_runtime: "runc".into(),
             images: None,
             fetch: csi_agent::fetch::FetchOptions::new(&self.root.join("work")),
+            secret_dir: None,
         }
     }
 

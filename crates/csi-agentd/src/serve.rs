@@ -106,6 +106,11 @@ pub struct ServeArgs {
     /// crun), a path or a name looked up in PATH (default `runc`).
     #[arg(long)]
     oci_runtime: Option<PathBuf>,
+    /// The directory of REFERENCE secrets of plugin configs: `<name>/<key>` files, owned by
+    /// root, mode 0600 or stricter, read at each launch (default: none, such a plugin fails
+    /// to launch).
+    #[arg(long)]
+    secret_dir: Option<PathBuf>,
     /// Launch every managed plugin when the daemon starts, instead of on first use.
     #[arg(long)]
     start_plugins: bool,
@@ -196,6 +201,7 @@ struct FileSettings {
     max_claims_per_volume: Option<usize>,
     max_bind_to_bytes: Option<usize>,
     oci_runtime: Option<PathBuf>,
+    secret_dir: Option<PathBuf>,
     start_plugins: Option<bool>,
     docker_registry: Option<String>,
     docker_config: Option<PathBuf>,
@@ -230,6 +236,7 @@ pub struct Settings {
     pub bind_roots: Vec<PathBuf>,
     pub claim_limits: ClaimLimits,
     pub oci_runtime: PathBuf,
+    pub secret_dir: Option<PathBuf>,
     pub start_plugins: bool,
     /// `--reinitialize-state`: start on vanished state from an empty database.
     pub reinitialize_state: bool,
@@ -394,6 +401,11 @@ pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
         registry,
         pull_limits,
         bind_roots,
+        secret_dir: args
+            .secret_dir
+            .or(file.secret_dir)
+            .map(|d| absolute(&d))
+            .transpose()?,
         oci_runtime: args
             .oci_runtime
             .or(file.oci_runtime)
@@ -573,6 +585,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
             store: settings.store,
             image_limits: settings.image_limits.clone(),
             fetch: settings.fetch.clone(),
+            secret_dir: settings.secret_dir.clone(),
         },
         metrics,
     )

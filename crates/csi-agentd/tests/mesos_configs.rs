@@ -9,9 +9,13 @@
 //!   `NodeGetInfo` with csi-agent's node id; `MESOS_AGENT_ID` wins over the config's own
 //!   variable of that name and `MESOS_SANDBOX` does not (Mesos's order); `MESOS_SANDBOX` is
 //!   the component's working directory;
-//! - a SECRET variable given inline reaches the plugin's environment and appears in no API
-//!   answer, metric, `csictl` output, daemon log line or `component.json`; a REFERENCE one
-//!   is a config error naming `secret.type`.
+//! - a SECRET variable given inline and one given as a REFERENCE to a file of
+//!   `--secret-dir` reach the plugin's environment and appear in no API answer, metric,
+//!   `csictl` output, daemon log line or `component.json`; a rotated secret file applies at
+//!   the next launch; a reference to `..` is a config error naming the field;
+//! - a reference to a symlink, a 0644 file or a missing file, or any reference without
+//!   `--secret-dir`, fails the component's launch with an error naming the reference (and
+//!   the flag), never the content.
 //!
 //! Real bind mounts: run under `unshare -m --propagation private`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -220,22 +224,37 @@ fn files_named(dir: &Path, name: &str) -> Vec<PathBuf> {
 async fn a_secret_variable_reaches_the_plugin_and_nothing_else() {
     require_private_mount_namespace();
     let dir = tempfile::tempdir().unwrap();
-    let mut daemon = Daemon::new(dir.path(), &["--node-id", DAEMON_NODE_ID]);
+    let secret_dir = dir.path().join("secrets");
+    let mut daemon = Daemon::new(
+        dir.path(),
+        &[
+            "--node-id",
+            DAEMON_NODE_ID,
+            "--secret-dir",
+            secret_dir.to_str().unwrap(),
+        ],
+    );
     // A value found nowhere else, and its base64 form (as the config gives it).
     let secret = "s3cr3t-9c41e07b-only-in-the-plugin";
     let encoded = base64_encode(secret);
+    // A referenced one, in <secret-dir>/nfs/password.
+    let referenced = "r3f-5ecret-2d81aa40-in-a-file";
+    write_secret(&secret_dir.join("nfs/password"), referenced, 0o600);
     let mut config = managed_config(PLUGIN, &dir.path().join("plugin"), "vol1:1M");
     config["containers"][0]["command"]["environment"] = json!({"variables": [
         {"name": "PLAIN", "value": "visible"},
         {"name": "TOKEN", "type": "SECRET",
-         "secret": {"type": "VALUE", "value": {"data": encoded}}}
+         "secret": {"type": "VALUE", "value": {"data": encoded}}},
+        {"name": "REF_TOKEN", "type": "SECRET",
+         "secret": {"type": "REFERENCE", "reference": {"name": "nfs", "key": "password"}}}
     ]});
     daemon.add_config("test.json", &config);
-    // A REFERENCE secret is refused, naming the field, in the same dir (the other loads).
+    // A reference out of the secret dir is refused, naming the field, in the same dir (the
+    // other loads).
     let mut reference = managed_config(OTHER, &dir.path().join("other"), "o1:1M");
     reference["containers"][0]["command"]["environment"] = json!({"variables": [
         {"name": "TOKEN", "type": "SECRET",
-         "secret": {"type": "REFERENCE", "reference": {"name": "nfs", "key": "password"}}}
+         "secret": {"type": "REFERENCE", "reference": {"name": "..", "key": "password"}}}
     ]});
     daemon.add_config("reference.json", &reference);
     daemon.start();
@@ -243,9 +262,11 @@ async fn a_secret_variable_reaches_the_plugin_and_nothing_else() {
     api.publish(&publish("vol1", "w1")).await.unwrap();
     let info = ready_plugin(&daemon, PLUGIN).await;
 
-    // The plugin has it.
-    let env = environ(info.components[0].pid.unwrap());
+    // The plugin has them.
+    let pid = info.components[0].pid.unwrap();
+    let env = environ(pid);
     assert_eq!(var(&env, "TOKEN").as_deref(), Some(secret));
+    assert_eq!(var(&env, "REF_TOKEN").as_deref(), Some(referenced));
     assert_eq!(var(&env, "PLAIN").as_deref(), Some("visible"));
 
     // Nothing else does: the API's answers, the metrics, csictl, the daemon's log, and the
@@ -253,8 +274,9 @@ async fn a_secret_variable_reaches_the_plugin_and_nothing_else() {
     let list = api.plugins().await.unwrap();
     assert_eq!(list.config_errors.len(), 1, "{list:?}");
     assert!(
-        list.config_errors[0].message.contains("secret.type")
-            && list.config_errors[0].message.contains("REFERENCE"),
+        list.config_errors[0]
+            .message
+            .contains("secret.reference.name"),
         "{list:?}"
     );
     let mut shown = vec![
@@ -282,10 +304,122 @@ async fn a_secret_variable_reaches_the_plugin_and_nothing_else() {
             !text.contains(&encoded),
             "the encoded secret leaked: {text}"
         );
+        assert!(
+            !text.contains(referenced),
+            "the referenced secret leaked: {text}"
+        );
     }
+
+    // Rotated: the next launch reads the new content.
+    let rotated = "r0tated-77b3c1e9";
+    write_secret(&secret_dir.join("nfs/password"), rotated, 0o600);
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(i32::try_from(pid).unwrap()).unwrap(),
+        rustix::process::Signal::KILL,
+    )
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let new_pid = loop {
+        let info = daemon.api().plugin(PLUGIN).await.unwrap();
+        if let Some(c) = info.components.first()
+            && c.ready
+            && c.pid.is_some_and(|p| p != pid)
+        {
+            break c.pid.unwrap();
+        }
+        assert!(Instant::now() < deadline, "never relaunched: {info:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(
+        var(&environ(new_pid), "REF_TOKEN").as_deref(),
+        Some(rotated)
+    );
 
     api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
     assert_eq!(mounts_under(dir.path()), Vec::<PathBuf>::new());
+}
+
+/// Writes a secret file (root-owned: the tests run as root) with `mode`.
+fn write_secret(path: &Path, content: &str, mode: u32) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    std::fs::write(path, content).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+}
+
+/// The launch error of `plugin_type`'s component, once it has one.
+async fn launch_error(daemon: &Daemon, plugin_type: &str) -> String {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let info = daemon.api().plugin(plugin_type).await.unwrap();
+        if let Some(error) = info.components.first().and_then(|c| c.error.clone()) {
+            assert!(!info.components[0].ready, "{info:?}");
+            return error;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{plugin_type} never failed: {info:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_bad_secret_reference_fails_the_launch_naming_it_never_its_content() {
+    require_private_mount_namespace();
+    let dir = tempfile::tempdir().unwrap();
+    let secret_dir = dir.path().join("secrets");
+    let content = "n3ver-shown-5e1f0c2a";
+    write_secret(&secret_dir.join("nfs/open"), content, 0o644);
+    write_secret(&dir.path().join("outside"), content, 0o600);
+    std::os::unix::fs::symlink(dir.path().join("outside"), secret_dir.join("nfs/link")).unwrap();
+    let cases = [
+        ("org.example.open", "open", "mode 0644"),
+        ("org.example.link", "link", "symlink"),
+        ("org.example.missing", "missing", "does not exist"),
+    ];
+    let config = |plugin_type: &str, key: &str| {
+        let mut config = managed_config(plugin_type, &dir.path().join(plugin_type), "v:1M");
+        config["containers"][0]["command"]["environment"] = json!({"variables": [
+            {"name": "TOKEN", "type": "SECRET",
+             "secret": {"type": "REFERENCE", "reference": {"name": "nfs", "key": key}}}
+        ]});
+        config
+    };
+    let mut daemon = Daemon::new(
+        dir.path(),
+        &[
+            "--start-plugins",
+            "--secret-dir",
+            secret_dir.to_str().unwrap(),
+        ],
+    );
+    for (plugin_type, key, _) in cases {
+        daemon.add_config(&format!("{plugin_type}.json"), &config(plugin_type, key));
+    }
+    daemon.start();
+    for (plugin_type, key, problem) in cases {
+        let error = launch_error(&daemon, plugin_type).await;
+        assert!(
+            error.contains(&format!("nfs/{key}")) && error.contains(problem),
+            "{plugin_type}: {error}"
+        );
+        assert!(!error.contains(content), "{error}");
+    }
+    let log = std::fs::read_to_string(dir.path().join("daemon.log")).unwrap();
+    assert!(!log.contains(content), "{log}");
+    drop(daemon);
+
+    // Without --secret-dir, any reference fails, naming the flag.
+    let dir = tempfile::tempdir().unwrap();
+    let mut daemon = Daemon::new(dir.path(), &["--start-plugins"]);
+    daemon.add_config("a.json", &config(PLUGIN, "open"));
+    daemon.start();
+    let error = launch_error(&daemon, PLUGIN).await;
+    assert!(
+        error.contains("--secret-dir") && error.contains("nfs/open") && error.contains("TOKEN"),
+        "{error}"
+    );
 }
 
 fn base64_encode(text: &str) -> String {
