@@ -34,7 +34,8 @@
 //! the variables csi-agent sets over the config's (`CSI_ENDPOINT`, `CSI_NODE_ID`,
 //! `MESOS_AGENT_ID`: `crate::runtime::agent_vars`) inside `arguments` are replaced by
 //! csi-agent. `uris` are fetched into the component's sandbox before each launch
-//! ([`UriConfig`], `crate::fetch`); `user` is recognised but rejected.
+//! ([`UriConfig`], `crate::fetch`); `user` is the user the command runs as
+//! ([`crate::runtime::users`]).
 //!
 //! csi-agent's own optional top-level fields:
 //!
@@ -204,6 +205,11 @@ pub struct CommandConfig {
     /// when empty, so that the spec hash of a component without any is what it was before.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub uris: Vec<UriConfig>,
+    /// Mesos `CommandInfo.user`: the user the command runs as (a name or a uid), resolved at
+    /// launch in the host's (or the image's) `/etc/passwd` ([`crate::runtime::users`]).
+    /// Absent from the serialized form when unset, so existing launch spec hashes hold.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
 }
 
 /// One Mesos `CommandInfo.URI`, validated (`crate::fetch` fetches it).
@@ -1215,10 +1221,15 @@ impl Parser<'_> {
         {
             uris.push(self.uri(item, &format!("{prefix}.uris[{index}]"))?);
         }
-        if self.string(obj, prefix, "user")?.is_some() {
+        let user = self.string(obj, prefix, "user")?.map(str::to_owned);
+        if let Some(user) = &user
+            && (user.is_empty() || user.contains([':', '\n', '\0']) || user.len() > 256)
+        {
             return Err(self.invalid(
                 join(prefix, "user"),
-                "running as another user is not supported; remove `user` (the plugin runs as csi-agent's user)",
+                format!(
+                    "{user:?} is not a user name: give a name or a uid of /etc/passwd (no ':', newline or NUL, at most 256 bytes), or remove `user` to run as csi-agent's user"
+                ),
             ));
         }
         let environment = match obj.get("environment") {
@@ -1231,6 +1242,7 @@ impl Parser<'_> {
             shell,
             environment,
             uris,
+            user,
         })
     }
 
@@ -1561,6 +1573,7 @@ mod tests {
             shell: false,
             environment: vec![],
             uris: vec![],
+            user: None,
         };
         assert_eq!(cmd.argv(&[]).1, vec!["/bin/plugin"]);
         cmd.arguments = vec![
@@ -1672,6 +1685,38 @@ mod tests {
             "containers[0].container.volumes[0].host_path"
         );
         Ok(())
+    }
+
+    #[test]
+    fn a_command_user_is_kept_and_a_malformed_one_names_its_field() {
+        let with = |user: &str| {
+            parse(&format!(
+                r#"{{"type": "t", "containers": [{{"services": ["NODE_SERVICE"],
+                    "command": {{"value": "/p", "user": {user}}}}}]}}"#
+            ))
+        };
+        let config = with(r#""nobody""#).unwrap();
+        let Deployment::Managed(components) = &config.deployment else {
+            panic!("not managed");
+        };
+        assert_eq!(components[0].command.user.as_deref(), Some("nobody"));
+        // Serialized (and hashed) only when set: existing launch specs keep their hash.
+        let mut command = components[0].command.clone();
+        assert!(
+            serde_json::to_string(&command)
+                .unwrap()
+                .contains(r#""user":"nobody""#)
+        );
+        command.user = None;
+        assert!(!serde_json::to_string(&command).unwrap().contains("user"));
+        for bad in [r#""""#, r#""a:b""#, r#""a\nb""#, "1"] {
+            match with(bad) {
+                Err(ConfigError::Invalid { field, .. }) => {
+                    assert_eq!(field, "containers[0].command.user", "{bad}");
+                }
+                other => panic!("{bad}: expected an invalid field, got {other:?}"),
+            }
+        }
     }
 
     #[test]

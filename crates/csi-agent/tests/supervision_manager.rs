@@ -79,6 +79,7 @@ impl Fixture {
                 shell: false,
                 environment: vec![],
                 uris: vec![],
+                user: None,
             },
         )
     }
@@ -258,6 +259,7 @@ async fn supervision_crash_loop_backs_off_and_never_gives_up() -> anyhow::Result
             shell: true,
             environment: vec![],
             uris: vec![],
+            user: None,
         },
     );
     let mut config = config;
@@ -433,6 +435,7 @@ async fn supervision_unmanaged_plugin_started_elsewhere_is_awaited_probed_and_re
                 shell: false,
                 environment: vec![],
                 uris: vec![],
+                user: None,
             },
         )
     };
@@ -516,6 +519,7 @@ async fn supervision_plugin_that_changes_version_is_an_error() -> anyhow::Result
             shell: true,
             environment: vec![],
             uris: vec![],
+            user: None,
         },
     );
     let manager = ServiceManager::new(config, fx.options()).await?;
@@ -590,6 +594,7 @@ async fn supervision_stale_socket_is_removed_before_each_relaunch_and_after_stop
             shell: true,
             environment: vec![],
             uris: vec![],
+            user: None,
         },
     );
     let manager = ServiceManager::new(config, fx.options()).await?;

@@ -27,6 +27,7 @@ fn shell(script: &str) -> CommandConfig {
         shell: true,
         environment: vec![EnvVar::plain("FROM_CONFIG", "yes")],
         uris: vec![],
+        user: None,
     }
 }
 
@@ -118,6 +119,7 @@ async fn supervision_process_argv_follows_mesos_semantics() -> anyhow::Result<()
         shell: false,
         environment: vec![],
         uris: vec![],
+        user: None,
     };
     let component = runtime_launch(&spec(command), dir.path()).await?;
     assert_eq!(component.wait().await, ExitInfo::Code(0));
@@ -154,6 +156,7 @@ async fn supervision_process_exit_is_seen_through_the_pidfd() -> anyhow::Result<
             shell: false,
             environment: vec![],
             uris: vec![],
+            user: None,
         }),
         dir.path(),
     )

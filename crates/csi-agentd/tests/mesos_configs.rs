@@ -17,6 +17,11 @@
 //!   `--secret-dir`, fails the component's launch with an error naming the reference (and
 //!   the flag), never the content.
 //!
+//! - a process-runtime plugin with `command.user: "nobody"` runs as uid and gid 65534 with no
+//!   supplementary group (read from `/proc/<pid>/status`), its socket dir is nobody's (0700)
+//!   and it serves a publish; an unknown user fails the launch naming `command.user` and the
+//!   user.
+//!
 //! Real bind mounts: run under `unshare -m --propagation private`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -435,4 +440,94 @@ fn base64_encode(text: &str) -> String {
         })
         .unwrap();
     String::from_utf8(out.stdout).unwrap()
+}
+
+/// `Uid:`, `Gid:` and `Groups:` of `/proc/<pid>/status`, each as written there.
+fn ids(pid: u32) -> (String, String, String) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix(&format!("{name}:")))
+            .unwrap()
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    (field("Uid"), field("Gid"), field("Groups"))
+}
+
+#[tokio::test]
+async fn a_plugin_runs_as_its_command_user() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    require_private_mount_namespace();
+    let dir = tempfile::tempdir().unwrap();
+    // nobody must reach its own dirs beneath the test's dir (the work dir stays root's 0700).
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
+    let plugin_dir = dir.path().join("plugin");
+    std::fs::create_dir(&plugin_dir).unwrap();
+    std::os::unix::fs::chown(&plugin_dir, Some(65534), Some(65534)).unwrap();
+    let mut daemon = Daemon::new(dir.path(), &["--start-plugins"]);
+    // Bookkeeping only: nobody cannot mount.
+    let mut config = managed_config(PLUGIN, &plugin_dir, "vol1:1M");
+    config["containers"][0]["command"]["user"] = json!("nobody");
+    // The work dir (root's, 0700) is out of nobody's reach: its staging and target paths
+    // go beneath a root it can traverse, as docs/configuration.md says.
+    config["target_path_root"] = json!(dir.path().join("mounts"));
+    // And csi-agent makes the target path (nobody cannot create it in a dir of root's).
+    config["target_path_exists"] = json!(true);
+    config["containers"][0]["command"]["arguments"]
+        .as_array_mut()
+        .unwrap()
+        .extend([json!("--mount-mode"), json!("none")]);
+    daemon.add_config("test.json", &config);
+    let mut unknown = managed_config(OTHER, &dir.path().join("other"), "o1:1M");
+    unknown["containers"][0]["command"]["user"] = json!("no-such-user-29");
+    daemon.add_config("unknown.json", &unknown);
+    daemon.start();
+
+    let info = ready_plugin(&daemon, PLUGIN).await;
+    let pid = info.components[0].pid.unwrap();
+    assert_eq!(
+        ids(pid),
+        (
+            "65534 65534 65534 65534".to_owned(),
+            "65534 65534 65534 65534".to_owned(),
+            String::new()
+        )
+    );
+    let socket_dir = PathBuf::from(info.components[0].endpoint.clone().unwrap())
+        .parent()
+        .unwrap()
+        .to_path_buf();
+    let meta = std::fs::metadata(&socket_dir).unwrap();
+    assert_eq!(
+        (meta.uid(), meta.gid(), meta.mode() & 0o777),
+        (65534, 65534, 0o700)
+    );
+    // The work dir is not given away.
+    let work = std::fs::metadata(&daemon.work).unwrap();
+    assert_eq!((work.uid(), work.mode() & 0o777), (0, 0o700));
+
+    let api = daemon.api();
+    // It serves a publish (staging and target made by csi-agent, checked by the plugin as
+    // nobody). Its unpublish is not asked: this plugin removes the target itself, which
+    // nobody cannot do in a dir of root's (docs/configuration.md, `user`).
+    let published = api.publish(&publish("vol1", "w1")).await.unwrap();
+    assert!(
+        published
+            .target_path
+            .starts_with(dir.path().join("mounts").to_str().unwrap()),
+        "{published:?}"
+    );
+    assert_eq!(
+        ready_plugin(&daemon, PLUGIN).await.components[0].pid,
+        Some(pid)
+    );
+
+    let error = launch_error(&daemon, OTHER).await;
+    assert!(
+        error.contains("command.user") && error.contains("\"no-such-user-29\""),
+        "{error}"
+    );
 }

@@ -18,6 +18,7 @@ use crate::config::{CommandConfig, RuntimeConfig};
 
 pub mod oci;
 pub mod process;
+pub mod users;
 
 pub use oci::OciRuntime;
 pub use process::ProcessRuntime;
@@ -188,6 +189,9 @@ pub enum RuntimeError {
     },
     #[error(transparent)]
     Oci(Box<oci::OciError>),
+    /// `command.user` is unknown, or its socket dir could not be given to it.
+    #[error(transparent)]
+    User(Box<users::UserError>),
     #[error("runtime \"{runtime}\" cannot adopt a component run by runtime \"{handle}\"")]
     WrongKind {
         runtime: &'static str,

@@ -8,7 +8,10 @@
 //!   environment, then the config's `environment`, then `CSI_ENDPOINT=unix://<socket>` and
 //!   `CSI_NODE_ID` (ours win: the socket location is csi-agent's to choose). stdin is
 //!   `/dev/null`; stdout and stderr are appended to `stdout` and `stderr` in the container
-//!   dir, which is also the working directory.
+//!   dir, which is also the working directory. With `command.user`, the process runs as that
+//!   user of the host's `/etc/passwd` (uid and primary gid, no supplementary groups: setting
+//!   them needs `pre_exec`), starts in `/` (the container dir is in root's private work dir)
+//!   and gets its socket dir ([`super::users`]; docs/configuration.md, "Running as a user").
 //! - **Outliving the daemon**: the process is put in its own process group
 //!   (`CommandExt::process_group(0)`), so Ctrl-C or a SIGTERM sent to the daemon's group does
 //!   not reach it. A full `setsid` would also detach it from the daemon's session, but needs
@@ -49,7 +52,7 @@ use tokio::io::unix::AsyncFd;
 
 use super::{
     Component, ExitInfo, LaunchContext, LaunchSpec, MESOS_SANDBOX_VAR, Runtime, RuntimeError,
-    RuntimeHandle, agent_vars,
+    RuntimeHandle, agent_vars, users,
 };
 
 /// Runs components as host processes.
@@ -73,8 +76,16 @@ impl Runtime for ProcessRuntime {
         context: &'a LaunchContext,
     ) -> BoxFuture<'a, Result<Box<dyn Component>, RuntimeError>> {
         async move {
-            stop_untracked(&component_marker(context)).await;
-            launch(spec, context).map(|c| Box::new(c) as Box<dyn Component>)
+            // The host's user database, read at each launch (a user added since applies).
+            let user = match &spec.command.user {
+                Some(user) => Some(
+                    users::resolve(Path::new("/"), user)
+                        .map_err(|err| RuntimeError::User(Box::new(err)))?,
+                ),
+                None => None,
+            };
+            stop_untracked(&component_marker(context), user.as_ref().map(|u| u.uid)).await;
+            launch(spec, context, user.as_ref()).map(|c| Box::new(c) as Box<dyn Component>)
         }
         .boxed()
     }
@@ -120,11 +131,19 @@ fn component_marker(context: &LaunchContext) -> String {
 /// process this runtime starts does. Anything else is left alone, whatever its environment
 /// says: another user's process cannot make csi-agent signal it.
 pub fn find_marked(marker: &str) -> Vec<Pid> {
+    find_marked_owned_by(marker, None)
+}
+
+/// [`find_marked`], also taking processes owned by `user`: the uid a component with
+/// `command.user` runs as. A process of that user can carry the marker, and so have itself
+/// killed, but it could signal the component itself anyway (same uid): no new power.
+pub fn find_marked_owned_by(marker: &str, user: Option<u32>) -> Vec<Pid> {
     use std::io::Read;
     use std::os::unix::fs::MetadataExt;
     let wanted = format!("{COMPONENT_MARKER_VAR}={marker}");
     let me = rustix::process::getpid();
     let uid = rustix::process::geteuid().as_raw();
+    let owned = |owner: u32| owner == uid || Some(owner) == user;
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
@@ -139,7 +158,7 @@ pub fn find_marked(marker: &str) -> Vec<Pid> {
             continue;
         };
         if pid == me
-            || entry.metadata().ok().map(|m| m.uid()) != Some(uid)
+            || !entry.metadata().is_ok_and(|m| owned(m.uid()))
             || read_stat(pid).is_none_or(|stat| {
                 stat.process_group != pid.as_raw_pid() || matches!(stat.state, 'Z' | 'X')
             })
@@ -162,9 +181,9 @@ pub fn find_marked(marker: &str) -> Vec<Pid> {
 
 /// Kills the component's untracked processes (see the module doc) and waits, bounded, until
 /// they are gone.
-async fn stop_untracked(marker: &str) {
+async fn stop_untracked(marker: &str, user: Option<u32>) {
     let marker_owned = marker.to_owned();
-    let pids = crate::sys::blocking("scan /proc", || find_marked(&marker_owned));
+    let pids = crate::sys::blocking("scan /proc", || find_marked_owned_by(&marker_owned, user));
     for pid in pids {
         // The pidfd pins the process: the signal below cannot hit a later one with its pid.
         let Ok(fd) = pidfd_open(pid, PidfdFlags::empty()) else {
@@ -188,7 +207,11 @@ async fn stop_untracked(marker: &str) {
     }
 }
 
-fn launch(spec: &LaunchSpec, context: &LaunchContext) -> Result<ProcessComponent, RuntimeError> {
+fn launch(
+    spec: &LaunchSpec,
+    context: &LaunchContext,
+    user: Option<&users::User>,
+) -> Result<ProcessComponent, RuntimeError> {
     let stdout = open_log(&context.container_dir.join("stdout"))?;
     let stderr = open_log(&context.container_dir.join("stderr"))?;
     let endpoint = format!("unix://{}", context.socket.display());
@@ -207,9 +230,30 @@ fn launch(spec: &LaunchSpec, context: &LaunchContext) -> Result<ProcessComponent
     for (name, value) in vars {
         command.env(name, value);
     }
+    // std changes the user after forking and before `chdir` and `exec`: the working dir and
+    // the program must be reachable by that user. The container dir is not (the work dir is
+    // root's, 0700: it holds secrets), so such a component starts in `/`.
+    let mut cwd = context.container_dir.as_path();
+    if let Some(user) = user {
+        if let Some(socket_dir) = context.socket.parent() {
+            users::give_socket_dir(socket_dir, user)
+                .map_err(|err| RuntimeError::User(Box::new(err)))?;
+        }
+        if !user.groups.is_empty() {
+            // std's `CommandExt::groups` is unstable and `pre_exec` is `unsafe`: setting the
+            // uid clears the supplementary groups (setgroups(0)), which is never more power.
+            tracing::warn!(
+                user = %user.name,
+                groups = ?user.groups,
+                "the process runtime runs command.user without its supplementary groups; use the oci runtime (additionalGids) if the plugin needs them"
+            );
+        }
+        command.uid(user.uid).gid(user.gid);
+        cwd = Path::new("/");
+    }
     command
         .env(COMPONENT_MARKER_VAR, component_marker(context))
-        .current_dir(&context.container_dir)
+        .current_dir(cwd)
         .stdin(Stdio::null())
         .stdout(stdout)
         .stderr(stderr)

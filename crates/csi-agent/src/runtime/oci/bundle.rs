@@ -74,6 +74,8 @@ pub struct BundleInput<'a> {
     pub cwd: String,
     /// The process's uid and gid (an image's numeric `User`; else root).
     pub user: (u32, u32),
+    /// The process's supplementary groups (`command.user`'s in `/etc/group`).
+    pub additional_gids: Vec<u32>,
 }
 
 /// One top-level entry of the host's `/`, as a container on the host's root gets it.
@@ -277,6 +279,7 @@ pub fn spec(input: &BundleInput<'_>) -> Result<Spec, BundleError> {
             UserBuilder::default()
                 .uid(input.user.0)
                 .gid(input.user.1)
+                .additional_gids(input.additional_gids.clone())
                 .build()?,
         )
         .args(input.args.clone())
@@ -415,6 +418,7 @@ mod tests {
             },
             cwd: "/".to_owned(),
             user: (0, 0),
+            additional_gids: Vec::new(),
         }
     }
 

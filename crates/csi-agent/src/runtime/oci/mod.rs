@@ -423,6 +423,10 @@ pub fn cgroup_controller_available(controller: &str) -> bool {
 pub enum OciError {
     #[error(transparent)]
     Runc(#[from] RuncError),
+    /// `command.user` is not in the container root's `/etc/passwd` (the image's, or the
+    /// host's for a container on the host's root), or its socket dir could not be given.
+    #[error(transparent)]
+    User(Box<super::users::UserError>),
     /// The runtime refuses every container on this host's cgroups, whatever the config: crun
     /// on a hybrid hierarchy whose cgroup v2 part (`/sys/fs/cgroup/unified`) has controllers.
     #[error(
@@ -811,12 +815,27 @@ impl OciRuntime {
                             message,
                         }
                     })?;
-                let user = numeric_user(prepared.config.user.as_deref()).map_err(|message| {
-                    OciError::ImageUse {
-                        name: image.name.clone(),
-                        message,
-                    }
-                })?;
+                // `command.user` wins over the image's `User`, and is a name or uid of the
+                // image's own /etc/passwd (read beneath its root), as Mesos resolves it in
+                // the container.
+                let user = match &spec.command.user {
+                    Some(name) => super::users::resolve(&root, name).map_err(|err| {
+                        // Nothing was created: the image's overlay, if any, goes now.
+                        remove_bundle(&bundle_dir);
+                        OciError::User(Box::new(err))
+                    })?,
+                    None => numeric_user(prepared.config.user.as_deref())
+                        .map(|(uid, gid)| super::users::User {
+                            name: format!("{uid}"),
+                            uid,
+                            gid,
+                            groups: Vec::new(),
+                        })
+                        .map_err(|message| OciError::ImageUse {
+                            name: image.name.clone(),
+                            message,
+                        })?,
+                };
                 // The image's config is input: its WorkingDir is resolved beneath the root
                 // here, never handed to runc as it is (rootpaths).
                 let opened = rootpaths::Root::open(&root).and_then(|tree| {
@@ -844,7 +863,7 @@ impl OciRuntime {
                     .map(|var| (var.name.clone(), var.value.clone()))
                     .collect();
                 let env = rootpaths::image_environment(&prepared.config.env, &config_env, || {
-                    tree.home_of(user.0)
+                    tree.home_of(user.uid)
                         .unwrap_or_else(|| rootpaths::DEFAULT_HOME.to_owned())
                 });
                 (args, env, cwd, user)
@@ -861,7 +880,22 @@ impl OciRuntime {
                 for var in &spec.command.environment {
                     env.push((var.name.clone(), var.value.clone()));
                 }
-                (args, env, "/".to_owned(), (0, 0))
+                // The host's user database: the container runs on the host's root (or on a
+                // configured rootfs, whose own database then applies).
+                let user = match &spec.command.user {
+                    Some(name) => super::users::resolve(
+                        settings.rootfs.as_deref().unwrap_or(Path::new("/")),
+                        name,
+                    )
+                    .map_err(|err| OciError::User(Box::new(err)))?,
+                    None => super::users::User {
+                        name: "root".to_owned(),
+                        uid: 0,
+                        gid: 0,
+                        groups: Vec::new(),
+                    },
+                };
+                (args, env, "/".to_owned(), user)
             }
         };
         // Then ours, which win. No MESOS_SANDBOX: the component's dir is not mounted in a
@@ -913,8 +947,13 @@ impl OciRuntime {
             available_capabilities: own.as_deref(),
             limits,
             cwd,
-            user,
+            user: (user.uid, user.gid),
+            additional_gids: user.groups.clone(),
         };
+        if spec.command.user.is_some() {
+            super::users::give_socket_dir(socket_dir, &user)
+                .map_err(|err| OciError::User(Box::new(err)))?;
+        }
         let oci_spec = bundle::spec(&input)?;
         // A root of the container's own (an image's, a configured rootfs) is input: runc
         // would follow its symlinks to every mount destination.
@@ -1539,6 +1578,7 @@ mod tests {
             arguments: arguments.iter().map(|a| (*a).to_owned()).collect(),
             environment: Vec::new(),
             uris: vec![],
+            user: None,
         };
         // Nothing given: Entrypoint + Cmd.
         assert_eq!(

@@ -176,36 +176,44 @@ impl Root {
         Ok(())
     }
 
-    /// The home dir of `uid` in the root's `/etc/passwd` (read beneath the root without
-    /// following a symlink, a regular file of at most [`MAX_PASSWD_BYTES`]); `None` when
-    /// there is no such file or entry, or its home is not an absolute path.
+    /// The home dir of `uid` in the root's `/etc/passwd` (read by [`Root::read_etc`]); `None`
+    /// when there is no such file or entry, or its home is not an absolute path.
     pub fn home_of(&self, uid: u32) -> Option<String> {
-        let etc = match self.dir_existing(Path::new("etc")) {
-            Ok(fd) => fd,
-            Err(err) => {
-                tracing::debug!(root = %self.path.display(), "no /etc/passwd for HOME: {err}");
-                return None;
-            }
-        };
-        let at = self.path.join("etc/passwd");
-        let file = beneath::open_file_in(etc.as_fd(), OsStr::new("passwd"), &at, &self.path)
+        let passwd = self
+            .read_etc("passwd")
             .map_err(|err| tracing::debug!("no /etc/passwd for HOME: {err}"))
             .ok()?;
-        let stat = rustix::fs::fstat(&file).ok()?;
+        home_in_passwd(&passwd, uid)
+    }
+
+    /// The root's `/etc/<name>` (`passwd`, `group`), read beneath the root without following
+    /// a symlink, a regular file of at most [`MAX_PASSWD_BYTES`], as text. The error says
+    /// why it was not read (it names the file).
+    pub fn read_etc(&self, name: &str) -> Result<String, String> {
+        let at = self.path.join("etc").join(name);
+        let etc = self
+            .dir_existing(Path::new("etc"))
+            .map_err(|err| format!("cannot open {}: {err}", at.display()))?;
+        let file = beneath::open_file_in(etc.as_fd(), OsStr::new(name), &at, &self.path)
+            .map_err(|err| format!("cannot open {}: {err}", at.display()))?;
+        let stat = rustix::fs::fstat(&file)
+            .map_err(|err| format!("cannot stat {}: {err}", at.display()))?;
         if rustix::fs::FileType::from_raw_mode(stat.st_mode) != rustix::fs::FileType::RegularFile {
-            tracing::debug!(path = %at.display(), "not a regular file: not read for HOME");
-            return None;
+            return Err(format!("{} is not a regular file", at.display()));
         }
         let mut text = Vec::new();
         std::fs::File::from(file)
             .take(MAX_PASSWD_BYTES + 1)
             .read_to_end(&mut text)
-            .ok()?;
+            .map_err(|err| format!("cannot read {}: {err}", at.display()))?;
         if text.len() as u64 > MAX_PASSWD_BYTES {
-            tracing::warn!(path = %at.display(), "larger than {MAX_PASSWD_BYTES} bytes: not read for HOME");
-            return None;
+            tracing::warn!(path = %at.display(), "larger than {MAX_PASSWD_BYTES} bytes: not read");
+            return Err(format!(
+                "{} is larger than {MAX_PASSWD_BYTES} bytes",
+                at.display()
+            ));
         }
-        home_in_passwd(&String::from_utf8_lossy(&text), uid)
+        Ok(String::from_utf8_lossy(&text).into_owned())
     }
 
     /// Opens an existing directory beneath the root, creating nothing.
