@@ -374,3 +374,85 @@ async fn an_image_symlink_at_a_mount_point_and_a_proc_working_dir_are_refused() 
     drop(daemon);
     unmount_under(dir.path());
 }
+
+/// `command.user` of an image plugin names a user of the *image's* `/etc/passwd` and
+/// `/etc/group` (issue #29, item 5): the plugin runs as its uid and gid with its image
+/// supplementary group (read from `/proc/<pid>/status`), and its socket dir is that user's.
+/// A user only the host has (`nobody`) fails the launch naming `command.user` and the user.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_image_plugin_runs_as_its_command_user_from_the_images_passwd() {
+    use std::os::unix::fs::MetadataExt;
+    csi_agent::mounts::require_private_mount_namespace();
+    let (dir, registry, plugin_dir) = scene("/tmp", "csi-image-");
+    // Its state dir is the image user's (a uid the host does not name).
+    std::os::unix::fs::chown(&plugin_dir, Some(4242), Some(4242)).unwrap();
+    let users = layer(&[
+        ("etc", Item::Dir),
+        (
+            "etc/passwd",
+            Item::File(
+                b"root:x:0:0:root:/root:/bin/sh\nimgplugin:x:4242:4242::/:/bin/sh\n",
+                0o644,
+            ),
+        ),
+        (
+            "etc/group",
+            Item::File(
+                b"root:x:0:\nimgplugin:x:4242:\nstorage:x:4300:other,imgplugin\n",
+                0o644,
+            ),
+        ),
+    ]);
+    let layout = dir.path().join("layout");
+    oci_layout(
+        &layout,
+        &[plugin_layer(), users],
+        json!({
+            "Entrypoint": ["/bin/csi-testplugin"],
+            "Cmd": ["--work-dir", plugin_dir, "--volumes", "vol1:1M", "--node-id", "node-1",
+                    "--mount-mode", "none"],
+        }),
+    )
+    .unwrap();
+    push(&layout, &registry, "csi/users:v1").unwrap();
+
+    let containers = Containers(dir.path().join("sockets/runc"));
+    let mut daemon = registry_daemon(dir.path(), &registry.host());
+    let mut config = image_plugin(PLUGIN, "csi/users:v1", vec![volume(&plugin_dir)], 55000);
+    config["containers"][0]["command"] = json!({"user": "imgplugin"});
+    daemon.add_config("test.json", &config);
+    let mut host_only = image_plugin(SECOND, "csi/users:v1", vec![volume(&plugin_dir)], 55000);
+    host_only["containers"][0]["command"] = json!({"user": "nobody"});
+    daemon.add_config("second.json", &host_only);
+    daemon.extra.push("--start-plugins".to_owned());
+    daemon.start();
+
+    let info = wait_plugin(&daemon, PLUGIN, "the plugin ready", |i| {
+        ready_pid(i).is_some()
+    })
+    .await;
+    let pid = ready_pid(&info).unwrap();
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix(&format!("{name}:")))
+            .unwrap()
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    assert_eq!(field("Uid"), "4242 4242 4242 4242", "{status}");
+    assert_eq!(field("Gid"), "4242 4242 4242 4242", "{status}");
+    assert_eq!(field("Groups"), "4300", "{status}");
+    let socket = PathBuf::from(info.components[0].endpoint.clone().unwrap());
+    let meta = std::fs::metadata(socket.parent().unwrap()).unwrap();
+    assert_eq!((meta.uid(), meta.gid()), (4242, 4242));
+
+    let error = wait_error(&daemon, SECOND, &["command.user", "\"nobody\""]).await;
+    assert!(error.contains("etc/passwd"), "{error}");
+
+    remove_all_plugins(&daemon, &containers).await;
+    drop(daemon);
+    unmount_under(dir.path());
+}
