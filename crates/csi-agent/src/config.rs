@@ -1688,6 +1688,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::unwrap_used)]
     fn a_command_user_is_kept_and_a_malformed_one_names_its_field() {
         let with = |user: &str| {
             parse(&format!(

@@ -432,19 +432,14 @@ async fn an_image_plugin_runs_as_its_command_user_from_the_images_passwd() {
     })
     .await;
     let pid = ready_pid(&info).unwrap();
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let field = |name: &str| {
-        status
-            .lines()
-            .find_map(|line| line.strip_prefix(&format!("{name}:")))
-            .unwrap()
-            .split_whitespace()
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
-    assert_eq!(field("Uid"), "4242 4242 4242 4242", "{status}");
-    assert_eq!(field("Gid"), "4242 4242 4242 4242", "{status}");
-    assert_eq!(field("Groups"), "4300", "{status}");
+    assert_eq!(
+        proc_ids(pid),
+        (
+            "4242 4242 4242 4242".to_owned(),
+            "4242 4242 4242 4242".to_owned(),
+            "4300".to_owned()
+        )
+    );
     let socket = PathBuf::from(info.components[0].endpoint.clone().unwrap());
     let meta = std::fs::metadata(socket.parent().unwrap()).unwrap();
     assert_eq!((meta.uid(), meta.gid()), (4242, 4242));

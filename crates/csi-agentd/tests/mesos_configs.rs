@@ -442,21 +442,6 @@ fn base64_encode(text: &str) -> String {
     String::from_utf8(out.stdout).unwrap()
 }
 
-/// `Uid:`, `Gid:` and `Groups:` of `/proc/<pid>/status`, each as written there.
-fn ids(pid: u32) -> (String, String, String) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let field = |name: &str| {
-        status
-            .lines()
-            .find_map(|line| line.strip_prefix(&format!("{name}:")))
-            .unwrap()
-            .split_whitespace()
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
-    (field("Uid"), field("Gid"), field("Groups"))
-}
-
 #[tokio::test]
 async fn a_plugin_runs_as_its_command_user() {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
@@ -489,7 +474,7 @@ async fn a_plugin_runs_as_its_command_user() {
     let info = ready_plugin(&daemon, PLUGIN).await;
     let pid = info.components[0].pid.unwrap();
     assert_eq!(
-        ids(pid),
+        proc_ids(pid),
         (
             "65534 65534 65534 65534".to_owned(),
             "65534 65534 65534 65534".to_owned(),

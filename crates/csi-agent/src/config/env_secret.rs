@@ -26,10 +26,11 @@ pub(super) enum Secret {
 
 /// The secret of a SECRET variable. An error is `(field relative to the variable, message)`.
 pub(super) fn secret(secret: Option<&Value>) -> Result<Secret, (String, String)> {
-    if let Some(object) = secret.and_then(Value::as_object)
-        && object.get("type").and_then(Value::as_str) == Some("REFERENCE")
-    {
-        return reference(object).map(Secret::Reference);
+    if let Some(object) = secret.and_then(Value::as_object) {
+        unknown_key(object, "secret", &["type", "value", "reference"])?;
+        if object.get("type").and_then(Value::as_str) == Some("REFERENCE") {
+            return reference(object).map(Secret::Reference);
+        }
     }
     inline_secret(secret).map(Secret::Value)
 }
@@ -38,15 +39,6 @@ pub(super) fn secret(secret: Option<&Value>) -> Result<Secret, (String, String)>
 /// but a file needs one).
 fn reference(secret: &serde_json::Map<String, Value>) -> Result<SecretRef, (String, String)> {
     let err = |field: &str, message: &str| Err((field.to_owned(), message.to_owned()));
-    if let Some(key) = secret
-        .keys()
-        .find(|k| !matches!(k.as_str(), "type" | "reference" | "value"))
-    {
-        return Err((
-            format!("secret.{key}"),
-            "unknown field; known fields here: type, value, reference".to_owned(),
-        ));
-    }
     if secret.get("value").is_some_and(|v| !v.is_null()) {
         return err("secret.value", "is only for VALUE secrets; remove it");
     }
@@ -56,15 +48,7 @@ fn reference(secret: &serde_json::Map<String, Value>) -> Result<SecretRef, (Stri
             "is required for a REFERENCE secret: {\"name\": \"<dir in --secret-dir>\", \"key\": \"<file in it>\"}",
         );
     };
-    if let Some(key) = reference
-        .keys()
-        .find(|k| !matches!(k.as_str(), "name" | "key"))
-    {
-        return Err((
-            format!("secret.reference.{key}"),
-            "unknown field; known fields here: name, key".to_owned(),
-        ));
-    }
+    unknown_key(reference, "secret.reference", &["name", "key"])?;
     let mut parts = Vec::with_capacity(2);
     for field in ["name", "key"] {
         let Some(part) = reference.get(field).and_then(Value::as_str) else {
@@ -86,6 +70,21 @@ fn reference(secret: &serde_json::Map<String, Value>) -> Result<SecretRef, (Stri
     Ok(SecretRef { name, key })
 }
 
+/// The first key of `object` not in `known`, as an error on `<prefix>.<key>`.
+fn unknown_key(
+    object: &serde_json::Map<String, Value>,
+    prefix: &str,
+    known: &[&str],
+) -> Result<(), (String, String)> {
+    match object.keys().find(|k| !known.contains(&k.as_str())) {
+        Some(key) => Err((
+            format!("{prefix}.{key}"),
+            format!("unknown field; known fields here: {}", known.join(", ")),
+        )),
+        None => Ok(()),
+    }
+}
+
 /// The value of an inline secret. An error is `(field relative to the variable, message)`.
 fn inline_secret(secret: Option<&Value>) -> Result<String, (String, String)> {
     let err = |field: &str, message: &str| Err((field.to_owned(), message.to_owned()));
@@ -98,15 +97,6 @@ fn inline_secret(secret: Option<&Value>) -> Result<String, (String, String)> {
     let Some(secret) = secret.as_object() else {
         return err("secret", "must be an object");
     };
-    if let Some(key) = secret
-        .keys()
-        .find(|k| !matches!(k.as_str(), "type" | "value" | "reference"))
-    {
-        return Err((
-            format!("secret.{key}"),
-            "unknown field; known fields here: type, value, reference".to_owned(),
-        ));
-    }
     match secret.get("type").and_then(Value::as_str) {
         Some("VALUE") => {}
         _ => return err("secret.type", "is required: \"VALUE\" or \"REFERENCE\""),
@@ -123,12 +113,7 @@ fn inline_secret(secret: Option<&Value>) -> Result<String, (String, String)> {
             "is required: {\"data\": \"<the secret, base64-encoded>\"}",
         );
     };
-    if let Some(key) = value.keys().find(|k| k.as_str() != "data") {
-        return Err((
-            format!("secret.value.{key}"),
-            "unknown field; known fields here: data".to_owned(),
-        ));
-    }
+    unknown_key(value, "secret.value", &["data"])?;
     let Some(data) = value.get("data").and_then(Value::as_str) else {
         return err(
             "secret.value.data",

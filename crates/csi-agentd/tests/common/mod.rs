@@ -298,3 +298,19 @@ pub fn edit_record(work: &Path, volume: &str, edit: impl FnOnce(&mut serde_json:
     row.record = record.to_string();
     csi_agent::store::db::put_raw(work, &row).unwrap();
 }
+
+/// `Uid:`, `Gid:` and `Groups:` of `/proc/<pid>/status`, each as written there (fields
+/// separated by one space).
+pub fn proc_ids(pid: u32) -> (String, String, String) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix(&format!("{name}:")))
+            .unwrap()
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    (field("Uid"), field("Gid"), field("Groups"))
+}
