@@ -296,6 +296,22 @@ async fn supervision_process_untracked_component_processes_are_stopped_before_a_
         "found {found:?}, expected only {}",
         untracked.id()
     );
+    // A component run as `command.user` 65534 counts that user's marked processes too (it
+    // could signal them itself), still no other user's and no other component's.
+    let as_user = csi_agent::runtime::process::find_marked_owned_by(&marker, Some(65534));
+    let mut as_user: Vec<i32> = as_user.iter().map(|pid| pid.as_raw_pid()).collect();
+    as_user.sort_unstable();
+    let mut expected = vec![untracked.id() as i32, other_user.id() as i32];
+    expected.sort_unstable();
+    anyhow::ensure!(
+        as_user == expected,
+        "found {as_user:?}, expected {expected:?}"
+    );
+    let as_other = csi_agent::runtime::process::find_marked_owned_by(&marker, Some(4242));
+    anyhow::ensure!(
+        as_other.len() == 1,
+        "another user's process was taken: {as_other:?}"
+    );
 
     let component = runtime_launch(
         &spec(shell("echo started > started; exec sleep 30")),
