@@ -234,11 +234,11 @@ fn launch(
     // the program must be reachable by that user. The container dir is not (the work dir is
     // root's, 0700: it holds secrets), so such a component starts in `/`.
     let mut cwd = context.container_dir.as_path();
+    if let Some(socket_dir) = context.socket.parent() {
+        users::give_socket_dir(socket_dir, user)
+            .map_err(|err| RuntimeError::User(Box::new(err)))?;
+    }
     if let Some(user) = user {
-        if let Some(socket_dir) = context.socket.parent() {
-            users::give_socket_dir(socket_dir, user)
-                .map_err(|err| RuntimeError::User(Box::new(err)))?;
-        }
         if !user.groups.is_empty() {
             // std's `CommandExt::groups` is unstable and `pre_exec` is `unsafe`: setting the
             // uid clears the supplementary groups (setgroups(0)), which is never more power.

@@ -117,15 +117,38 @@ pub fn groups_of(group: &str, user: &str, primary: u32) -> Vec<u32> {
 /// Gives the component's socket dir to `user` (owner uid and gid, mode kept 0700), so that
 /// the plugin can create its socket there and nobody else can; and lets others traverse
 /// (only: `--x`) the socket root above it, without which the plugin could not reach its dir.
+/// With no user (the plugin runs as csi-agent's user), takes the dir back if an earlier
+/// launch gave it away: the socket dir outlives relaunches, and a user no longer configured
+/// must not keep the power to swap the socket csi-agent connects to.
 /// Nothing else of csi-agent's changes owner: the work dir stays root's and private.
-pub fn give_socket_dir(socket_dir: &Path, user: &User) -> Result<(), UserError> {
+pub fn give_socket_dir(socket_dir: &Path, user: Option<&User>) -> Result<(), UserError> {
+    use std::os::unix::fs::MetadataExt;
+    let name = user.map_or("(csi-agent's own)", |u| u.name.as_str());
     let fail = |dir: &Path, source| UserError::SocketDir {
-        user: user.name.clone(),
+        user: name.to_owned(),
         dir: dir.to_path_buf(),
         source,
     };
-    std::os::unix::fs::chown(socket_dir, Some(user.uid), Some(user.gid))
-        .map_err(|err| fail(socket_dir, err))?;
+    let (uid, gid) = match user {
+        Some(user) => (user.uid, user.gid),
+        None => (
+            rustix::process::geteuid().as_raw(),
+            rustix::process::getegid().as_raw(),
+        ),
+    };
+    let meta = match std::fs::metadata(socket_dir) {
+        Ok(meta) => meta,
+        // Nothing to take back: a dir that is not there was given to no one.
+        Err(err) if user.is_none() && err.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(err) => return Err(fail(socket_dir, err)),
+    };
+    if (meta.uid(), meta.gid()) != (uid, gid) {
+        std::os::unix::fs::chown(socket_dir, Some(uid), Some(gid))
+            .map_err(|err| fail(socket_dir, err))?;
+    }
+    if user.is_none() {
+        return Ok(());
+    }
     if let Some(root) = socket_dir.parent() {
         let mode = std::fs::metadata(root)
             .map_err(|err| fail(root, err))?
@@ -202,5 +225,40 @@ mod tests {
         std::os::unix::fs::symlink("/etc/passwd", dir.path().join("etc/passwd")).unwrap();
         let err = resolve(dir.path(), "root").unwrap_err().to_string();
         assert!(err.contains("symlink"), "{err}");
+    }
+
+    #[test]
+    fn the_socket_dir_is_given_to_the_user_and_taken_back_without_one() {
+        use std::os::unix::fs::MetadataExt;
+        if !rustix::process::geteuid().is_root() {
+            eprintln!("skipped: needs root (chown)");
+            return;
+        }
+        let root = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(root.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+        let dir = root.path().join("0badcafe");
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let nobody = User {
+            name: "nobody".to_owned(),
+            uid: 65534,
+            gid: 65534,
+            groups: vec![],
+        };
+        give_socket_dir(&dir, Some(&nobody)).unwrap();
+        let meta = std::fs::metadata(&dir).unwrap();
+        assert_eq!(
+            (meta.uid(), meta.gid(), meta.mode() & 0o777),
+            (65534, 65534, 0o700)
+        );
+        // Its parent: traverse only for others, never read.
+        assert_eq!(
+            std::fs::metadata(root.path()).unwrap().mode() & 0o777,
+            0o711
+        );
+        // The user is removed from the config: the next launch takes the dir back.
+        give_socket_dir(&dir, None).unwrap();
+        let meta = std::fs::metadata(&dir).unwrap();
+        assert_eq!((meta.uid(), meta.gid(), meta.mode() & 0o777), (0, 0, 0o700));
     }
 }

@@ -950,10 +950,11 @@ impl OciRuntime {
             user: (user.uid, user.gid),
             additional_gids: user.groups.clone(),
         };
-        if spec.command.user.is_some() {
-            super::users::give_socket_dir(socket_dir, &user)
-                .map_err(|err| OciError::User(Box::new(err)))?;
-        }
+        // The socket dir is the process's user's (an image's numeric `User` too), or taken
+        // back for root.
+        let owner = (user.uid != 0 || user.gid != 0).then_some(&user);
+        super::users::give_socket_dir(socket_dir, owner)
+            .map_err(|err| OciError::User(Box::new(err)))?;
         let oci_spec = bundle::spec(&input)?;
         // A root of the container's own (an image's, a configured rootfs) is input: runc
         // would follow its symlinks to every mount destination.
