@@ -403,9 +403,23 @@ pub struct ReloadReport {
 #[serde(deny_unknown_fields)]
 pub struct DrainRequest {
     /// How long to wait for the operations in flight, and then again for the drain's own
-    /// unpublishes (default 60).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// unpublishes (default 60). Absent means the default; `null` is refused (the schema
+    /// says integer, and a client that sends null meant something).
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "present_not_null"
+    )]
     pub timeout_secs: Option<u64>,
+}
+
+/// An optional field that, when present, must hold a value: `null` is an error.
+fn present_not_null<'de, D, T>(deserializer: D) -> Result<Option<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    T::deserialize(deserializer).map(Some)
 }
 
 /// `POST /v1/drain`: what the drain did. The node publishes nothing and starts no plugin

@@ -53,6 +53,14 @@ type ApiResult<T> = Result<Json<T>, ApiFailure>;
 
 /// Parses a JSON body with a message that names the route and the problem.
 fn parse_body<T: DeserializeOwned>(route: &str, body: &Bytes) -> Result<T, ApiFailure> {
+    // serde fills a struct from a JSON array too (`["p"]` is a CapacityRequest for plugin
+    // "p", `[]` a DrainRequest of defaults): every body of this API is an object
+    // (openapi.yaml), so anything else is refused before serde sees it.
+    if body.trim_ascii_start().first() != Some(&b'{') {
+        return Err(ApiFailure::invalid(format!(
+            "request body of {route} is not valid: it must be a JSON object ({{...}}); see docs/api.md for the expected fields"
+        )));
+    }
     serde_json::from_slice(body).map_err(|err| {
         ApiFailure::invalid(format!(
             "request body of {route} is not valid: {err}; see docs/api.md for the expected fields"
@@ -1045,4 +1053,43 @@ async fn capacity(State(state): State<AppState>, body: Bytes) -> ApiResult<api::
     Ok(Json(api::CapacityResponse {
         available_capacity: available,
     }))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    fn refusal<T: DeserializeOwned + std::fmt::Debug>(route: &str, body: &str) -> String {
+        let failure = parse_body::<T>(route, &Bytes::from(body.to_owned()))
+            .expect_err("a body that is not an object must be refused");
+        failure.0.message
+    }
+
+    #[test]
+    fn a_body_that_is_not_an_object_is_refused_naming_the_route() {
+        // Arrays serde would have taken for structs, and other JSON values.
+        for body in ["[]", " [\"p\"]", "null", "1", "\"x\""] {
+            let message = refusal::<api::DrainRequest>("POST /v1/drain", body);
+            assert!(
+                message.contains("POST /v1/drain") && message.contains("JSON object"),
+                "{body}: {message}"
+            );
+        }
+        let message = refusal::<api::CapacityRequest>("POST /v1/capacity", "[\"p\"]");
+        assert!(message.contains("JSON object"), "{message}");
+        // An object still parses; leading whitespace is fine.
+        let request: api::DrainRequest = parse_body(
+            "POST /v1/drain",
+            &Bytes::from_static(b" \n{\"timeout_secs\": 5}"),
+        )
+        .unwrap();
+        assert_eq!(request.timeout_secs, Some(5));
+    }
+
+    #[test]
+    fn a_null_drain_timeout_is_refused_not_taken_for_the_default() {
+        let message = refusal::<api::DrainRequest>("POST /v1/drain", r#"{"timeout_secs": null}"#);
+        assert!(message.contains("invalid type: null"), "{message}");
+    }
 }
