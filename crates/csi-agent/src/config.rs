@@ -1232,6 +1232,15 @@ impl Parser<'_> {
                 ),
             ));
         }
+        if user.is_some() && !uris.is_empty() {
+            // The fetched files land in the sandbox, inside the work dir (root's, 0700: it
+            // holds secrets), which a component run as a user cannot reach (docs/configuration.md,
+            // "Running as a user"): refused here rather than failing every launch.
+            return Err(self.invalid(
+                join(prefix, "user"),
+                "cannot be combined with `uris` yet: the fetched files are in csi-agent's sandbox, which only root can reach; drop `user`, or install the plugin on the host and drop `uris`",
+            ));
+        }
         let environment = match obj.get("environment") {
             None | Some(Value::Null) => Vec::new(),
             Some(value) => self.environment(value, &join(prefix, "environment"))?,
@@ -1446,6 +1455,17 @@ mod tests {
                 Err(ConfigError::Invalid { field: got, .. }) => assert_eq!(got, field, "{uri}"),
                 other => panic!("{uri}: {other:?}"),
             }
+        }
+        // A user cannot reach the sandbox the uris are fetched into: refused, naming `user`.
+        match parse(
+            r#"{"type": "t", "containers": [{"services": ["NODE_SERVICE"],
+                "command": {"value": "./p", "user": "nobody", "uris": [{"value": "/ok"}]}}]}"#,
+        ) {
+            Err(ConfigError::Invalid { field, message, .. }) => {
+                assert_eq!(field, "containers[0].command.user");
+                assert!(message.contains("uris"), "{message}");
+            }
+            other => panic!("user with uris: {other:?}"),
         }
     }
 
