@@ -8,11 +8,12 @@ use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::{Family, MetricConstructor};
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
-use prometheus_client::registry::Registry;
+use prometheus_client::registry::{Metric, Registry};
 
 /// Labels of one CSI RPC: which plugin, which method, which outcome (gRPC code name, `OK`, or
 /// `TRANSPORT` when no status came back).
@@ -77,10 +78,31 @@ fn latency_buckets() -> impl Iterator<Item = f64> {
     prometheus_client::metrics::histogram::exponential_buckets(0.000_05, 4.0, 11)
 }
 
+/// The registry's prefix: every metric is named `csi_agent_…`.
+const PREFIX: &str = "csi_agent";
+
+/// A registry that also keeps the name and type of what it registers, which
+/// `prometheus_client` does not expose (and does not encode for a family with no samples
+/// yet): [`Metrics::families`] lists them for the docs' test.
+#[derive(Debug)]
+struct Registering {
+    registry: Registry,
+    families: Vec<(String, MetricType)>,
+}
+
+impl Registering {
+    fn register(&mut self, name: &str, help: &str, metric: impl Metric) {
+        self.families
+            .push((format!("{PREFIX}_{name}"), metric.metric_type()));
+        self.registry.register(name, help, metric);
+    }
+}
+
 /// Every metric family of the engine, registered in one registry.
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
+    families: Vec<(String, MetricType)>,
     pub rpc_duration: Family<RpcLabels, Histogram, LatencyBuckets>,
     pub rpcs_in_flight: Family<MethodLabels, Gauge>,
     pub probes: Family<RpcLabels, Counter>,
@@ -106,7 +128,10 @@ impl Default for Metrics {
 impl Metrics {
     /// Creates the registry with every family registered under the `csi_agent` prefix.
     pub fn new() -> Self {
-        let mut registry = Registry::with_prefix("csi_agent");
+        let mut registry = Registering {
+            registry: Registry::with_prefix(PREFIX),
+            families: Vec::new(),
+        };
         let rpc_duration = Family::new_with_constructor(LatencyBuckets);
         registry.register(
             "rpc_duration_seconds",
@@ -192,7 +217,8 @@ impl Metrics {
             config_errors.clone(),
         );
         Self {
-            registry,
+            registry: registry.registry,
+            families: registry.families,
             rpc_duration,
             rpcs_in_flight,
             probes,
@@ -219,6 +245,14 @@ impl Metrics {
                 code: code.to_owned(),
             })
             .observe(elapsed.as_secs_f64());
+    }
+
+    /// Every registered metric family: its full name (as in `# TYPE`; a counter's samples add
+    /// `_total`) and its type, whether or not it has samples yet.
+    pub fn families(&self) -> impl Iterator<Item = (&str, MetricType)> {
+        self.families
+            .iter()
+            .map(|(name, kind)| (name.as_str(), *kind))
     }
 
     /// Renders the registry in the Prometheus text format.
