@@ -11,6 +11,7 @@ pub mod binaries;
 pub mod bootid;
 pub mod client;
 pub mod config;
+pub mod durable;
 pub mod endpoints;
 pub mod failpoint;
 pub mod fetch;

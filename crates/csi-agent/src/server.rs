@@ -101,7 +101,7 @@ pub enum ServerError {
     )]
     PruneUnsafe { plugins: Vec<String> },
     #[error(transparent)]
-    ImageStore(#[from] crate::image::store::StoreError),
+    ImageStore(#[from] crate::image::store::ImageStoreError),
     #[error("cannot list the plugins' components under {}: {source}", path.display())]
     ListComponents {
         path: PathBuf,

@@ -291,17 +291,17 @@ struct ComponentRecord {
 #[derive(Debug)]
 // One per component, never moved after the manager is built.
 #[allow(clippy::large_enum_variant)]
-enum SlotKind {
+enum ComponentSlotKind {
     Managed { spec: LaunchSpec, spec_hash: String },
     Unmanaged { socket: PathBuf },
 }
 
 /// One component (managed) or one distinct endpoint (unmanaged).
 #[derive(Debug)]
-struct Slot {
+struct ComponentSlot {
     id: String,
     serves: Vec<Service>,
-    kind: SlotKind,
+    kind: ComponentSlotKind,
     state: watch::Sender<ComponentState>,
     /// A component found running at recovery, handed to the supervisor when it starts.
     adopted: Mutex<Option<Box<dyn Component>>>,
@@ -318,7 +318,7 @@ struct Inner {
     options: ManagerOptions,
     runtime: Arc<dyn Runtime>,
     node_id: String,
-    slots: Vec<Slot>,
+    slots: Vec<ComponentSlot>,
     routes: BTreeMap<Service, usize>,
     /// The plugin's CSI version, detected once.
     version: Mutex<Option<CsiVersion>>,
@@ -387,25 +387,25 @@ impl ServiceManager {
                     for service in &component.serves {
                         routes.entry(*service).or_insert(slots.len());
                     }
-                    slots.push(Slot::new(
+                    slots.push(ComponentSlot::new(
                         id,
                         component.serves.clone(),
-                        SlotKind::Managed { spec, spec_hash },
+                        ComponentSlotKind::Managed { spec, spec_hash },
                     ));
                 }
             }
             Deployment::Unmanaged(endpoints) => {
                 for endpoint in endpoints {
                     // Several services on one socket share one slot: one process to probe.
-                    let index = match slots.iter().position(|slot: &Slot| {
-                        matches!(&slot.kind, SlotKind::Unmanaged { socket } if *socket == endpoint.socket)
+                    let index = match slots.iter().position(|slot: &ComponentSlot| {
+                        matches!(&slot.kind, ComponentSlotKind::Unmanaged { socket } if *socket == endpoint.socket)
                     }) {
                         Some(index) => index,
                         None => {
-                            slots.push(Slot::new(
+                            slots.push(ComponentSlot::new(
                                 endpoint.socket.display().to_string(),
                                 Vec::new(),
-                                SlotKind::Unmanaged {
+                                ComponentSlotKind::Unmanaged {
                                     socket: endpoint.socket.clone(),
                                 },
                             ));
@@ -625,15 +625,15 @@ impl ServiceManager {
         let inner = Arc::clone(&self.inner);
         let task = tokio::spawn(async move {
             match inner.slots[index].kind {
-                SlotKind::Managed { .. } => inner.supervise_managed(index).await,
-                SlotKind::Unmanaged { .. } => inner.supervise_unmanaged(index).await,
+                ComponentSlotKind::Managed { .. } => inner.supervise_managed(index).await,
+                ComponentSlotKind::Unmanaged { .. } => inner.supervise_unmanaged(index).await,
             }
         });
         lock(&self.tasks).push(task);
     }
 }
 
-impl Slot {
+impl ComponentSlot {
     fn describe(&self) -> String {
         let state = self.state.borrow();
         match (&*state, &*lock(&self.last_error)) {
@@ -648,7 +648,7 @@ impl Slot {
         *lock(&self.last_error) = Some(err.to_owned());
     }
 
-    fn new(id: String, serves: Vec<Service>, kind: SlotKind) -> Self {
+    fn new(id: String, serves: Vec<Service>, kind: ComponentSlotKind) -> Self {
         Self {
             id,
             serves,
@@ -693,14 +693,14 @@ impl Inner {
         }
     }
 
-    fn component_labels(&self, slot: &Slot) -> ComponentLabels {
+    fn component_labels(&self, slot: &ComponentSlot) -> ComponentLabels {
         ComponentLabels {
             plugin: self.plugin().to_owned(),
             component: slot.id.clone(),
         }
     }
 
-    fn set_state(&self, slot: &Slot, state: ComponentState) {
+    fn set_state(&self, slot: &ComponentSlot, state: ComponentState) {
         slot.state.send_replace(state);
         self.update_ready_gauge();
     }
@@ -765,8 +765,8 @@ impl Inner {
             let index = self.slots.iter().position(|slot| slot.id == id);
             let configured = index.and_then(|i| self.slots.get(i));
             let current_hash = configured.and_then(|slot| match &slot.kind {
-                SlotKind::Managed { spec_hash, .. } => Some(spec_hash.as_str()),
-                SlotKind::Unmanaged { .. } => None,
+                ComponentSlotKind::Managed { spec_hash, .. } => Some(spec_hash.as_str()),
+                ComponentSlotKind::Unmanaged { .. } => None,
             });
             match (configured, running) {
                 (Some(slot), Some(component))
@@ -819,7 +819,7 @@ impl Inner {
     /// Supervision loop of a managed component; runs until the manager stops.
     async fn supervise_managed(&self, index: usize) {
         let slot = &self.slots[index];
-        let SlotKind::Managed { spec, spec_hash } = &slot.kind else {
+        let ComponentSlotKind::Managed { spec, spec_hash } = &slot.kind else {
             return;
         };
         let backoff = self.config.restart_backoff;
@@ -923,7 +923,7 @@ impl Inner {
     /// Stops the component (if any), cleans its runtime files and publishes `Stopped`.
     async fn finish(
         &self,
-        slot: &Slot,
+        slot: &ComponentSlot,
         component: Option<Box<dyn Component>>,
         container_dir: &Path,
     ) {
@@ -947,7 +947,7 @@ impl Inner {
             let dirs: Vec<PathBuf> = self
                 .slots
                 .iter()
-                .filter(|slot| matches!(slot.kind, SlotKind::Managed { .. }))
+                .filter(|slot| matches!(slot.kind, ComponentSlotKind::Managed { .. }))
                 .map(|slot| self.containers_dir().join(&slot.id))
                 .collect();
             // Blocking file copies: off the async workers.
@@ -1050,7 +1050,7 @@ impl Inner {
     /// Supervision loop of an unmanaged endpoint.
     async fn supervise_unmanaged(&self, index: usize) {
         let slot = &self.slots[index];
-        let SlotKind::Unmanaged { socket } = &slot.kind else {
+        let ComponentSlotKind::Unmanaged { socket } = &slot.kind else {
             return;
         };
         let backoff = self.config.restart_backoff;
@@ -1116,7 +1116,7 @@ impl Inner {
     /// attempt; without one only connect+probe is bounded (by the startup timeout).
     async fn wait_ready(
         &self,
-        slot: &Slot,
+        slot: &ComponentSlot,
         socket: &Path,
         generation: u64,
         deadline: Option<tokio::time::Instant>,

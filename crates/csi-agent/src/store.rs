@@ -306,11 +306,7 @@ impl Store {
             Ok(entries) => entries,
             Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(()),
             Err(source) => {
-                return Err(StoreError::Io {
-                    op: "list",
-                    path: volumes,
-                    source,
-                });
+                return Err(crate::durable::IoError::new("list", volumes, source).into());
             }
         };
         let known: std::collections::HashSet<String> =

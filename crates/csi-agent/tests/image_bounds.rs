@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use csi_agent::image::budget::{ImageLimits, disk_usage};
 use csi_agent::image::pull::{PullLimits, Puller};
 use csi_agent::image::reference::ImageRef;
-use csi_agent::image::store::{Composition, ImageStore, PreparedRoot, PullPolicy, StoreError};
+use csi_agent::image::store::{Composition, ImageStore, ImageStoreError, PreparedRoot, PullPolicy};
 use csi_agent::image::unpack::{Compression, LimitKind, Limits, Report, UnpackError, apply_layer};
 use registry_support::*;
 use sha2::Digest as _;
@@ -368,9 +368,9 @@ fn dir_names(dir: &Path) -> Vec<String> {
     names
 }
 
-fn limit_of(err: &StoreError) -> (LimitKind, u64, String) {
+fn limit_of(err: &ImageStoreError) -> (LimitKind, u64, String) {
     match err {
-        StoreError::Unpack { source, .. } => match &**source {
+        ImageStoreError::Unpack { source, .. } => match &**source {
             UnpackError::Limit { limit, max, entry } => (*limit, *max, entry.clone()),
             other => panic!("not a limit: {other}"),
         },
@@ -430,7 +430,7 @@ async fn the_gzip_bomb_listed_eight_times_is_refused_at_the_cap_and_leaves_nothi
     }
 }
 
-fn limit_tuple(err: &StoreError) -> (LimitKind, u64) {
+fn limit_tuple(err: &ImageStoreError) -> (LimitKind, u64) {
     let (limit, max, _) = limit_of(err);
     (limit, max)
 }

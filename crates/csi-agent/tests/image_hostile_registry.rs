@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use csi_agent::image::blobs::BlobStore;
 use csi_agent::image::pull::{PullError, PullLimits, Puller};
 use csi_agent::image::reference::ImageRef;
-use csi_agent::image::store::{Composition, ImageStore, PullPolicy, StoreError};
+use csi_agent::image::store::{Composition, ImageStore, ImageStoreError, PullPolicy};
 use registry_support::hostile::{HostileRegistry, Hostility, listing};
 use registry_support::*;
 
@@ -210,10 +210,13 @@ async fn failed_pulls_of_fresh_hostile_layers_leave_the_store_as_it_was() {
                     .unwrap_err();
                 match hostility {
                     Hostility::FreshEscapingLayer => {
-                        assert!(matches!(err, StoreError::Unpack { .. }), "{i}: {err:?}");
+                        assert!(
+                            matches!(err, ImageStoreError::Unpack { .. }),
+                            "{i}: {err:?}"
+                        );
                     }
                     _ => assert!(
-                        matches!(err, StoreError::Pull(PullError::DigestMismatch { .. })),
+                        matches!(err, ImageStoreError::Pull(PullError::DigestMismatch { .. })),
                         "{i}: {err:?}"
                     ),
                 }
@@ -413,7 +416,7 @@ async fn a_trickled_pull_blocks_no_other_image_and_fails_by_the_floor() {
 
         let (result, took) = slow.await.unwrap();
         let err = result.unwrap_err();
-        let StoreError::Pull(PullError::TooSlow {
+        let ImageStoreError::Pull(PullError::TooSlow {
             received_in_window,
             floor,
             window,

@@ -394,7 +394,9 @@ impl Drop for StallingRegistry {
 /// answers again, the same store pulls the image.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_registry_stalling_mid_blob_fails_the_pull_within_the_read_timeout() {
-    use csi_agent::image::store::{Composition, ImageStore, PreparedRoot, PullPolicy, StoreError};
+    use csi_agent::image::store::{
+        Composition, ImageStore, ImageStoreError, PreparedRoot, PullPolicy,
+    };
     let tmp = tempfile::tempdir().unwrap();
     // A layer of a few hundred KiB that gzip cannot shrink: half of it is a real part.
     let mut noise = Vec::with_capacity(300 << 10);
@@ -449,7 +451,7 @@ async fn a_registry_stalling_mid_blob_fails_the_pull_within_the_read_timeout() {
             "{stall:?}: failed after {took:?}: {err}"
         );
         // Typed, transient, naming the blob and the registry.
-        let StoreError::Pull(pull) = &err else {
+        let ImageStoreError::Pull(pull) = &err else {
             panic!("{stall:?}: {err:?}");
         };
         assert!(

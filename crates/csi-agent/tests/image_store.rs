@@ -12,7 +12,7 @@ use csi_agent::image::pull::{PullError, PullLimits, Puller};
 use csi_agent::image::reference::{ImageRef, RegistrySettings};
 use std::os::unix::fs::MetadataExt;
 
-use csi_agent::image::store::{Composition, ImageStore, PreparedRoot, PullPolicy, StoreError};
+use csi_agent::image::store::{Composition, ImageStore, ImageStoreError, PreparedRoot, PullPolicy};
 use registry_support::*;
 
 fn puller(registry: &Registry) -> Puller {
@@ -146,7 +146,7 @@ async fn ensure_prepares_the_rootfs_reads_the_config_and_honours_cached() {
     // Always: the tag is re-checked, so a stopped registry is an error (transient)...
     let err = store.ensure(&r, PullPolicy::Always).await.unwrap_err();
     assert!(
-        matches!(err, StoreError::Pull(PullError::Unreachable { .. })),
+        matches!(err, ImageStoreError::Pull(PullError::Unreachable { .. })),
         "{err:?}"
     );
     assert!(err.is_transient());
@@ -305,7 +305,7 @@ async fn a_hostile_layer_is_refused_and_leaves_no_rootfs() {
         .ensure(&reference(&registry, "csi/evil:v1"), PullPolicy::IfMissing)
         .await
         .unwrap_err();
-    assert!(matches!(err, StoreError::Unpack { .. }), "{err:?}");
+    assert!(matches!(err, ImageStoreError::Unpack { .. }), "{err:?}");
     assert!(!err.is_transient());
     assert!(
         names(&dir.join("rootfs")).is_empty(),
@@ -333,7 +333,10 @@ fn a_hostile_index_is_refused_not_followed() {
         None,
     )
     .unwrap_err();
-    assert!(matches!(err, StoreError::IndexCorrupt { .. }), "{err:?}");
+    assert!(
+        matches!(err, ImageStoreError::IndexCorrupt { .. }),
+        "{err:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use csi_agent::beneath::BeneathError;
 use csi_agent::image::blobs::{BlobError, BlobStore, Digest, Put};
-use csi_agent::image::store::StoreError;
+use csi_agent::image::store::ImageStoreError;
 use csi_agent::image::unpack::{
     Compression, LimitKind, Limits, OVERLAY_OPAQUE_XATTR, Refusal, Report, UnpackError,
     apply_layer, apply_overlay_layer,
@@ -820,7 +820,7 @@ fn a_hard_link_to_a_missing_target_is_a_final_refusal() {
     );
     expect_final(&result, "h (overlay)");
     // Through the image store: the same class, so the API answers 400, not 503.
-    let err = StoreError::Unpack {
+    let err = ImageStoreError::Unpack {
         reference: "r/evil:v1".to_owned(),
         layer: "sha256:00".to_owned(),
         source: Box::new(result.unwrap_err()),

@@ -14,7 +14,7 @@ use axum::routing::{MethodRouter, delete, get, post};
 use axum::{Json, Router};
 use csi_agent::client::{RpcErrorKind, code_name};
 use csi_agent::image::pull::PullError;
-use csi_agent::image::store::{ImageStore, PullPolicy, StoreError};
+use csi_agent::image::store::{ImageStore, ImageStoreError, PullPolicy};
 use csi_agent::metrics::ComponentLabels;
 use csi_agent::server::CsiServer;
 use csi_agent::service_manager::ComponentState;
@@ -714,9 +714,9 @@ async fn import_images(
 
 /// A failed pull: not found → 404, transient (unreachable, timeouts, disk) → 503, an image
 /// that cannot be used (refused credentials, digest mismatch, unsupported, hostile) → 400.
-fn image_failure(err: StoreError) -> ApiFailure {
+fn image_failure(err: ImageStoreError) -> ApiFailure {
     let code = match &err {
-        StoreError::Pull(PullError::NotFound { .. }) => api::ErrorCode::NotFound,
+        ImageStoreError::Pull(PullError::NotFound { .. }) => api::ErrorCode::NotFound,
         err if err.is_transient() => api::ErrorCode::Unavailable,
         _ => api::ErrorCode::InvalidRequest,
     };

@@ -311,7 +311,7 @@ async fn the_mesos_slrp_sample_fetches_its_plugin_and_serves_a_publish() {
     // No temp file left in the sandbox or the cache dir.
     let leftovers: Vec<_> = walk(&daemon.work)
         .into_iter()
-        .filter(|p| p.to_string_lossy().contains(".fetch-tmp-"))
+        .filter(|p| p.to_string_lossy().contains(".tmp-"))
         .collect();
     assert_eq!(leftovers, Vec::<PathBuf>::new());
     assert_eq!(mounts_under(dir.path()), Vec::<PathBuf>::new());
@@ -397,7 +397,7 @@ async fn hostile_archives_are_refused_and_write_nothing_outside_the_sandbox() {
             let name = p.file_name().unwrap().to_string_lossy().into_owned();
             name == "link"
                 || name.contains("escape")
-                || name.contains(".fetch-tmp-")
+                || name.contains(".tmp-")
                 // Only csi-agent's own `endpoint` link is a symlink in a sandbox.
                 || (name != "endpoint"
                     && std::fs::symlink_metadata(p).is_ok_and(|m| m.file_type().is_symlink()))
@@ -454,7 +454,7 @@ async fn an_endless_body_is_cut_at_the_cap_and_cache_fetches_once() {
             std::fs::metadata(file).unwrap().len() <= cap,
             "{file:?} holds more than the cap"
         );
-        assert!(!file.to_string_lossy().contains(".fetch-tmp-"), "{file:?}");
+        assert!(!file.to_string_lossy().contains(".tmp-"), "{file:?}");
     }
 
     // Two launches each: kill the plugin, wait for its relaunch.

@@ -19,15 +19,16 @@
 //! and a failure is that launch's error, retried with the restart backoff), nor run anything
 //! it fetched, nor write anywhere but the sandbox and the cache dir.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::{self, Write as _};
-use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
+use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use sha2::{Digest as _, Sha256};
 
 use crate::config::UriConfig;
+use crate::durable::{self, IoError, Replace, TempFile};
 use crate::image::registry::{self, RegistryError};
 use crate::image::unpack::{self, UnpackError};
 
@@ -42,9 +43,6 @@ const MAX_ARCHIVE_ENTRIES: u64 = 100_000;
 /// Extraction bounds: bytes written per archive, as a multiple of the download cap (a
 /// compressed plugin tarball rarely expands more than a few times).
 const EXTRACT_FACTOR: u64 = 4;
-/// Prefix of the fetcher's temp names in the sandbox and cache (hidden, never a URI's name:
-/// names starting with `.` are refused as `output_file` and as a URI's last component).
-const TEMP_PREFIX: &str = ".fetch-tmp-";
 
 /// The daemon's fetch settings.
 #[derive(Clone, Debug)]
@@ -89,13 +87,11 @@ pub enum FetchError {
         path: PathBuf,
         max: u64,
     },
-    #[error("fetching {uri}: {op} {}: {source}", path.display())]
+    #[error("fetching {uri}: {source}")]
     Io {
         uri: String,
-        op: &'static str,
-        path: PathBuf,
         #[source]
-        source: io::Error,
+        source: IoError,
     },
     #[error("extracting {uri} into {}: {source}; fix the archive or set \"extract\": false", sandbox.display())]
     Extract {
@@ -263,23 +259,24 @@ async fn fetch_one(
         None => file_name(&uri.value).map_err(invalid)?,
     };
     let action = action(uri, &name)?;
-    // The file to install from, and whether it is a temp file to remove afterwards.
-    let (file, temporary) = match source(&uri.value).map_err(invalid)? {
-        Source::Local(path) => (path.to_path_buf(), false),
+    // The file to install from, and the download to remove afterwards (dropped) if it is not
+    // cached.
+    let (file, download_temp) = match source(&uri.value).map_err(invalid)? {
+        Source::Local(path) => (path.to_path_buf(), None),
         Source::Http(url) => {
             mkdir(&options.cache_dir, &uri.value)?;
             let cached = options.cache_dir.join(cache_key(&uri.value));
             if uri.cache && cached.is_file() {
                 tracing::debug!(uri = %uri.value, "fetch: using the cached download");
-                (cached, false)
+                (cached, None)
             } else {
                 let temp = download(client, url, &uri.value, options).await?;
                 if uri.cache {
-                    rename(&temp, &cached, &uri.value)?;
-                    sync_dir(&options.cache_dir, &uri.value)?;
-                    (cached, false)
+                    temp.persist(&cache_key(&uri.value), Replace::Overwrite)
+                        .map_err(io_failure(&uri.value))?;
+                    (cached, None)
                 } else {
-                    (temp, true)
+                    (temp.path(), Some(temp))
                 }
             }
         }
@@ -291,16 +288,9 @@ async fn fetch_one(
         install(&install_file, &uri_value, &sandbox_dir, &name, &action, max)
     })
     .await
-    .map_err(|err| FetchError::Io {
-        uri: uri.value.clone(),
-        op: "installing",
-        path: sandbox.to_path_buf(),
-        source: io::Error::other(err.to_string()),
-    })
+    .map_err(|err| io_error(&uri.value, "installing", sandbox)(io::Error::other(err.to_string())))
     .and_then(|result| result);
-    if temporary {
-        let _ = std::fs::remove_file(&file);
-    }
+    drop(download_temp);
     installed
 }
 
@@ -310,22 +300,19 @@ fn cache_key(uri: &str) -> String {
     digest.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// A fresh temp name in `dir`.
-fn temp_name(dir: &Path) -> PathBuf {
-    dir.join(format!("{TEMP_PREFIX}{:016x}", rand::random::<u64>()))
-}
-
 /// Downloads `url` to a temp file in the cache dir, whole and fsynced, or fails removing it.
 async fn download(
     client: &reqwest::Client,
     url: &str,
     uri: &str,
     options: &FetchOptions,
-) -> Result<PathBuf, FetchError> {
-    let temp = temp_name(&options.cache_dir);
+) -> Result<TempFile, FetchError> {
+    let mut temp = durable::Dir::open(&options.cache_dir)
+        .and_then(|dir| dir.create_temp("download", 0o600))
+        .map_err(io_failure(uri))?;
     let result = tokio::time::timeout(
         options.timeout,
-        download_to(client, url, uri, &temp, options),
+        download_to(client, url, uri, &mut temp, options),
     )
     .await
     .unwrap_or_else(|_| {
@@ -334,20 +321,15 @@ async fn download(
             timeout: options.timeout,
         })
     });
-    match result {
-        Ok(()) => Ok(temp),
-        Err(err) => {
-            let _ = std::fs::remove_file(&temp);
-            Err(err)
-        }
-    }
+    // On error, dropping `temp` removes it.
+    result.map(|()| temp)
 }
 
 async fn download_to(
     client: &reqwest::Client,
     url: &str,
     uri: &str,
-    temp: &Path,
+    temp: &mut TempFile,
     options: &FetchOptions,
 ) -> Result<(), FetchError> {
     let http = |source: RegistryError| FetchError::Http {
@@ -366,13 +348,13 @@ async fn download_to(
             status: response.status().as_u16(),
         });
     }
-    let mut file = create_new(temp, uri)?;
+    let file = temp.file();
     registry::stream_capped(response, options.max_bytes, "the download", |chunk| {
         file.write_all(chunk)
     })
     .await
     .map_err(http)?;
-    file.sync_all().map_err(io_error(uri, "fsync", temp))
+    temp.sync().map(drop).map_err(io_failure(uri))
 }
 
 /// Puts `file` in the sandbox under `name` as `action` says.
@@ -409,13 +391,15 @@ fn install(
                 }
                 _ => (Box::new(input), name, max),
             };
-            let temp = temp_name(sandbox);
-            let result = (|| {
-                let mut output = create_new(&temp, uri)?;
+            let mut temp = durable::Dir::open(sandbox)
+                .and_then(|dir| dir.create_temp(name, 0o600))
+                .map_err(io_failure(uri))?;
+            let temp_path = temp.path();
+            {
                 // `take` one byte past the cap: a local file growing while it is copied, or
                 // a gzip bomb, stops there.
-                let copied = io::copy(&mut io::Read::take(&mut reader, cap + 1), &mut output)
-                    .map_err(io("copying to", &temp))?;
+                let copied = io::copy(&mut io::Read::take(&mut reader, cap + 1), temp.file())
+                    .map_err(io("copying to", &temp_path))?;
                 if copied > cap {
                     return Err(FetchError::TooLarge {
                         uri: uri.to_owned(),
@@ -428,19 +412,15 @@ fn install(
                 } else {
                     0o644
                 };
-                output
+                temp.file()
                     .set_permissions(std::fs::Permissions::from_mode(mode))
-                    .map_err(io("chmod", &temp))?;
-                output.sync_all().map_err(io("fsync", &temp))?;
-                // rename replaces whatever is at the name (a symlink itself, never its
-                // target).
-                rename(&temp, &sandbox.join(name), uri)
-            })();
-            if result.is_err() {
-                let _ = std::fs::remove_file(&temp);
+                    .map_err(io("chmod", &temp_path))?;
             }
-            result?;
-            sync_dir(sandbox, uri)
+            // Replaces whatever is at the name (a symlink itself, never its target); an
+            // error (or the early returns above) drops `temp`, which removes it.
+            temp.persist(name, Replace::Overwrite)
+                .map(drop)
+                .map_err(io_failure(uri))
         }
     }
 }
@@ -449,7 +429,7 @@ fn install(
 /// into the sandbox (replacing what an earlier launch put there).
 fn extract(file: &Path, uri: &str, sandbox: &Path, max: u64) -> Result<(), FetchError> {
     let io = |op, path: &Path| io_error(uri, op, path);
-    let staging = temp_name(sandbox);
+    let staging = sandbox.join(durable::temp_name("extract"));
     std::fs::create_dir(&staging).map_err(io("creating", &staging))?;
     let result = (|| {
         let input = File::open(file).map_err(io("opening", file))?;
@@ -499,7 +479,9 @@ fn extract(file: &Path, uri: &str, sandbox: &Path, max: u64) -> Result<(), Fetch
                 rename(&entry.path(), &target, uri)?;
             }
         }
-        sync_dir(sandbox, uri)
+        durable::sync_dir(sandbox)
+            .map(drop)
+            .map_err(io_failure(uri))
     })();
     let _ = std::fs::remove_dir_all(&staging);
     result
@@ -514,20 +496,14 @@ fn io_error(
     let (uri, path) = (uri.to_owned(), path.to_path_buf());
     move |source| FetchError::Io {
         uri,
-        op,
-        path,
-        source,
+        source: IoError::new(op, path, source),
     }
 }
 
-fn create_new(path: &Path, uri: &str) -> Result<File, FetchError> {
-    OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
-        .open(path)
-        .map_err(io_error(uri, "creating", path))
+/// The [`FetchError::Io`] of a durable write's step, for `map_err`.
+fn io_failure(uri: &str) -> impl FnOnce(IoError) -> FetchError + use<> {
+    let uri = uri.to_owned();
+    move |source| FetchError::Io { uri, source }
 }
 
 fn rename(from: &Path, to: &Path, uri: &str) -> Result<(), FetchError> {
@@ -536,12 +512,6 @@ fn rename(from: &Path, to: &Path, uri: &str) -> Result<(), FetchError> {
 
 fn mkdir(dir: &Path, uri: &str) -> Result<(), FetchError> {
     std::fs::create_dir_all(dir).map_err(io_error(uri, "creating", dir))
-}
-
-fn sync_dir(dir: &Path, uri: &str) -> Result<(), FetchError> {
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(io_error(uri, "fsync", dir))
 }
 
 #[cfg(test)]

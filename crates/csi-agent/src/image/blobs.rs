@@ -20,20 +20,19 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::fs::File;
-use std::io::{self, Read, Write};
-use std::os::fd::{AsFd, OwnedFd};
+use std::io::{self, Read};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use rustix::fs::{AtFlags, Mode, OFlags, RenameFlags};
+use rustix::fs::{AtFlags, Mode, OFlags};
 use rustix::io::Errno;
 use sha2::{Digest as _, Sha256};
 
+use crate::durable::{self, IoError, Persisted, Replace, io_err};
+
 /// The only digest algorithm accepted (the one every registry and OCI layout uses).
 pub const ALGORITHM: &str = "sha256";
-/// What every temp file's name starts with; valid digests never start with a `.`.
-const TEMP_PREFIX: &str = ".tmp-";
 /// Bytes read from the source at a time.
 const CHUNK: usize = 64 * 1024;
 
@@ -138,13 +137,8 @@ pub enum BlobError {
     #[error("blob {digest} is not in the store")]
     NotFound { digest: Digest },
     /// A syscall on the store failed.
-    #[error("{op} {}: {source}", at.display())]
-    Io {
-        op: &'static str,
-        at: PathBuf,
-        #[source]
-        source: io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] IoError),
 }
 
 /// What [`BlobStore::put`] did.
@@ -161,11 +155,8 @@ pub enum Put {
 /// removes temp files, which would break a put in progress elsewhere.
 #[derive(Debug)]
 pub struct BlobStore {
-    /// `<dir>/blobs/sha256`, for messages and [`BlobStore::path_of`].
-    dir: PathBuf,
-    /// The same directory, opened for reading (a real fd, not `O_PATH`: it is fsynced and
-    /// listed).
-    dir_fd: OwnedFd,
+    /// `<dir>/blobs/sha256`, opened: blobs are written, renamed and listed relative to it.
+    dir: durable::Dir,
     /// How many [`BlobHolds`] hold each blob. [`BlobStore::remove`] takes it for the whole
     /// removal, and a holder takes a blob before it looks for it or renames it into place, so
     /// a blob is never removed once held, nor found present and then removed.
@@ -215,21 +206,14 @@ impl BlobStore {
                 .recursive(true)
                 .mode(0o700)
                 .create(&sha)
-                .map_err(|source| BlobError::Io {
-                    op: "mkdir",
-                    at: sha.clone(),
-                    source,
-                })?;
+                .map_err(io_err("mkdir", &sha))?;
         }
         // The directories just made must survive a crash before the first blob is renamed in.
         for at in [dir, blobs.as_path()] {
-            let fd = open_read_dir(at)?;
-            fsync(&fd, at)?;
+            durable::sync_dir(at)?;
         }
-        let dir_fd = open_read_dir(&sha)?;
         let store = Self {
-            dir: sha,
-            dir_fd,
+            dir: durable::Dir::open(&sha)?,
             held: Mutex::new(BTreeMap::new()),
         };
         store.remove_temp_files()?;
@@ -258,12 +242,12 @@ impl BlobStore {
 
     /// Where the blob is (or would be) stored.
     pub fn path_of(&self, digest: &Digest) -> PathBuf {
-        self.dir.join(digest.hex())
+        self.dir.path().join(digest.hex())
     }
 
     /// True when the blob is in the store (a regular file under its name).
     pub fn contains(&self, digest: &Digest) -> Result<bool, BlobError> {
-        match rustix::fs::statat(&self.dir_fd, digest.hex(), AtFlags::SYMLINK_NOFOLLOW) {
+        match rustix::fs::statat(self.dir.fd(), digest.hex(), AtFlags::SYMLINK_NOFOLLOW) {
             Ok(stat) => Ok(rustix::fs::FileType::from_raw_mode(stat.st_mode)
                 == rustix::fs::FileType::RegularFile),
             Err(Errno::NOENT) => Ok(false),
@@ -274,7 +258,7 @@ impl BlobStore {
     /// Opens a stored blob for reading.
     pub fn open_blob(&self, digest: &Digest) -> Result<File, BlobError> {
         match rustix::fs::openat(
-            &self.dir_fd,
+            self.dir.fd(),
             digest.hex(),
             OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
             Mode::empty(),
@@ -299,24 +283,7 @@ impl BlobStore {
         if self.contains(expected)? {
             return Ok(Put::AlreadyPresent);
         }
-        let temp_name = format!(
-            "{TEMP_PREFIX}{}-{}-{:016x}",
-            expected.hex(),
-            std::process::id(),
-            rand::random::<u64>()
-        );
-        let fd = rustix::fs::openat(
-            &self.dir_fd,
-            temp_name.as_str(),
-            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-            Mode::from_raw_mode(0o600),
-        )
-        .map_err(|errno| self.io("create", &temp_name, errno))?;
-        let mut temp = TempFile {
-            store: self,
-            name: Some(temp_name),
-        };
-        let mut file = File::from(fd);
+        let mut temp = self.dir.create_temp(expected.hex(), 0o600)?;
         let mut hasher = Sha256::new();
         let mut buf = vec![0u8; CHUNK];
         let mut total: u64 = 0;
@@ -341,8 +308,7 @@ impl BlobStore {
             }
             let chunk = buf.get(..n).unwrap_or_default();
             hasher.update(chunk);
-            file.write_all(chunk)
-                .map_err(|source| temp.io_error("write", source))?;
+            temp.write_all(chunk)?;
         }
         if total != size {
             return Err(BlobError::SizeMismatch {
@@ -358,24 +324,11 @@ impl BlobStore {
                 actual,
             });
         }
-        file.sync_all()
-            .map_err(|source| temp.io_error("fsync", source))?;
-        drop(file);
-        let name = temp.name.as_deref().unwrap_or_default();
-        match rustix::fs::renameat_with(
-            &self.dir_fd,
-            name,
-            &self.dir_fd,
-            expected.hex(),
-            RenameFlags::NOREPLACE,
-        ) {
-            Ok(()) => temp.name = None,
-            // A concurrent put of the same blob got there first: its copy is as good as ours.
-            Err(Errno::EXIST) => return Ok(Put::AlreadyPresent),
-            Err(errno) => return Err(self.io("rename", expected.hex(), errno)),
-        }
-        fsync(&self.dir_fd, &self.dir)?;
-        Ok(Put::Stored)
+        // A concurrent put of the same blob may get there first: its copy is as good as ours.
+        Ok(match temp.persist(expected.hex(), Replace::NoReplace)?.0 {
+            Persisted::Renamed => Put::Stored,
+            Persisted::AlreadyThere => Put::AlreadyPresent,
+        })
     }
 
     /// Streams `source` into the store under the digest its content hashes to, for a blob
@@ -390,26 +343,10 @@ impl BlobStore {
         max: u64,
         holds: &mut BlobHolds,
     ) -> Result<(Digest, u64, Put), BlobError> {
-        // Named like a put's temp file, so that open removes it after a crash.
-        let temp_name = format!(
-            "{TEMP_PREFIX}computed-{}-{:016x}",
-            std::process::id(),
-            rand::random::<u64>()
-        );
         // Until the digest is known, errors name the empty digest.
         let unknown = Digest::of(b"");
-        let fd = rustix::fs::openat(
-            &self.dir_fd,
-            temp_name.as_str(),
-            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-            Mode::from_raw_mode(0o600),
-        )
-        .map_err(|errno| self.io("create", &temp_name, errno))?;
-        let mut temp = TempFile {
-            store: self,
-            name: Some(temp_name),
-        };
-        let mut file = File::from(fd);
+        // Named like a put's temp file, so that open removes it after a crash.
+        let mut temp = self.dir.create_temp("computed", 0o600)?;
         let mut hasher = Sha256::new();
         let mut buf = vec![0u8; CHUNK];
         let mut total: u64 = 0;
@@ -434,8 +371,7 @@ impl BlobStore {
             }
             let chunk = buf.get(..n).unwrap_or_default();
             hasher.update(chunk);
-            file.write_all(chunk)
-                .map_err(|source| temp.io_error("write", source))?;
+            temp.write_all(chunk)?;
         }
         let digest = Digest::from_hasher(hasher);
         holds.hold(&digest);
@@ -443,28 +379,16 @@ impl BlobStore {
             // Dropping `temp` removes the copy.
             return Ok((digest, total, Put::AlreadyPresent));
         }
-        file.sync_all()
-            .map_err(|source| temp.io_error("fsync", source))?;
-        drop(file);
-        let name = temp.name.as_deref().unwrap_or_default();
-        match rustix::fs::renameat_with(
-            &self.dir_fd,
-            name,
-            &self.dir_fd,
-            digest.hex(),
-            RenameFlags::NOREPLACE,
-        ) {
-            Ok(()) => temp.name = None,
-            Err(Errno::EXIST) => return Ok((digest, total, Put::AlreadyPresent)),
-            Err(errno) => return Err(self.io("rename", digest.hex(), errno)),
-        }
-        fsync(&self.dir_fd, &self.dir)?;
-        Ok((digest, total, Put::Stored))
+        let put = match temp.persist(digest.hex(), Replace::NoReplace)?.0 {
+            Persisted::Renamed => Put::Stored,
+            Persisted::AlreadyThere => Put::AlreadyPresent,
+        };
+        Ok((digest, total, put))
     }
 
     /// The size of a stored blob.
     pub fn size_of(&self, digest: &Digest) -> Result<u64, BlobError> {
-        match rustix::fs::statat(&self.dir_fd, digest.hex(), AtFlags::SYMLINK_NOFOLLOW) {
+        match rustix::fs::statat(self.dir.fd(), digest.hex(), AtFlags::SYMLINK_NOFOLLOW) {
             Ok(stat) => Ok(u64::try_from(stat.st_size).unwrap_or(0)),
             Err(Errno::NOENT) => Err(BlobError::NotFound {
                 digest: digest.clone(),
@@ -477,7 +401,7 @@ impl BlobStore {
     /// temp files or not ours).
     pub fn list(&self) -> Result<Vec<Digest>, BlobError> {
         let listing = rustix::fs::openat(
-            &self.dir_fd,
+            self.dir.fd(),
             ".",
             OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
             Mode::empty(),
@@ -506,15 +430,15 @@ impl BlobStore {
         if held.contains_key(digest) {
             return Ok(false);
         }
-        match rustix::fs::unlinkat(&self.dir_fd, digest.hex(), AtFlags::empty()) {
-            Ok(()) | Err(Errno::NOENT) => fsync(&self.dir_fd, &self.dir).map(|()| true),
+        match rustix::fs::unlinkat(self.dir.fd(), digest.hex(), AtFlags::empty()) {
+            Ok(()) | Err(Errno::NOENT) => Ok(self.dir.sync().map(|_| true)?),
             Err(errno) => Err(self.io("remove", digest.hex(), errno)),
         }
     }
 
     fn remove_temp_files(&self) -> Result<(), BlobError> {
         let listing = rustix::fs::openat(
-            &self.dir_fd,
+            self.dir.fd(),
             ".",
             OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
             Mode::empty(),
@@ -525,12 +449,12 @@ impl BlobStore {
         for entry in dir {
             let entry = entry.map_err(|errno| self.io("list", ".", errno))?;
             let name = entry.file_name().to_bytes();
-            if name.starts_with(TEMP_PREFIX.as_bytes()) {
+            if durable::is_temp_name(name) {
                 temps.push(name.to_vec());
             }
         }
         for name in &temps {
-            match rustix::fs::unlinkat(&self.dir_fd, name.as_slice(), AtFlags::empty()) {
+            match rustix::fs::unlinkat(self.dir.fd(), name.as_slice(), AtFlags::empty()) {
                 Ok(()) | Err(Errno::NOENT) => {}
                 Err(errno) => {
                     return Err(self.io("remove", &String::from_utf8_lossy(name), errno));
@@ -538,71 +462,15 @@ impl BlobStore {
             }
         }
         if !temps.is_empty() {
-            tracing::info!(dir = %self.dir.display(), removed = temps.len(), "partial blobs left by a crash removed");
-            fsync(&self.dir_fd, &self.dir)?;
+            tracing::info!(dir = %self.dir.path().display(), removed = temps.len(), "partial blobs left by a crash removed");
+            self.dir.sync()?;
         }
         Ok(())
     }
 
     fn io(&self, op: &'static str, name: &str, errno: Errno) -> BlobError {
-        BlobError::Io {
-            op,
-            at: self.dir.join(name),
-            source: errno.into(),
-        }
+        IoError::new(op, self.dir.path().join(name), errno).into()
     }
-}
-
-/// A temp file that is removed unless it was renamed into place (`name` taken).
-struct TempFile<'a> {
-    store: &'a BlobStore,
-    name: Option<String>,
-}
-
-impl TempFile<'_> {
-    fn io_error(&self, op: &'static str, source: io::Error) -> BlobError {
-        BlobError::Io {
-            op,
-            at: self
-                .store
-                .dir
-                .join(self.name.as_deref().unwrap_or_default()),
-            source,
-        }
-    }
-}
-
-impl Drop for TempFile<'_> {
-    fn drop(&mut self) {
-        if let Some(name) = self.name.take()
-            && let Err(errno) =
-                rustix::fs::unlinkat(&self.store.dir_fd, name.as_str(), AtFlags::empty())
-        {
-            // Left for the next open to remove; never used meanwhile (not a digest name).
-            tracing::warn!(temp = %name, %errno, "temp blob not removed");
-        }
-    }
-}
-
-fn open_read_dir(at: &Path) -> Result<OwnedFd, BlobError> {
-    rustix::fs::open(
-        at,
-        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
-        Mode::empty(),
-    )
-    .map_err(|errno| BlobError::Io {
-        op: "open",
-        at: at.to_path_buf(),
-        source: errno.into(),
-    })
-}
-
-fn fsync(fd: &OwnedFd, at: &Path) -> Result<(), BlobError> {
-    rustix::fs::fsync(fd.as_fd()).map_err(|errno| BlobError::Io {
-        op: "fsync",
-        at: at.to_path_buf(),
-        source: errno.into(),
-    })
 }
 
 #[cfg(test)]

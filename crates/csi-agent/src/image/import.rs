@@ -39,7 +39,7 @@ use serde::Deserialize;
 use super::blobs::{ALGORITHM, BlobError, BlobHolds, BlobStore, Digest, Put};
 use super::pull::{self, Manifest, PullError};
 use super::reference::{ImageRef, ReferenceError};
-use super::store::{ImageStore, IndexEntry, IndexLayer, StoreError, now_secs};
+use super::store::{ImageStore, ImageStoreError, IndexEntry, IndexLayer, now_secs};
 
 /// The OCI layout's marker file.
 const OCI_LAYOUT: &str = "oci-layout";
@@ -177,7 +177,7 @@ pub enum ImportError {
     },
     /// Preparing the image (a layer refused, its config refused) or the store failed.
     #[error(transparent)]
-    Store(#[from] StoreError),
+    Store(#[from] ImageStoreError),
     #[error("image archive: the reading task failed: {0}")]
     Task(String),
 }
@@ -188,7 +188,7 @@ impl ImportError {
     pub fn is_transient(&self) -> bool {
         match self {
             Self::Store(err) => err.is_transient(),
-            Self::Blob { source, .. } => matches!(source, BlobError::Io { .. }),
+            Self::Blob { source, .. } => matches!(source, BlobError::Io(_)),
             Self::Task(_) => true,
             _ => false,
         }

@@ -48,12 +48,14 @@
 //! image config are read with a size bound, and the config is parsed as hostile JSON.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{self, Read, Write};
+use std::io::{self, Read};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
+
+use crate::durable::{self, IoError, io_err};
 
 use super::blobs::{BlobError, BlobStore, Digest};
 use super::budget::{Budget, ImageLimits};
@@ -93,7 +95,6 @@ impl Composition {
         }
     }
 }
-const TEMP_PREFIX: &str = ".tmp-";
 const INDEX_VERSION: u32 = 1;
 /// An index larger than this is refused (an entry is a few hundred bytes).
 const MAX_INDEX_BYTES: u64 = 16 << 20;
@@ -141,8 +142,8 @@ impl IndexLayer {
 fn unpack_err<'a>(
     reference: &'a str,
     layer: &'a Digest,
-) -> impl FnOnce(UnpackError) -> StoreError + 'a {
-    move |source| StoreError::Unpack {
+) -> impl FnOnce(UnpackError) -> ImageStoreError + 'a {
+    move |source| ImageStoreError::Unpack {
         reference: reference.to_owned(),
         layer: layer.to_string(),
         source: Box::new(source),
@@ -207,7 +208,7 @@ pub struct Pruned {
 
 /// Why an image could not be made ready.
 #[derive(Debug, thiserror::Error)]
-pub enum StoreError {
+pub enum ImageStoreError {
     #[error(transparent)]
     Pull(#[from] PullError),
     #[error("image store: {0}")]
@@ -227,24 +228,19 @@ pub enum StoreError {
     },
     #[error("image index {}: {reason}", path.display())]
     IndexCorrupt { path: PathBuf, reason: String },
-    #[error("image store: {op} {}: {source}", at.display())]
-    Io {
-        op: &'static str,
-        at: PathBuf,
-        #[source]
-        source: io::Error,
-    },
+    #[error("image store: {0}")]
+    Io(#[from] IoError),
     #[error("image store: a preparing task failed: {0}")]
     Task(String),
 }
 
-impl StoreError {
+impl ImageStoreError {
     /// True when retrying later may succeed as it is (see [`PullError::is_transient`]; a
     /// store I/O failure such as a full disk is transient, a hostile layer or config is not).
     pub fn is_transient(&self) -> bool {
         match self {
             Self::Pull(err) => err.is_transient(),
-            Self::Blob(_) | Self::Io { .. } | Self::Task(_) => true,
+            Self::Blob(_) | Self::Io(_) | Self::Task(_) => true,
             Self::Unpack { source, .. } => source.is_transient(),
             Self::Config { .. } | Self::IndexCorrupt { .. } => false,
         }
@@ -326,17 +322,9 @@ impl Drop for PullingRef<'_> {
     }
 }
 
-fn io_err<'a>(op: &'static str, at: &'a Path) -> impl FnOnce(io::Error) -> StoreError + 'a {
-    move |source| StoreError::Io {
-        op,
-        at: at.to_path_buf(),
-        source,
-    }
-}
-
 /// [`ImageStore::disk_bytes`] of the store at `dir`: one measure for the listing and the quota.
-fn store_disk_bytes(dir: &Path) -> Result<u64, StoreError> {
-    super::budget::disk_usage(dir).map_err(io_err("measure", dir))
+fn store_disk_bytes(dir: &Path) -> Result<u64, ImageStoreError> {
+    Ok(super::budget::disk_usage(dir).map_err(io_err("measure", dir))?)
 }
 
 impl ImageStore {
@@ -348,7 +336,7 @@ impl ImageStore {
         dir: &Path,
         puller: Puller,
         composition: Option<Composition>,
-    ) -> Result<Self, StoreError> {
+    ) -> Result<Self, ImageStoreError> {
         let blobs = Arc::new(BlobStore::open(dir)?);
         for sub in [ROOTFS_DIR, LAYERS_DIR] {
             let prepared = dir.join(sub);
@@ -362,7 +350,11 @@ impl ImageStore {
             }
             for entry in std::fs::read_dir(&prepared).map_err(io_err("list", &prepared))? {
                 let entry = entry.map_err(io_err("list", &prepared))?;
-                if entry.file_name().to_string_lossy().starts_with(TEMP_PREFIX) {
+                if entry
+                    .file_name()
+                    .to_string_lossy()
+                    .starts_with(durable::TEMP_PREFIX)
+                {
                     let path = entry.path();
                     remove_tree(&path)?;
                     tracing::info!(path = %path.display(), "partial root file system or layer left by a crash removed");
@@ -371,7 +363,11 @@ impl ImageStore {
         }
         for entry in std::fs::read_dir(dir).map_err(io_err("list", dir))? {
             let entry = entry.map_err(io_err("list", dir))?;
-            if entry.file_name().to_string_lossy().starts_with(TEMP_PREFIX) {
+            if entry
+                .file_name()
+                .to_string_lossy()
+                .starts_with(durable::TEMP_PREFIX)
+            {
                 // Temp index files; and an overlay probe's dir a crash left.
                 let path = entry.path();
                 if entry.file_type().is_ok_and(|t| t.is_dir()) {
@@ -470,7 +466,7 @@ impl ImageStore {
     }
 
     /// Where the unpacked layers of `entry` are, bottom first (see [`chain_ids`]).
-    fn layer_paths(&self, entry: &IndexEntry) -> Result<Vec<PathBuf>, StoreError> {
+    fn layer_paths(&self, entry: &IndexEntry) -> Result<Vec<PathBuf>, ImageStoreError> {
         let digests = layer_digests(&self.index_path(), entry)?;
         Ok(chain_ids(&digests)
             .iter()
@@ -479,7 +475,7 @@ impl ImageStore {
     }
 
     /// The prepared root of `entry` in this store's composition, when complete.
-    fn prepared_root(&self, entry: &IndexEntry) -> Result<Option<PreparedRoot>, StoreError> {
+    fn prepared_root(&self, entry: &IndexEntry) -> Result<Option<PreparedRoot>, ImageStoreError> {
         Ok(match self.composition() {
             Composition::Flattened => {
                 let manifest = parse_digest(&self.index_path(), &entry.manifest)?;
@@ -505,7 +501,7 @@ impl ImageStore {
         &self,
         reference: &ImageRef,
         policy: PullPolicy,
-    ) -> Result<Prepared, StoreError> {
+    ) -> Result<Prepared, ImageStoreError> {
         // Dropped last: what a failed (or abandoned) ensure stored is removed (its prepared
         // dirs only while it holds the store's lock).
         let mut cleanup = FailedPullCleanup {
@@ -557,7 +553,7 @@ impl ImageStore {
         &'a self,
         key: &str,
         cleanup: &mut FailedPullCleanup<'a>,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<bool, ImageStoreError> {
         let busy = self.busy.lock().await;
         let known = self.lock_index().images.get(key).cloned();
         let Some(entry) = known
@@ -579,17 +575,17 @@ impl ImageStore {
         key: String,
         downloaded: Vec<Digest>,
         mut cleanup: FailedPullCleanup<'a>,
-    ) -> Result<Prepared, StoreError> {
+    ) -> Result<Prepared, ImageStoreError> {
         let entry = cleanup
             .entry
             .clone()
-            .ok_or_else(|| StoreError::Task(format!("{key}: nothing to prepare")))?;
+            .ok_or_else(|| ImageStoreError::Task(format!("{key}: nothing to prepare")))?;
         let mut prepared = self
             .prepare_and_record(vec![(key, entry, downloaded)])
             .await?;
         let prepared = prepared
             .pop()
-            .ok_or_else(|| StoreError::Task("nothing prepared".to_owned()))?;
+            .ok_or_else(|| ImageStoreError::Task("nothing prepared".to_owned()))?;
         cleanup.succeeded = true;
         Ok(prepared)
     }
@@ -667,7 +663,7 @@ impl ImageStore {
     }
 
     /// What the index names: rootfs and layer dir names, blobs.
-    fn kept(&self) -> Result<Kept, StoreError> {
+    fn kept(&self) -> Result<Kept, ImageStoreError> {
         let path = self.index_path();
         let mut kept = Kept::default();
         for entry in self.lock_index().images.values() {
@@ -685,7 +681,7 @@ impl ImageStore {
 
     /// Removes the rootfs dirs, layer dirs and blobs the index does not name (blobs a pull
     /// or import holds excepted): the sweep at open and the second half of a prune.
-    fn remove_unindexed(&self) -> Result<Pruned, StoreError> {
+    fn remove_unindexed(&self) -> Result<Pruned, ImageStoreError> {
         let kept = self.kept()?;
         let mut pruned = Pruned {
             rootfs: self.remove_unkept(ROOTFS_DIR, &kept.rootfs)?,
@@ -702,7 +698,7 @@ impl ImageStore {
     }
 
     /// The bytes of every blob in the store (the compressed images as pulled).
-    pub fn blob_bytes(&self) -> Result<u64, StoreError> {
+    pub fn blob_bytes(&self) -> Result<u64, ImageStoreError> {
         let mut total = 0u64;
         for digest in self.blobs.list()? {
             match self.blobs.size_of(&digest) {
@@ -719,7 +715,7 @@ impl ImageStore {
     /// preparation in progress has written, in allocated blocks as `du` counts. The measure
     /// the quota (`--image-store-max-bytes`, [`ImageLimits::store_max_bytes`]) is checked
     /// against before an image is prepared. Takes no lock: a walk of the store's dir.
-    pub fn disk_bytes(&self) -> Result<u64, StoreError> {
+    pub fn disk_bytes(&self) -> Result<u64, ImageStoreError> {
         store_disk_bytes(&self.dir)
     }
 
@@ -737,7 +733,7 @@ impl ImageStore {
     pub(super) async fn prepare_and_record(
         &self,
         images: Vec<(String, IndexEntry, Vec<Digest>)>,
-    ) -> Result<Vec<Prepared>, StoreError> {
+    ) -> Result<Vec<Prepared>, ImageStoreError> {
         let mut prepared = Vec::with_capacity(images.len());
         let mut entries = Vec::with_capacity(images.len());
         for (key, entry, downloaded) in images {
@@ -758,9 +754,9 @@ impl ImageStore {
                         Composition::Overlay => store.prepare_layers(&key2, &entry2),
                     })
                     .await
-                    .map_err(|err| StoreError::Task(err.to_string()))??;
+                    .map_err(|err| ImageStoreError::Task(err.to_string()))??;
                     self.prepared_root(&entry)?.ok_or_else(|| {
-                        StoreError::Task(format!("{key}: prepared, then not found complete"))
+                        ImageStoreError::Task(format!("{key}: prepared, then not found complete"))
                     })?
                 }
             };
@@ -800,7 +796,10 @@ impl ImageStore {
     /// (blobs an import stored and then did not use, or used by nothing because it failed).
     /// The caller holds the busy lock and has dropped its own [`super::blobs::BlobHolds`]; a
     /// pull between storing a blob and indexing it holds it, so it is not removed.
-    pub(super) fn remove_unreferenced(&self, candidates: &[Digest]) -> Result<usize, StoreError> {
+    pub(super) fn remove_unreferenced(
+        &self,
+        candidates: &[Digest],
+    ) -> Result<usize, ImageStoreError> {
         let path = self.index_path();
         let mut keep = BTreeSet::new();
         for entry in self.lock_index().images.values() {
@@ -821,7 +820,11 @@ impl ImageStore {
 
     /// The entry when everything it needs is still in the store (blobs for a rootfs not yet
     /// prepared); `None` means pull again.
-    fn usable(&self, _key: &str, entry: &IndexEntry) -> Result<Option<IndexEntry>, StoreError> {
+    fn usable(
+        &self,
+        _key: &str,
+        entry: &IndexEntry,
+    ) -> Result<Option<IndexEntry>, ImageStoreError> {
         let path = self.index_path();
         let config = parse_digest(&path, &entry.config)?;
         if !self.blobs.contains(&config)? {
@@ -838,9 +841,9 @@ impl ImageStore {
         Ok(Some(entry.clone()))
     }
 
-    fn read_config(&self, key: &str, entry: &IndexEntry) -> Result<ImageConfig, StoreError> {
+    fn read_config(&self, key: &str, entry: &IndexEntry) -> Result<ImageConfig, ImageStoreError> {
         let digest = parse_digest(&self.index_path(), &entry.config)?;
-        let bad = |reason: String| StoreError::Config {
+        let bad = |reason: String| ImageStoreError::Config {
             reference: key.to_owned(),
             digest: digest.to_string(),
             reason,
@@ -885,7 +888,7 @@ impl ImageStore {
     /// Removes every image whose reference is not in `used`, the rootfs dirs no remaining
     /// image has, and the blobs no remaining image names and no pull or import in progress
     /// holds (both store their blobs before they take the busy lock to index them).
-    pub async fn prune(&self, used: &BTreeSet<String>) -> Result<Pruned, StoreError> {
+    pub async fn prune(&self, used: &BTreeSet<String>) -> Result<Pruned, ImageStoreError> {
         let _busy = self.busy.lock().await;
         let removed: Vec<String> = self
             .lock_index()
@@ -909,7 +912,7 @@ impl ImageStore {
 
     /// Removes the dirs of `sub` whose names are digests' hex not in `keep` (temp dirs are
     /// open's to remove); how many.
-    fn remove_unkept(&self, sub: &str, keep: &BTreeSet<String>) -> Result<usize, StoreError> {
+    fn remove_unkept(&self, sub: &str, keep: &BTreeSet<String>) -> Result<usize, ImageStoreError> {
         let dir = self.dir.join(sub);
         let mut removed = 0;
         for dir_entry in std::fs::read_dir(&dir).map_err(io_err("list", &dir))? {
@@ -928,16 +931,19 @@ impl ImageStore {
     }
 
     /// Applies `change` to a copy of the index, writes it durably, then makes it current.
-    fn write_index_with(&self, change: impl FnOnce(&mut IndexFile)) -> Result<(), StoreError> {
+    fn write_index_with(&self, change: impl FnOnce(&mut IndexFile)) -> Result<(), ImageStoreError> {
         let mut copy = IndexFile {
             version: INDEX_VERSION,
             images: self.lock_index().images.clone(),
         };
         change(&mut copy);
-        write_atomically(
-            &self.dir,
+        // 0o666 before the umask: the mode `File::create` gave the index before.
+        durable::write_atomic(
+            &durable::Dir::open(&self.dir)?,
             INDEX_FILE,
             &serde_json::to_vec_pretty(&copy).unwrap_or_default(),
+            0o666,
+            || Ok::<(), ImageStoreError>(()),
         )?;
         *self.lock_index() = copy;
         Ok(())
@@ -955,9 +961,9 @@ struct BlobsAndDir {
 impl BlobsAndDir {
     /// The budget of one image's preparation: its caps, within what the store's quota
     /// leaves now (refused at once when nothing is left; `first` names the layer).
-    fn budget(&self, key: &str, first: Option<&IndexLayer>) -> Result<Budget, StoreError> {
+    fn budget(&self, key: &str, first: Option<&IndexLayer>) -> Result<Budget, ImageStoreError> {
         let used = store_disk_bytes(&self.dir)?;
-        Budget::new(&self.image_limits, used).map_err(|exceeded| StoreError::Unpack {
+        Budget::new(&self.image_limits, used).map_err(|exceeded| ImageStoreError::Unpack {
             reference: key.to_owned(),
             layer: first.map_or_else(String::new, |l| l.digest.clone()),
             source: Box::new(UnpackError::Limit {
@@ -969,15 +975,16 @@ impl BlobsAndDir {
     }
 
     /// Applies the layers in order into a temp dir, syncs it, renames it into place.
-    fn prepare(&self, key: &str, entry: &IndexEntry, manifest: &Digest) -> Result<(), StoreError> {
+    fn prepare(
+        &self,
+        key: &str,
+        entry: &IndexEntry,
+        manifest: &Digest,
+    ) -> Result<(), ImageStoreError> {
         use std::os::unix::fs::DirBuilderExt;
         let index_path = self.dir.join(INDEX_FILE);
         let parent = self.dir.join(ROOTFS_DIR);
-        let temp = parent.join(format!(
-            "{TEMP_PREFIX}{}-{:016x}",
-            manifest.hex(),
-            rand::random::<u64>()
-        ));
+        let temp = parent.join(durable::temp_name(manifest.hex()));
         std::fs::DirBuilder::new()
             .mode(0o755)
             .create(&temp)
@@ -998,7 +1005,7 @@ impl BlobsAndDir {
                 .map_err(unpack_err(key, &digest))?;
             }
             sync_and_rename(&temp, &parent.join(manifest.hex()))?;
-            fsync_dir(&parent)
+            Ok(durable::sync_dir(&parent).map(drop)?)
         })();
         if temp.exists() {
             // Failed or lost the race: never leave a partial tree (open would remove it too).
@@ -1013,7 +1020,7 @@ impl BlobsAndDir {
 impl BlobsAndDir {
     /// Unpacks each layer of `entry` not yet in `layers/` (overlay form), bottom first, each
     /// into a temp dir that is synced and renamed to its chain id only when complete.
-    fn prepare_layers(&self, key: &str, entry: &IndexEntry) -> Result<(), StoreError> {
+    fn prepare_layers(&self, key: &str, entry: &IndexEntry) -> Result<(), ImageStoreError> {
         use std::os::unix::fs::DirBuilderExt;
         let index_path = self.dir.join(INDEX_FILE);
         let parent = self.dir.join(LAYERS_DIR);
@@ -1028,11 +1035,7 @@ impl BlobsAndDir {
         for ((digest, chain), layer) in digests.iter().zip(&chains).zip(&layers) {
             let target = parent.join(chain.hex());
             if !target.is_dir() {
-                let temp = parent.join(format!(
-                    "{TEMP_PREFIX}{}-{:016x}",
-                    chain.hex(),
-                    rand::random::<u64>()
-                ));
+                let temp = parent.join(durable::temp_name(chain.hex()));
                 std::fs::DirBuilder::new()
                     .mode(0o755)
                     .create(&temp)
@@ -1050,7 +1053,7 @@ impl BlobsAndDir {
                     )
                     .map_err(unpack_err(key, digest))?;
                     sync_and_rename(&temp, &target)?;
-                    fsync_dir(&parent)
+                    Ok(durable::sync_dir(&parent).map(drop)?)
                 })();
                 if temp.exists()
                     && let Err(err) = remove_tree(&temp)
@@ -1075,13 +1078,9 @@ impl BlobsAndDir {
 
 /// Syncs the file system of `temp` (everything written reaches the disk before the name
 /// says it is complete), then renames it to `target` unless a complete one is there.
-fn sync_and_rename(temp: &Path, target: &Path) -> Result<(), StoreError> {
+fn sync_and_rename(temp: &Path, target: &Path) -> Result<(), ImageStoreError> {
     let fd = std::fs::File::open(temp).map_err(io_err("open", temp))?;
-    rustix::fs::syncfs(&fd).map_err(|e| StoreError::Io {
-        op: "syncfs",
-        at: temp.to_path_buf(),
-        source: e.into(),
-    })?;
+    rustix::fs::syncfs(&fd).map_err(io_err("syncfs", temp))?;
     match rustix::fs::renameat_with(
         rustix::fs::CWD,
         temp,
@@ -1091,16 +1090,12 @@ fn sync_and_rename(temp: &Path, target: &Path) -> Result<(), StoreError> {
     ) {
         // Another process's complete copy: as good as ours.
         Ok(()) | Err(rustix::io::Errno::EXIST) => Ok(()),
-        Err(e) => Err(StoreError::Io {
-            op: "rename",
-            at: target.to_path_buf(),
-            source: e.into(),
-        }),
+        Err(e) => Err(IoError::new("rename", target, e).into()),
     }
 }
 
 /// The layer digests of an index entry ([`distinct_layers`]), parsed.
-fn layer_digests(index: &Path, entry: &IndexEntry) -> Result<Vec<Digest>, StoreError> {
+fn layer_digests(index: &Path, entry: &IndexEntry) -> Result<Vec<Digest>, ImageStoreError> {
     distinct_layers(entry)
         .iter()
         .map(|layer| parse_digest(index, &layer.digest))
@@ -1144,14 +1139,14 @@ pub(super) fn now_secs() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-fn parse_digest(index: &Path, text: &str) -> Result<Digest, StoreError> {
-    Digest::parse(text).map_err(|err| StoreError::IndexCorrupt {
+fn parse_digest(index: &Path, text: &str) -> Result<Digest, ImageStoreError> {
+    Digest::parse(text).map_err(|err| ImageStoreError::IndexCorrupt {
         path: index.to_path_buf(),
         reason: err.to_string(),
     })
 }
 
-fn read_index(path: &Path) -> Result<IndexFile, StoreError> {
+fn read_index(path: &Path) -> Result<IndexFile, ImageStoreError> {
     let file = match std::fs::File::open(path) {
         Ok(file) => file,
         Err(err) if err.kind() == io::ErrorKind::NotFound => {
@@ -1160,9 +1155,9 @@ fn read_index(path: &Path) -> Result<IndexFile, StoreError> {
                 images: BTreeMap::new(),
             });
         }
-        Err(err) => return Err(io_err("open", path)(err)),
+        Err(err) => return Err(IoError::new("open", path, err).into()),
     };
-    let corrupt = |reason: String| StoreError::IndexCorrupt {
+    let corrupt = |reason: String| ImageStoreError::IndexCorrupt {
         path: path.to_path_buf(),
         reason,
     };
@@ -1187,42 +1182,12 @@ fn read_index(path: &Path) -> Result<IndexFile, StoreError> {
     Ok(index)
 }
 
-/// Temp file in `dir`, fsync, rename over `name`, fsync `dir`.
-fn write_atomically(dir: &Path, name: &str, bytes: &[u8]) -> Result<(), StoreError> {
-    let temp = dir.join(format!(
-        "{TEMP_PREFIX}{name}-{:016x}",
-        rand::random::<u64>()
-    ));
-    let result = (|| {
-        let mut file = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&temp)
-            .map_err(io_err("create", &temp))?;
-        file.write_all(bytes).map_err(io_err("write", &temp))?;
-        file.sync_all().map_err(io_err("fsync", &temp))?;
-        let target = dir.join(name);
-        std::fs::rename(&temp, &target).map_err(io_err("rename", &target))?;
-        fsync_dir(dir)
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&temp);
-    }
-    result
-}
-
-fn fsync_dir(dir: &Path) -> Result<(), StoreError> {
-    std::fs::File::open(dir)
-        .and_then(|f| f.sync_all())
-        .map_err(io_err("fsync", dir))
-}
-
 /// Removes a tree the store made, without following symlinks in it (`remove_dir_all` does not
 /// follow them).
-fn remove_tree(path: &Path) -> Result<(), StoreError> {
+fn remove_tree(path: &Path) -> Result<(), ImageStoreError> {
     match std::fs::remove_dir_all(path) {
         Ok(()) => Ok(()),
         Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(()),
-        Err(err) => Err(io_err("remove", path)(err)),
+        Err(err) => Err(IoError::new("remove", path, err).into()),
     }
 }

@@ -16,11 +16,13 @@
 //! file uses the same shape with a fixed envelope version: `{"schema_version": 1, "secrets": S}`.
 //!
 //! # Durability
-//! [`write_atomic`]: temp file in the same directory (created 0600, name ending in `.tmp`),
-//! write, fsync the file, rename over the target, fsync the directory: one fsync of the file
-//! and one of the directory per write, plus one per directory it had to create.
-//! A temp file left by a writer that died is ignored by loads and removed by
-//! [`FileStore::load_all`] and [`FileStore::delete_volume`].
+//! [`write_atomic`] is [`durable::write_atomic`]: temp file in the same directory (created
+//! 0600, named `.tmp-<file name>-<pid>-<random>`), write, fsync the file, rename over the
+//! target, fsync the directory: one fsync of the file and one of the directory per write,
+//! plus one per directory it had to create. A temp file left by a writer that died is ignored
+//! by loads and removed by [`FileStore::load_all`] and [`FileStore::delete_volume`], in the
+//! current form and in the older one (`.<file name>.<pid>.<n>.tmp`), which a daemon of an
+//! earlier version may have left.
 //!
 //! # Permissions
 //! `csi/` is 0700 (created so, tightened by [`FileStore::open`] if it was looser), every directory
@@ -33,18 +35,18 @@
 //! there is ever read again or deleted by the daemon; it is kept for an operator.
 
 use std::ffi::{OsStr, OsString};
-use std::fs::{self, DirBuilder, File, OpenOptions};
-use std::io::{self, Write};
+use std::fs::{self, OpenOptions};
+use std::io;
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
+use crate::durable::{self, IoError, io_err};
 use crate::failpoint::{self, FailpointError};
 use crate::layout::{Layout, decode_id};
 use crate::metrics::Metrics;
@@ -62,8 +64,6 @@ pub const SECRETS_FILE: &str = "secrets.json";
 /// Where unreadable entries of `volumes/` are moved, inside the plugin dir.
 pub const QUARANTINE_DIR: &str = "quarantine";
 
-/// Every temp file name ends with this; nothing else in the store does.
-const TMP_SUFFIX: &str = ".tmp";
 const DIR_MODE: u32 = 0o700;
 const FILE_MODE: u32 = 0o600;
 /// Version of the secrets envelope (the shape of the map inside is the caller's).
@@ -90,13 +90,8 @@ pub trait Record: Serialize + DeserializeOwned {
 /// from the single-record functions; [`FileStore::load_all`] reports it as a [`Problem`] instead.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    #[error("{op} {}: {source}", path.display())]
-    Io {
-        op: &'static str,
-        path: PathBuf,
-        #[source]
-        source: io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] IoError),
     #[error("cannot encode the record for {}: {source}", path.display())]
     Encode {
         path: PathBuf,
@@ -117,14 +112,6 @@ pub enum StoreError {
         #[source]
         source: rusqlite::Error,
     },
-}
-
-fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> StoreError + 'a {
-    move |source| StoreError::Io {
-        op,
-        path: path.to_path_buf(),
-        source,
-    }
 }
 
 /// Why a record could not be read.
@@ -207,163 +194,56 @@ pub fn decode_record<T: Record>(bytes: &[u8]) -> Result<T, Unreadable> {
     }
 }
 
-/// Removes the temp file on drop unless the write got as far as the rename.
-struct TempGuard(Option<PathBuf>);
+/// The temp-name suffix of csi-agent 0.x before the one durable-write helper: those files
+/// (`.<file name>.<pid>.<n>.tmp`) may be left by a writer of an older version killed
+/// mid-write, and are cleaned like the current ones (never our own: this build does not make
+/// them).
+const LEGACY_TMP_SUFFIX: &str = ".tmp";
 
-impl Drop for TempGuard {
-    fn drop(&mut self) {
-        if let Some(path) = self.0.take() {
-            // Best effort: a temp file left behind is harmless and cleaned at the next load.
-            let _ = fs::remove_file(path);
-        }
-    }
-}
-
-/// Distinguishes temp files of concurrent writes in one process.
-static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
-
-/// `.<file name>.<pid>.<counter>.tmp`: hidden, unique, and recognisable as temp by its suffix.
-fn temp_name(file_name: &OsStr) -> OsString {
-    let counter = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
-    let mut name = OsString::from(".");
-    name.push(file_name);
-    name.push(format!(".{}.{counter}{TMP_SUFFIX}", std::process::id()));
-    name
-}
-
+/// A temp file of a writer: [`durable::temp_name`]'s form, or the legacy one.
 fn is_temp_name(name: &OsStr) -> bool {
-    name.as_bytes().ends_with(TMP_SUFFIX.as_bytes())
+    durable::is_temp_name(name.as_bytes())
+        || name.as_bytes().ends_with(LEGACY_TMP_SUFFIX.as_bytes())
 }
 
 /// True for a temp file this process may still be writing (its name carries our pid). Loads
 /// leave those alone; any other temp file belongs to a writer that is gone.
 fn is_own_temp(name: &OsStr) -> bool {
-    let Some(stem) = name
-        .as_bytes()
-        .strip_suffix(TMP_SUFFIX.as_bytes())
-        .and_then(|stem| std::str::from_utf8(stem).ok())
-    else {
-        return false;
-    };
-    let mut parts = stem.rsplit('.');
-    let _counter = parts.next();
-    parts.next() == Some(std::process::id().to_string().as_str())
+    durable::is_own_temp(name.as_bytes())
 }
 
-/// An empty parent means the current directory.
-fn dir_of(path: &Path) -> &Path {
-    match path.parent() {
-        Some(parent) if !parent.as_os_str().is_empty() => parent,
-        _ => Path::new("."),
-    }
-}
-
-fn fsync_dir(dir: &Path, fsync_time: &mut Duration) -> Result<(), StoreError> {
-    let handle = File::open(dir).map_err(io_err("open directory", dir))?;
-    let start = Instant::now();
-    let result = handle.sync_all();
-    *fsync_time += start.elapsed();
-    result.map_err(io_err("fsync directory", dir))
-}
-
-/// Creates `dir` and its missing ancestors (mode 0700), fsyncing the parent of each directory
-/// it creates so that the new entries survive a power cut.
-fn create_dir_durable(dir: &Path, fsync_time: &mut Duration) -> Result<(), StoreError> {
-    let mut missing = Vec::new();
-    let mut current = dir;
-    loop {
-        match fs::metadata(current) {
-            Ok(meta) if meta.is_dir() => break,
-            Ok(_) => {
-                return Err(StoreError::Io {
-                    op: "create directory",
-                    path: current.to_path_buf(),
-                    source: io::Error::from(io::ErrorKind::NotADirectory),
-                });
-            }
-            Err(err) if err.kind() == io::ErrorKind::NotFound => {
-                missing.push(current);
-                match current.parent() {
-                    Some(parent) if !parent.as_os_str().is_empty() => current = parent,
-                    _ => break,
-                }
-            }
-            Err(err) => return Err(io_err("stat", current)(err)),
-        }
-    }
-    for created in missing.into_iter().rev() {
-        match DirBuilder::new().mode(DIR_MODE).create(created) {
-            Ok(()) => fsync_dir(dir_of(created), fsync_time)?,
-            // Another writer created it first; it made it durable too.
-            Err(err) if err.kind() == io::ErrorKind::AlreadyExists => {}
-            Err(err) => return Err(io_err("create directory", created)(err)),
-        }
-    }
-    Ok(())
-}
-
-fn create_temp(dir: &Path, file_name: &OsStr) -> io::Result<(PathBuf, File)> {
-    // A name can only collide with a temp file of a dead process that had our pid (pid reuse
-    // after a reboot): try a few fresh counters rather than touching that file.
-    let mut attempts = 0;
-    loop {
-        let path = dir.join(temp_name(file_name));
-        match OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(FILE_MODE)
-            .open(&path)
-        {
-            Ok(file) => return Ok((path, file)),
-            Err(err) if err.kind() == io::ErrorKind::AlreadyExists && attempts < 8 => {
-                attempts += 1;
-            }
-            Err(err) => return Err(err),
-        }
-    }
-}
-
-/// Replaces `path` with `bytes` atomically and durably (see the module doc): a reader sees
-/// the old content or the new one, never a mix, and once this returns `Ok` the new content
-/// survives a crash or power cut. Missing parent directories are created (0700) and made
-/// durable; the file is created 0600. Counts one checkpoint write and its fsync time.
+/// Replaces `path` with `bytes` atomically and durably ([`durable::write_atomic`]): a reader
+/// sees the old content or the new one, never a mix, and once this returns `Ok` the new
+/// content survives a crash or power cut. Missing parent directories are created (0700) and
+/// made durable; the file is created 0600. Counts one checkpoint write and its fsync time.
 pub fn write_atomic(
     path: &Path,
     bytes: &[u8],
     metrics: Option<&Metrics>,
 ) -> Result<(), StoreError> {
-    let dir = dir_of(path);
-    let Some(file_name) = path.file_name() else {
-        return Err(StoreError::Io {
-            op: "write",
-            path: path.to_path_buf(),
-            source: io::Error::new(io::ErrorKind::InvalidInput, "path has no file name"),
-        });
+    let dir = durable::parent_of(path);
+    let Some(file_name) = path.file_name().and_then(OsStr::to_str) else {
+        return Err(IoError::new(
+            "write",
+            path,
+            io::Error::new(io::ErrorKind::InvalidInput, "path has no UTF-8 file name"),
+        )
+        .into());
     };
     let mut fsync_time = Duration::ZERO;
     // Try first and create directories only on ENOENT: the common case (the directory
     // exists) then costs no extra syscall.
-    let (temp_path, mut file) = match create_temp(dir, file_name) {
-        Ok(created) => created,
+    let handle = match durable::Dir::open(dir) {
+        Ok(handle) => handle,
         Err(err) if err.kind() == io::ErrorKind::NotFound => {
-            create_dir_durable(dir, &mut fsync_time)?;
-            create_temp(dir, file_name).map_err(io_err("create temp file in", dir))?
+            fsync_time += durable::create_dir_durable(dir, DIR_MODE)?;
+            durable::Dir::open(dir)?
         }
-        Err(err) => return Err(io_err("create temp file in", dir)(err)),
+        Err(err) => return Err(err.into()),
     };
-    let mut guard = TempGuard(Some(temp_path.clone()));
-    file.write_all(bytes).map_err(io_err("write", &temp_path))?;
-    let start = Instant::now();
-    let synced = file.sync_all();
-    fsync_time += start.elapsed();
-    synced.map_err(io_err("fsync", &temp_path))?;
-    drop(file);
-
-    failpoint::hit(FP_WRITE_BEFORE_RENAME)?;
-    fs::rename(&temp_path, path).map_err(io_err("rename over", path))?;
-    guard.0 = None;
-    fsync_dir(dir, &mut fsync_time)?;
-
+    fsync_time += durable::write_atomic(&handle, file_name, bytes, FILE_MODE, || {
+        failpoint::hit(FP_WRITE_BEFORE_RENAME).map_err(StoreError::from)
+    })?;
     if let Some(metrics) = metrics {
         metrics.checkpoint_writes.inc();
         metrics
@@ -405,13 +285,13 @@ fn read_optional(path: &Path) -> Result<Option<Vec<u8>>, StoreError> {
         Err(err) if err.raw_os_error() == Some(rustix::io::Errno::LOOP.raw_os_error()) => {
             return Err(refused("it is a symlink (never followed)".to_owned()));
         }
-        Err(err) => return Err(io_err("read", path)(err)),
+        Err(err) => return Err(StoreError::from(io_err("read", path)(err))),
     };
     let meta = file.metadata().map_err(io_err("stat", path))?;
     if meta.is_dir() {
-        return Err(io_err("read", path)(io::Error::from(
+        return Err(StoreError::from(io_err("read", path)(io::Error::from(
             io::ErrorKind::IsADirectory,
-        )));
+        ))));
     }
     if !meta.file_type().is_file() {
         return Err(refused(format!(
@@ -459,7 +339,7 @@ fn remove_optional(path: &Path) -> Result<bool, StoreError> {
     match fs::remove_file(path) {
         Ok(()) => Ok(true),
         Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(false),
-        Err(err) => Err(io_err("remove", path)(err)),
+        Err(err) => Err(StoreError::from(io_err("remove", path)(err))),
     }
 }
 
@@ -468,7 +348,7 @@ pub(crate) fn remove_stale_temps(dir: &Path) -> Result<usize, StoreError> {
     let entries = match fs::read_dir(dir) {
         Ok(entries) => entries,
         Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(0),
-        Err(err) => return Err(io_err("list", dir)(err)),
+        Err(err) => return Err(StoreError::from(io_err("list", dir)(err))),
     };
     let mut removed = 0;
     for entry in entries {
@@ -551,8 +431,7 @@ impl FileStore {
     /// it is looser, so that the whole tree, secrets included, is private to the daemon.
     pub fn open(layout: Layout, metrics: Option<Arc<Metrics>>) -> Result<Self, StoreError> {
         let root = layout.csi_root();
-        let mut fsync_time = Duration::ZERO;
-        create_dir_durable(&root, &mut fsync_time)?;
+        durable::create_dir_durable(&root, DIR_MODE)?;
         let meta = fs::metadata(&root).map_err(io_err("stat", &root))?;
         if meta.permissions().mode() & 0o077 != 0 {
             tracing::warn!(path = %root.display(), mode = format!("{:o}", meta.permissions().mode() & 0o7777), "tightening the state directory to 0700");
@@ -647,7 +526,7 @@ impl FileStore {
         // in flight, so every temp file here is stale, even one carrying our pid.
         remove_all_temps(&dir)?;
         match fs::remove_dir(&dir) {
-            Ok(()) => fsync_dir(dir_of(&dir), &mut fsync_time)?,
+            Ok(()) => fsync_time += durable::sync_dir(durable::parent_of(&dir))?,
             Err(err) if err.kind() == io::ErrorKind::NotFound => {
                 if !record_removed && !secrets_removed {
                     return Ok(());
@@ -657,7 +536,7 @@ impl FileStore {
                 // Something unexpected is in the directory. The record is gone, which is
                 // what matters: make the unlinks durable and leave the rest to an operator.
                 tracing::warn!(dir = %dir.display(), %err, "volume directory not removed");
-                fsync_dir(&dir, &mut fsync_time)?;
+                fsync_time += durable::sync_dir(&dir)?;
             }
         }
         if let Some(metrics) = self.metrics() {
@@ -733,7 +612,7 @@ impl FileStore {
         let path = self.secrets_path(plugin_type, plugin_name, volume_id);
         if remove_optional(&path)? {
             let mut fsync_time = Duration::ZERO;
-            fsync_dir(dir_of(&path), &mut fsync_time)?;
+            fsync_time += durable::sync_dir(durable::parent_of(&path))?;
             if let Some(metrics) = self.metrics() {
                 metrics.checkpoint_writes.inc();
                 metrics
@@ -787,7 +666,7 @@ impl FileStore {
         let entries = match fs::read_dir(&volumes) {
             Ok(entries) => entries,
             Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(out),
-            Err(err) => return Err(io_err("list", &volumes)(err)),
+            Err(err) => return Err(StoreError::from(io_err("list", &volumes)(err))),
         };
         let quarantine = self.quarantine_dir(plugin_type, plugin_name);
         let mut changed = false;
@@ -846,8 +725,7 @@ impl FileStore {
         if changed {
             // One fsync makes every removal and move-out of volumes/ durable. If it fails the
             // changes are redone at the next load, so report it without failing the load.
-            let mut fsync_time = Duration::ZERO;
-            if let Err(err) = fsync_dir(&volumes, &mut fsync_time) {
+            if let Err(err) = durable::sync_dir(&volumes) {
                 tracing::warn!(%err, "load_all: cleanup not made durable");
             }
         }
@@ -869,10 +747,12 @@ impl FileStore {
         plugin_name: &str,
         dir: &Path,
     ) -> Result<PathBuf, StoreError> {
-        let name = dir.file_name().ok_or_else(|| StoreError::Io {
-            op: "quarantine",
-            path: dir.to_path_buf(),
-            source: io::Error::from(io::ErrorKind::InvalidInput),
+        let name = dir.file_name().ok_or_else(|| {
+            IoError::new(
+                "quarantine",
+                dir,
+                io::Error::from(io::ErrorKind::InvalidInput),
+            )
         })?;
         move_aside(&self.quarantine_dir(plugin_type, plugin_name), dir, name)
     }
@@ -890,7 +770,7 @@ impl FileStore {
         let entries = match fs::read_dir(&volumes) {
             Ok(entries) => entries,
             Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(()),
-            Err(err) => return Err(io_err("list", &volumes)(err)),
+            Err(err) => return Err(StoreError::from(io_err("list", &volumes)(err))),
         };
         let mut fsync_time = Duration::ZERO;
         for entry in entries {
@@ -900,11 +780,11 @@ impl FileStore {
             }
             let dir = entry.path();
             if remove_optional(&dir.join(VOLUME_RECORD_FILE))? {
-                fsync_dir(&dir, &mut fsync_time)?;
+                fsync_time += durable::sync_dir(&dir)?;
                 after_each()?;
             }
             if fs::remove_dir(&dir).is_ok() {
-                fsync_dir(&volumes, &mut fsync_time)?;
+                fsync_time += durable::sync_dir(&volumes)?;
             }
         }
         Ok(())
@@ -916,7 +796,7 @@ fn remove_all_temps(dir: &Path) -> Result<(), StoreError> {
     let entries = match fs::read_dir(dir) {
         Ok(entries) => entries,
         Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(()),
-        Err(err) => return Err(io_err("list", dir)(err)),
+        Err(err) => return Err(StoreError::from(io_err("list", dir)(err))),
     };
     for entry in entries {
         let entry = entry.map_err(io_err("list", dir))?;
@@ -979,7 +859,7 @@ fn load_volume_dir<T: Record>(dir: &Path, orphans: Orphans) -> DirOutcome<T> {
                 Err(err) => DirOutcome::Problem(ProblemKind::Io(err.to_string())),
             }
         }
-        Err(StoreError::Io { source, .. }) if source.kind() == io::ErrorKind::IsADirectory => {
+        Err(StoreError::Io(err)) if err.kind() == io::ErrorKind::IsADirectory => {
             DirOutcome::Problem(ProblemKind::Unreadable(Unreadable::Corrupt(format!(
                 "{VOLUME_RECORD_FILE} is a directory"
             ))))
@@ -1011,8 +891,7 @@ fn quarantine_entry(
 }
 
 fn move_aside(quarantine: &Path, path: &Path, name: &OsStr) -> Result<PathBuf, StoreError> {
-    let mut fsync_time = Duration::ZERO;
-    create_dir_durable(quarantine, &mut fsync_time)?;
+    durable::create_dir_durable(quarantine, DIR_MODE)?;
     let seconds = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
@@ -1037,18 +916,19 @@ fn move_aside(quarantine: &Path, path: &Path, name: &OsStr) -> Result<PathBuf, S
             rustix::fs::RenameFlags::NOREPLACE,
         ) {
             Ok(()) => {
-                fsync_dir(quarantine, &mut fsync_time)?;
+                durable::sync_dir(quarantine)?;
                 return Ok(target);
             }
             Err(rustix::io::Errno::EXIST) => {}
-            Err(errno) => return Err(io_err("move aside", path)(errno.into())),
+            Err(errno) => return Err(StoreError::from(io_err("move aside", path)(errno))),
         }
     }
-    Err(StoreError::Io {
-        op: "move aside",
-        path: path.to_path_buf(),
-        source: io::Error::from(io::ErrorKind::AlreadyExists),
-    })
+    Err(IoError::new(
+        "move aside",
+        path,
+        io::Error::from(io::ErrorKind::AlreadyExists),
+    )
+    .into())
 }
 
 #[cfg(test)]
@@ -1551,9 +1431,18 @@ mod tests {
 
     #[test]
     fn temp_names_are_recognised() {
-        let name = temp_name(OsStr::new("volume.json"));
+        let name = OsString::from(durable::temp_name("volume.json"));
         assert!(is_temp_name(&name));
         assert!(is_own_temp(&name));
+        // The older form is still cleaned, and never taken for one of ours.
+        assert!(is_temp_name(OsStr::new(&format!(
+            ".volume.json.{}.0.tmp",
+            std::process::id()
+        ))));
+        assert!(!is_own_temp(OsStr::new(&format!(
+            ".volume.json.{}.0.tmp",
+            std::process::id()
+        ))));
         assert!(!is_own_temp(OsStr::new(".volume.json.1.0.tmp")) || std::process::id() == 1);
         assert!(!is_temp_name(OsStr::new("volume.json")));
     }

@@ -59,7 +59,7 @@ use super::process::{current_boot_id, read_stat};
 use super::{Component, ExitInfo, LaunchContext, LaunchSpec, Runtime, RuntimeError, RuntimeHandle};
 use crate::config::{CommandConfig, OciConfig, RuntimeConfig, Service};
 use crate::image::reference::ContainerImage;
-use crate::image::store::{ImageConfig, ImageStore, Prepared, PreparedRoot, StoreError};
+use crate::image::store::{ImageConfig, ImageStore, ImageStoreError, Prepared, PreparedRoot};
 use crate::mounts::MountTable;
 
 pub mod bundle;
@@ -482,7 +482,7 @@ pub enum OciError {
     Image {
         name: String,
         #[source]
-        source: Box<StoreError>,
+        source: Box<ImageStoreError>,
     },
     /// A path the runtime uses inside the container's own root (an image's WorkingDir, a
     /// mount destination) is not a plain directory beneath it (see [`rootpaths`]).
