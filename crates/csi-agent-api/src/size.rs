@@ -6,18 +6,30 @@
 //!
 //! This module owns parsing and printing only; what a size means is the caller's business.
 
+/// Why a size was refused; the message says what is expected.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SizeError {
+    /// Not digits with one of the suffixes.
+    #[error(
+        "expected a byte count with an optional suffix k, M, G, T, P (powers of 1000) or Ki, Mi, \
+         Gi, Ti, Pi (powers of 1024), e.g. 10Gi"
+    )]
+    Malformed,
+    /// More than `i64::MAX` bytes.
+    #[error("too large: at most 2^63-1 bytes (8Ei)")]
+    TooLarge,
+}
+
 /// A byte count: an integer with an optional suffix, `k M G T P` (powers of 1000) or
 /// `Ki Mi Gi Ti Pi` (powers of 1024), optionally followed by `B` (`10GiB`, `500MB`).
-pub fn parse_size(raw: &str) -> Result<i64, String> {
-    const EXPECTED: &str = "expected a byte count with an optional suffix k, M, G, T, P (powers \
-                            of 1000) or Ki, Mi, Gi, Ti, Pi (powers of 1024), e.g. 10Gi";
+pub fn parse_size(raw: &str) -> Result<i64, SizeError> {
     let text = raw.trim();
     let split = text
         .find(|c: char| !c.is_ascii_digit())
         .unwrap_or(text.len());
     let (digits, suffix) = text.split_at(split);
     if digits.is_empty() {
-        return Err(EXPECTED.to_owned());
+        return Err(SizeError::Malformed);
     }
     let suffix = suffix.strip_suffix('B').unwrap_or(suffix);
     let multiplier: i64 = match suffix {
@@ -32,13 +44,13 @@ pub fn parse_size(raw: &str) -> Result<i64, String> {
         "Gi" => 1 << 30,
         "Ti" => 1 << 40,
         "Pi" => 1 << 50,
-        _ => return Err(EXPECTED.to_owned()),
+        _ => return Err(SizeError::Malformed),
     };
     digits
         .parse::<i64>()
         .ok()
         .and_then(|n| n.checked_mul(multiplier))
-        .ok_or_else(|| "too large: at most 2^63-1 bytes (8Ei)".to_owned())
+        .ok_or(SizeError::TooLarge)
 }
 
 /// `10Gi`, `1.5Gi`, `512` (bytes below 1 KiB).
@@ -98,10 +110,11 @@ mod tests {
             let Err(err) = parse_size(raw) else {
                 panic!("accepted {raw:?}");
             };
-            assert!(err.contains("e.g. 10Gi"), "{raw}: {err}");
+            assert_eq!(err, SizeError::Malformed, "{raw}");
+            assert!(err.to_string().contains("e.g. 10Gi"), "{raw}: {err}");
         }
-        assert!(parse_size("9999999Pi").is_err());
-        assert!(parse_size("99999999999999999999").is_err());
+        assert_eq!(parse_size("9999999Pi"), Err(SizeError::TooLarge));
+        assert_eq!(parse_size("99999999999999999999"), Err(SizeError::TooLarge));
     }
 
     #[test]

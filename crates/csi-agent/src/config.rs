@@ -676,41 +676,61 @@ pub fn parse_config(file: &Path, text: &str) -> Result<PluginConfig, ConfigError
     Parser { file }.plugin(&value)
 }
 
+/// Why a `type` or `name` is refused ([`validate_name`]); the message says what to fix.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum NameError {
+    #[error("must not be empty")]
+    Empty,
+    #[error("is {len} bytes long; at most {MAX_NAME_LEN} are allowed")]
+    TooLong { len: usize },
+    #[error("\"{text}\" must not start with a dot")]
+    LeadingDot { text: String },
+    #[error("\"{text}\" contains {bad:?}; only letters, digits, '.', '-' and '_' are allowed")]
+    BadCharacter { text: String, bad: char },
+}
+
 /// Validates a `type` or `name`: letters, digits, `.`, `-`, `_`; no leading dot; at most
-/// [`MAX_NAME_LEN`] bytes. Returns what to fix.
-pub fn validate_name(text: &str) -> Result<(), String> {
+/// [`MAX_NAME_LEN`] bytes.
+pub fn validate_name(text: &str) -> Result<(), NameError> {
     if text.is_empty() {
-        return Err("must not be empty".to_owned());
+        return Err(NameError::Empty);
     }
     if text.len() > MAX_NAME_LEN {
-        return Err(format!(
-            "is {} bytes long; at most {MAX_NAME_LEN} are allowed",
-            text.len()
-        ));
+        return Err(NameError::TooLong { len: text.len() });
     }
     if text.starts_with('.') {
-        return Err(format!("\"{text}\" must not start with a dot"));
+        return Err(NameError::LeadingDot {
+            text: text.to_owned(),
+        });
     }
     if let Some(bad) = text
         .chars()
         .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_')))
     {
-        return Err(format!(
-            "\"{text}\" contains {bad:?}; only letters, digits, '.', '-' and '_' are allowed"
-        ));
+        return Err(NameError::BadCharacter {
+            text: text.to_owned(),
+            bad,
+        });
     }
     Ok(())
 }
 
+/// Why an endpoint of a config is refused ([`parse_endpoint`]).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum EndpointConfigError {
+    #[error(transparent)]
+    Form(#[from] crate::client::EndpointError),
+    #[error("socket path is {len} bytes long; unix sockets allow at most {MAX_SOCKET_PATH_LEN}")]
+    TooLong { len: usize },
+}
+
 /// Parses an endpoint (`unix:///abs/path` or a bare absolute path, as the client accepts)
-/// and checks that it fits in a unix socket address; returns the socket path or what to fix.
-pub fn parse_endpoint(text: &str) -> Result<PathBuf, String> {
-    let path = crate::client::parse_endpoint(text).map_err(|err| err.to_string())?;
+/// and checks that it fits in a unix socket address.
+pub fn parse_endpoint(text: &str) -> Result<PathBuf, EndpointConfigError> {
+    let path = crate::client::parse_endpoint(text)?;
     let len = path.as_os_str().len();
     if len > MAX_SOCKET_PATH_LEN {
-        return Err(format!(
-            "socket path is {len} bytes long; unix sockets allow at most {MAX_SOCKET_PATH_LEN}"
-        ));
+        return Err(EndpointConfigError::TooLong { len });
     }
     Ok(path)
 }
@@ -829,9 +849,9 @@ impl Parser<'_> {
         let plugin_type = self
             .string(obj, "", "type")?
             .ok_or_else(|| self.invalid("type", "is required (e.g. \"org.example.lvm\")"))?;
-        validate_name(plugin_type).map_err(|msg| self.invalid("type", msg))?;
+        validate_name(plugin_type).map_err(|err| self.invalid("type", err.to_string()))?;
         let name = self.string(obj, "", "name")?.unwrap_or(DEFAULT_NAME);
-        validate_name(name).map_err(|msg| self.invalid("name", msg))?;
+        validate_name(name).map_err(|err| self.invalid("name", err.to_string()))?;
 
         let containers = self.array(obj, "", "containers")?.filter(|c| !c.is_empty());
         let runtime = match obj.get("runtime") {
@@ -1266,11 +1286,11 @@ impl Parser<'_> {
         )?;
         let text = self.string(obj, field, "value")?.unwrap_or_default();
         crate::fetch::check_uri(text)
-            .map_err(|message| self.invalid(join(field, "value"), message))?;
+            .map_err(|err| self.invalid(join(field, "value"), err.to_string()))?;
         let output_file = self.string(obj, field, "output_file")?;
         if let Some(name) = output_file {
             crate::fetch::check_output_file(name)
-                .map_err(|message| self.invalid(join(field, "output_file"), message))?;
+                .map_err(|err| self.invalid(join(field, "output_file"), err.to_string()))?;
         }
         Ok(UriConfig {
             value: text.to_owned(),
@@ -1371,8 +1391,8 @@ impl Parser<'_> {
                     "is required: unix:///absolute/path or /absolute/path of the plugin's socket",
                 )
             })?;
-            let socket =
-                parse_endpoint(text).map_err(|msg| self.invalid(join(&prefix, "endpoint"), msg))?;
+            let socket = parse_endpoint(text)
+                .map_err(|err| self.invalid(join(&prefix, "endpoint"), err.to_string()))?;
             if endpoints.iter().any(|e| e.service == service) {
                 // docs/configuration.md: the first one listing a service serves it.
                 tracing::warn!(
@@ -1650,7 +1670,10 @@ mod tests {
             assert!(parse_endpoint(bad).is_err(), "{bad}");
         }
         let long = format!("/{}", "a".repeat(120));
-        assert!(parse_endpoint(&long).is_err_and(|e| e.contains("at most 107")));
+        assert!(
+            parse_endpoint(&long).is_err_and(|e| matches!(e, EndpointConfigError::TooLong { .. })
+                && e.to_string().contains("at most 107"))
+        );
     }
 
     #[test]

@@ -244,7 +244,45 @@ enum ReadyError {
     #[error("cannot watch for the socket: {0}")]
     Watch(io::Error),
     #[error("GetPluginInfo: {0}")]
-    Identity(String),
+    Identity(#[source] PluginNameError),
+}
+
+/// Why the name a plugin answered in GetPluginInfo is refused.
+#[derive(Debug, thiserror::Error)]
+enum PluginNameError {
+    #[error("the plugin answered an empty name; CSI requires one (GetPluginInfoResponse.name)")]
+    Empty,
+    #[error("the plugin's name is {len} bytes long: at most {MAX_PLUGIN_NAME_BYTES} are accepted")]
+    TooLong { len: usize },
+    #[error(
+        "the plugin's name {name:?} holds whitespace or control characters; CSI asks for domain name notation"
+    )]
+    NotDomainName { name: String },
+}
+
+/// Why one launch of a managed component failed (its message is the component's last error).
+#[derive(Debug, thiserror::Error)]
+enum LaunchError {
+    #[error("cannot create {}: {source}", path.display())]
+    CreateDir {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("cannot prepare the socket dir: {0}")]
+    SocketDir(#[source] io::Error),
+    #[error(
+        "command.uris are fetched only for the process runtime, and this component runs in the {kind} runtime; install the plugin in its image (or on the host) and remove `uris`"
+    )]
+    UrisNeedProcessRuntime { kind: &'static str },
+    #[error(transparent)]
+    Fetch(#[from] crate::fetch::FetchError),
+    #[error(transparent)]
+    Secret(#[from] crate::secrets::SecretError),
+    #[error(transparent)]
+    Runtime(#[from] crate::runtime::RuntimeError),
+    #[error("cannot write {COMPONENT_RECORD}: {0}")]
+    Record(#[source] io::Error),
 }
 
 /// The longest plugin name accepted (the spec asks for at most 63 characters; some plugins
@@ -252,23 +290,17 @@ enum ReadyError {
 const MAX_PLUGIN_NAME_BYTES: usize = 255;
 
 /// CSI, GetPluginInfoResponse.name: "This field is REQUIRED", in domain name notation.
-fn check_plugin_name(name: &str) -> Result<(), String> {
+fn check_plugin_name(name: &str) -> Result<(), PluginNameError> {
     if name.is_empty() {
-        return Err(
-            "the plugin answered an empty name; CSI requires one (GetPluginInfoResponse.name)"
-                .to_owned(),
-        );
+        return Err(PluginNameError::Empty);
     }
     if name.len() > MAX_PLUGIN_NAME_BYTES {
-        return Err(format!(
-            "the plugin's name is {} bytes long: at most {MAX_PLUGIN_NAME_BYTES} are accepted",
-            name.len()
-        ));
+        return Err(PluginNameError::TooLong { len: name.len() });
     }
     if name.chars().any(|c| c.is_control() || c.is_whitespace()) {
-        return Err(format!(
-            "the plugin's name {name:?} holds whitespace or control characters; CSI asks for domain name notation"
-        ));
+        return Err(PluginNameError::NotDomainName {
+            name: name.to_owned(),
+        });
     }
     Ok(())
 }
@@ -968,20 +1000,17 @@ impl Inner {
     /// runtime's working directory), before every launch: a failure is this launch's error,
     /// retried with the restart backoff like any other. The `oci` runtime does not mount the
     /// sandbox in the container, so a component with `uris` there is refused, saying so.
-    async fn fetch_uris(&self, spec: &LaunchSpec, container_dir: &Path) -> Result<(), String> {
+    async fn fetch_uris(&self, spec: &LaunchSpec, container_dir: &Path) -> Result<(), LaunchError> {
         let uris = &spec.command.uris;
         if uris.is_empty() {
             return Ok(());
         }
         if self.runtime.kind() != "process" {
-            return Err(format!(
-                "command.uris are fetched only for the process runtime, and this component runs in the {} runtime; install the plugin in its image (or on the host) and remove `uris`",
-                self.runtime.kind()
-            ));
+            return Err(LaunchError::UrisNeedProcessRuntime {
+                kind: self.runtime.kind(),
+            });
         }
-        crate::fetch::fetch_all(uris, container_dir, &self.options.fetch)
-            .await
-            .map_err(|err| err.to_string())?;
+        crate::fetch::fetch_all(uris, container_dir, &self.options.fetch).await?;
         tracing::info!(plugin = self.plugin(), component = %spec.container_id, uris = uris.len(), "fetched the command's uris into the sandbox");
         Ok(())
     }
@@ -992,9 +1021,11 @@ impl Inner {
         spec: &LaunchSpec,
         spec_hash: &str,
         container_dir: &Path,
-    ) -> Result<(Box<dyn Component>, PathBuf), String> {
-        std::fs::create_dir_all(container_dir)
-            .map_err(|err| format!("cannot create {}: {err}", container_dir.display()))?;
+    ) -> Result<(Box<dyn Component>, PathBuf), LaunchError> {
+        std::fs::create_dir_all(container_dir).map_err(|source| LaunchError::CreateDir {
+            path: container_dir.to_path_buf(),
+            source,
+        })?;
         // A component crashing in a loop writes a lot: the cap holds across relaunches too.
         crate::logs::rotate_dir(
             container_dir,
@@ -1002,7 +1033,7 @@ impl Inner {
             crate::logs::DEFAULT_GENERATIONS,
         );
         let socket_dir = ensure_socket_dir(container_dir, &self.options.socket_root)
-            .map_err(|err| format!("cannot prepare the socket dir: {err}"))?;
+            .map_err(LaunchError::SocketDir)?;
         let socket = socket_dir.join(SOCKET_FILE);
         // MESOS-8429: a stale socket would make the new component fail to bind, or make us
         // believe it is up.
@@ -1019,13 +1050,8 @@ impl Inner {
         resolved.command.environment = crate::secrets::resolve(
             &spec.command.environment,
             self.options.secret_dir.as_deref(),
-        )
-        .map_err(|err| err.to_string())?;
-        let component = self
-            .runtime
-            .launch(&resolved, &context)
-            .await
-            .map_err(|err| err.to_string())?;
+        )?;
+        let component = self.runtime.launch(&resolved, &context).await?;
         let record = ComponentRecord {
             schema_version: COMPONENT_SCHEMA_VERSION,
             container_id: spec.container_id.clone(),
@@ -1041,7 +1067,7 @@ impl Inner {
             // Without a record the component could not be adopted after a restart; better
             // to fail this launch than to leave an untracked process.
             component.stop(self.config.stop_grace).await;
-            return Err(format!("cannot write {COMPONENT_RECORD}: {err}"));
+            return Err(LaunchError::Record(err));
         }
         tracing::info!(plugin = self.plugin(), component = %spec.container_id, handle = %record.runtime, "launched component");
         Ok((component, socket))

@@ -31,7 +31,7 @@ use serde::de::DeserializeOwned;
 
 pub use db::{DB_FILE, DB_SCHEMA_VERSION, FP_COMMIT_AFTER, FP_COMMIT_BEFORE, StoreOptions};
 pub use files::{
-    FileStore, LoadAll, Loaded, Problem, ProblemKind, Record, StoreError, Unreadable,
+    FileStore, LoadAll, Loaded, Problem, ProblemKind, Record, StoreError, Unreadable, UpgradeError,
     decode_record, encode_record, write_atomic,
 };
 

@@ -106,6 +106,41 @@ pub enum FetchError {
     Zip { uri: String },
     #[error("fetching {uri}: {reason}")]
     Invalid { uri: String, reason: String },
+    #[error("fetching {uri}: {source}")]
+    Uri {
+        uri: String,
+        #[source]
+        source: UriError,
+    },
+}
+
+/// Why a URI's `value` or `output_file` is refused (at config load, and again at fetch).
+#[derive(Debug, thiserror::Error)]
+pub enum UriError {
+    #[error("{value:?} is not a valid URL: {source}")]
+    BadUrl {
+        value: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    #[error(
+        "{value:?} is not fetchable: use http://, https://, file:///absolute/path or an absolute path"
+    )]
+    Unfetchable { value: String },
+    #[error("{name:?} must be one file name (no '/', not starting with '.'), put in the sandbox")]
+    NotOneName { name: String },
+    #[error(
+        "{name:?} is csi-agent's own file in the sandbox (stdout, stderr, endpoint, component.json, bundle); give another \"output_file\""
+    )]
+    Reserved { name: String },
+    #[error(
+        "{value:?} does not end in a file name to put in the sandbox ({source}); give \"output_file\""
+    )]
+    NoFileName {
+        value: String,
+        #[source]
+        source: Box<UriError>,
+    },
 }
 
 /// Where a URI's content comes from.
@@ -114,23 +149,30 @@ enum Source<'a> {
     Local(&'a Path),
 }
 
-fn source(value: &str) -> Result<Source<'_>, String> {
+fn source(value: &str) -> Result<Source<'_>, UriError> {
     if value.starts_with("http://") || value.starts_with("https://") {
         return reqwest::Url::parse(value)
             .map(|_| Source::Http(value))
-            .map_err(|err| format!("{value:?} is not a valid URL: {err}"));
+            .map_err(|err| bad_url(value, err));
     }
     let path = value.strip_prefix("file://").unwrap_or(value);
     if path.starts_with('/') && !path.contains('\0') {
         return Ok(Source::Local(Path::new(path)));
     }
-    Err(format!(
-        "{value:?} is not fetchable: use http://, https://, file:///absolute/path or an absolute path"
-    ))
+    Err(UriError::Unfetchable {
+        value: value.to_owned(),
+    })
+}
+
+fn bad_url(value: &str, err: impl std::error::Error + Send + Sync + 'static) -> UriError {
+    UriError::BadUrl {
+        value: value.to_owned(),
+        source: Box::new(err),
+    }
 }
 
 /// Config-time check of a URI's `value` (the message says what to fix).
-pub fn check_uri(value: &str) -> Result<(), String> {
+pub fn check_uri(value: &str) -> Result<(), UriError> {
     source(value)?;
     file_name(value).map(|_| ())
 }
@@ -151,32 +193,33 @@ fn reserved(name: &str) -> bool {
 }
 
 /// Config-time check of `output_file`: one file name, as it is put in the sandbox.
-pub fn check_output_file(name: &str) -> Result<(), String> {
+pub fn check_output_file(name: &str) -> Result<(), UriError> {
     if name.is_empty() || name.contains('/') || name.contains('\0') || name.starts_with('.') {
-        return Err(format!(
-            "{name:?} must be one file name (no '/', not starting with '.'), put in the sandbox"
-        ));
+        return Err(UriError::NotOneName {
+            name: name.to_owned(),
+        });
     }
     if reserved(name) {
-        return Err(format!(
-            "{name:?} is csi-agent's own file in the sandbox (stdout, stderr, endpoint, component.json, bundle); give another \"output_file\""
-        ));
+        return Err(UriError::Reserved {
+            name: name.to_owned(),
+        });
     }
     Ok(())
 }
 
 /// The last path component of the URI (no query or fragment), as Mesos names the file.
-fn file_name(value: &str) -> Result<String, String> {
+fn file_name(value: &str) -> Result<String, UriError> {
     let path = match source(value)? {
         Source::Http(url) => reqwest::Url::parse(url)
-            .map_err(|err| err.to_string())?
+            .map_err(|err| bad_url(value, err))?
             .path()
             .to_owned(),
         Source::Local(path) => path.to_string_lossy().into_owned(),
     };
     let name = path.rsplit('/').next().unwrap_or_default();
-    check_output_file(name).map_err(|reason| {
-        format!("{value:?} does not end in a file name to put in the sandbox ({reason}); give \"output_file\"")
+    check_output_file(name).map_err(|reason| UriError::NoFileName {
+        value: value.to_owned(),
+        source: Box::new(reason),
     })?;
     Ok(name.to_owned())
 }
@@ -247,9 +290,9 @@ async fn fetch_one(
     sandbox: &Path,
     options: &FetchOptions,
 ) -> Result<(), FetchError> {
-    let invalid = |reason: String| FetchError::Invalid {
+    let invalid = |source: UriError| FetchError::Uri {
         uri: uri.value.clone(),
-        reason,
+        source,
     };
     let name = match &uri.output_file {
         Some(name) => {

@@ -156,7 +156,7 @@ fn still_mounted(target: &Path) -> bool {
 /// present, the caller allowed to mount, `trusted.*` xattrs on `scratch`'s file system (for
 /// opaque directories) and that file system usable as a layer (not itself an overlay).
 /// Tried for real in a temp dir under `scratch`, which is removed. The reason when not.
-pub fn probe(scratch: &Path) -> Result<(), String> {
+pub fn probe(scratch: &Path) -> Result<(), ProbeError> {
     let dir = scratch.join(format!(".tmp-overlay-probe-{:016x}", rand::random::<u64>()));
     let result = probe_in(&dir);
     if let Err(err) = std::fs::remove_dir_all(&dir)
@@ -167,23 +167,57 @@ pub fn probe(scratch: &Path) -> Result<(), String> {
     result
 }
 
-fn probe_in(dir: &Path) -> Result<(), String> {
+/// Why overlay mounts do not work here ([`probe`]); the messages are the daemon's log reason
+/// for unpacking flattened.
+#[derive(Debug, thiserror::Error)]
+pub enum ProbeError {
+    #[error("mkdir {}: {source}", path.display())]
+    Mkdir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the file system has no trusted.* xattrs: {0}")]
+    NoTrustedXattrs(#[source] Errno),
+    #[error(transparent)]
+    Mount(#[from] OverlayError),
+    #[error("unmount {}: {source}", path.display())]
+    Unmount {
+        path: PathBuf,
+        #[source]
+        source: Errno,
+    },
+    #[error("writing through the overlay: {0}")]
+    Write(#[source] std::io::Error),
+}
+
+fn probe_in(dir: &Path) -> Result<(), ProbeError> {
     let [lower, upper, work, merged] = ["lower", "upper", "work", "merged"].map(|n| dir.join(n));
+    let opaque = lower.join("opaque");
     for path in [&lower, &upper, &work, &merged] {
-        std::fs::create_dir_all(path).map_err(|err| format!("mkdir {}: {err}", path.display()))?;
+        std::fs::create_dir_all(path).map_err(|source| ProbeError::Mkdir {
+            path: path.clone(),
+            source,
+        })?;
     }
-    std::fs::create_dir(lower.join("opaque")).map_err(|err| format!("mkdir: {err}"))?;
+    std::fs::create_dir(&opaque).map_err(|source| ProbeError::Mkdir {
+        path: opaque.clone(),
+        source,
+    })?;
     rustix::fs::setxattr(
-        lower.join("opaque"),
+        &opaque,
         super::unpack::OVERLAY_OPAQUE_XATTR,
         b"y",
         rustix::fs::XattrFlags::empty(),
     )
-    .map_err(|errno| format!("the file system has no trusted.* xattrs: {errno}"))?;
-    mount(std::slice::from_ref(&lower), Some((&upper, &work)), &merged)
-        .map_err(|err| err.to_string())?;
+    .map_err(ProbeError::NoTrustedXattrs)?;
+    mount(std::slice::from_ref(&lower), Some((&upper, &work)), &merged)?;
     let written = std::fs::write(merged.join("probe"), b"ok");
-    rustix::mount::unmount(&merged, UnmountFlags::DETACH)
-        .map_err(|errno| format!("unmount {}: {errno}", merged.display()))?;
-    written.map_err(|err| format!("writing through the overlay: {err}"))
+    rustix::mount::unmount(&merged, UnmountFlags::DETACH).map_err(|source| {
+        ProbeError::Unmount {
+            path: merged.clone(),
+            source,
+        }
+    })?;
+    written.map_err(ProbeError::Write)
 }

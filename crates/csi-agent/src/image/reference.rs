@@ -298,8 +298,27 @@ pub enum CredentialsError {
     },
     #[error("the docker config {} is larger than 1 MiB", path.display())]
     TooLarge { path: PathBuf },
-    #[error("the docker config {}: {reason}", path.display())]
-    Invalid { path: PathBuf, reason: String },
+    #[error("the docker config {}: {source}", path.display())]
+    Invalid {
+        path: PathBuf,
+        #[source]
+        source: DockerConfigError,
+    },
+}
+
+/// What is wrong in the text of a docker `config.json` (never quotes a credential).
+#[derive(Debug, thiserror::Error)]
+pub enum DockerConfigError {
+    #[error("not JSON: {0}")]
+    NotJson(#[source] serde_json::Error),
+    #[error("\"auths\" is not an object")]
+    AuthsNotObject,
+    #[error("auths.{key:?}.auth is not base64")]
+    NotBase64 { key: String },
+    #[error("auths.{key:?}.auth is not UTF-8")]
+    NotUtf8 { key: String },
+    #[error("auths.{key:?}.auth is not \"user:password\"")]
+    NotUserPassword { key: String },
 }
 
 impl Credentials {
@@ -320,33 +339,31 @@ impl Credentials {
                 path: path.to_path_buf(),
             });
         }
-        Self::from_docker_config_json(&text).map_err(|reason| CredentialsError::Invalid {
+        Self::from_docker_config_json(&text).map_err(|source| CredentialsError::Invalid {
             path: path.to_path_buf(),
-            reason,
+            source,
         })
     }
 
     /// Parses the text of a docker `config.json`.
-    pub fn from_docker_config_json(text: &[u8]) -> Result<Self, String> {
+    pub fn from_docker_config_json(text: &[u8]) -> Result<Self, DockerConfigError> {
         let value: serde_json::Value =
-            serde_json::from_slice(text).map_err(|err| format!("not JSON: {err}"))?;
+            serde_json::from_slice(text).map_err(DockerConfigError::NotJson)?;
         let mut by_registry = BTreeMap::new();
         let Some(auths) = value.get("auths") else {
             return Ok(Self { by_registry });
         };
-        let auths = auths
-            .as_object()
-            .ok_or_else(|| "\"auths\" is not an object".to_owned())?;
+        let auths = auths.as_object().ok_or(DockerConfigError::AuthsNotObject)?;
         for (key, entry) in auths {
             let pair = if let Some(auth) = entry.get("auth").and_then(|a| a.as_str()) {
                 let decoded = base64::engine::general_purpose::STANDARD
                     .decode(auth.trim())
-                    .map_err(|_| format!("auths.{key:?}.auth is not base64"))?;
+                    .map_err(|_| DockerConfigError::NotBase64 { key: key.clone() })?;
                 let decoded = String::from_utf8(decoded)
-                    .map_err(|_| format!("auths.{key:?}.auth is not UTF-8"))?;
+                    .map_err(|_| DockerConfigError::NotUtf8 { key: key.clone() })?;
                 let (user, password) = decoded
                     .split_once(':')
-                    .ok_or_else(|| format!("auths.{key:?}.auth is not \"user:password\""))?;
+                    .ok_or_else(|| DockerConfigError::NotUserPassword { key: key.clone() })?;
                 (user.to_owned(), password.to_owned())
             } else if let (Some(user), Some(password)) = (
                 entry.get("username").and_then(|u| u.as_str()),
@@ -586,10 +603,14 @@ mod tests {
         assert_eq!(creds.for_registry("127.0.0.1:5000"), Some(("bob", "pw")));
         assert_eq!(creds.for_registry("helper.example"), None);
         assert!(!format!("{creds:?}").contains("s3cret"));
-        assert!(
-            Credentials::from_docker_config_json(br#"{"auths": {"h": {"auth": "!!"}}}"#).is_err()
-        );
-        assert!(Credentials::from_docker_config_json(b"[").is_err());
+        assert!(matches!(
+            Credentials::from_docker_config_json(br#"{"auths": {"h": {"auth": "!!"}}}"#),
+            Err(DockerConfigError::NotBase64 { key }) if key == "h"
+        ));
+        assert!(matches!(
+            Credentials::from_docker_config_json(b"["),
+            Err(DockerConfigError::NotJson(_))
+        ));
     }
 
     #[test]

@@ -91,7 +91,7 @@ impl Composition {
         }
         match super::overlay::probe(dir) {
             Ok(()) => (Self::Overlay, None),
-            Err(reason) => (Self::Flattened, Some(reason)),
+            Err(reason) => (Self::Flattened, Some(reason.to_string())),
         }
     }
 }

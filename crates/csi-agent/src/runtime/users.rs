@@ -58,7 +58,9 @@ pub fn resolve(root_path: &Path, user: &str) -> Result<User, UserError> {
         reason,
     };
     let root = Root::open(root_path).map_err(|err| unknown(err.to_string()))?;
-    let passwd = root.read_etc("passwd").map_err(unknown)?;
+    let passwd = root
+        .read_etc("passwd")
+        .map_err(|err| unknown(err.to_string()))?;
     let Some((name, uid, gid)) = in_passwd(&passwd, user) else {
         return Err(unknown("no such entry".to_owned()));
     };

@@ -80,7 +80,7 @@ pub trait Record: Serialize + DeserializeOwned {
 
     /// Converts a record written with an older `from_version`. `None` (the default) means the
     /// version is unknown: the record is reported unreadable and moved aside.
-    fn upgrade(from_version: u32, record: serde_json::Value) -> Option<Result<Self, String>> {
+    fn upgrade(from_version: u32, record: serde_json::Value) -> Option<Result<Self, UpgradeError>> {
         let _ = (from_version, record);
         None
     }
@@ -114,6 +114,23 @@ pub enum StoreError {
     },
 }
 
+/// Why [`Record::upgrade`] could not convert an older record: what the record type found
+/// wrong with it, in its own words (each record type has its own fields; the reason is kept
+/// as text so that [`Unreadable`] stays comparable and clonable for the problem reports).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{reason}")]
+pub struct UpgradeError {
+    pub reason: String,
+}
+
+impl From<&str> for UpgradeError {
+    fn from(reason: &str) -> Self {
+        Self {
+            reason: reason.to_owned(),
+        }
+    }
+}
+
 /// Why a record could not be read.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum Unreadable {
@@ -123,7 +140,7 @@ pub enum Unreadable {
     #[error("schema_version {found} is not supported (this build reads {supported})")]
     UnknownVersion { found: u32, supported: u32 },
     #[error("upgrade from schema_version {from} failed: {reason}")]
-    UpgradeFailed { from: u32, reason: String },
+    UpgradeFailed { from: u32, reason: UpgradeError },
 }
 
 #[derive(Serialize)]
@@ -950,7 +967,10 @@ mod tests {
     impl Record for Vol {
         const SCHEMA_VERSION: u32 = 2;
 
-        fn upgrade(from_version: u32, record: serde_json::Value) -> Option<Result<Self, String>> {
+        fn upgrade(
+            from_version: u32,
+            record: serde_json::Value,
+        ) -> Option<Result<Self, UpgradeError>> {
             // Version 1 had a single `claim`.
             (from_version == 1).then(|| {
                 let state = record["state"].as_str().ok_or("no state")?.to_owned();

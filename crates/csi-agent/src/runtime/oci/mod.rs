@@ -450,6 +450,9 @@ pub enum OciError {
     HostPathMissing { path: PathBuf },
     #[error("container: {0}")]
     Volumes(String),
+    /// A launch spec of another runtime kind reached the oci runtime (a bug of the caller).
+    #[error("container: the oci runtime was given a component of another runtime kind")]
+    OtherRuntimeKind,
     #[error(
         "container.volumes[{index}].source.host_path.mount_propagation.mode: BIDIRECTIONAL needs host_path {} on a shared mount, and the mount at {} is not shared: mounts made in the container would never reach the host. Make it shared (mount --make-rshared {}, or give the path a shared mount of its own: mount --bind {} {} && mount --make-shared {}) or use HOST_TO_CONTAINER",
         path.display(), mount.display(), mount.display(), path.display(), path.display(), path.display()
@@ -493,8 +496,12 @@ pub enum OciError {
         source: Box<rootpaths::RootPathError>,
     },
     /// The image cannot be run as the config asks.
-    #[error("container image {name}: {message}")]
-    ImageUse { name: String, message: String },
+    #[error("container image {name}: {source}")]
+    ImageUse {
+        name: String,
+        #[source]
+        source: ImageUseError,
+    },
     #[error("runc started container {id} but its init process {pid} cannot be watched: {source}")]
     Watch {
         id: String,
@@ -502,6 +509,21 @@ pub enum OciError {
         #[source]
         source: std::io::Error,
     },
+}
+
+/// Why an image cannot be run as the config asks ([`OciError::ImageUse`]).
+#[derive(Debug, thiserror::Error)]
+pub enum ImageUseError {
+    #[error("the daemon has no usable image store (see its log)")]
+    NoImageStore,
+    #[error(transparent)]
+    Reference(crate::image::reference::ReferenceError),
+    #[error("the image has no Entrypoint or Cmd: give command.value in the plugin config")]
+    NoCommand,
+    #[error(
+        "its config's User {user:?} is not numeric (uid or uid:gid); user names are not resolved"
+    )]
+    UserNotNumeric { user: String },
 }
 
 impl From<OciError> for RuntimeError {
@@ -704,9 +726,7 @@ impl OciRuntime {
         context: &LaunchContext,
     ) -> Result<OciComponent, OciError> {
         let RuntimeConfig::Oci(settings) = &spec.runtime else {
-            return Err(OciError::Volumes(
-                "the oci runtime was given a component of another runtime kind".to_owned(),
-            ));
+            return Err(OciError::OtherRuntimeKind);
         };
         // An image named by the config is pulled and prepared first (the store is shared by
         // every plugin; one already there is used without a download): its rootfs becomes the
@@ -809,10 +829,10 @@ impl OciRuntime {
         let (args, mut env, cwd, user) = match (&prepared, &image) {
             (Some(prepared), Some(image)) => {
                 let args =
-                    image_argv(&spec.command, &prepared.config, &vars).map_err(|message| {
+                    image_argv(&spec.command, &prepared.config, &vars).map_err(|source| {
                         OciError::ImageUse {
                             name: image.name.clone(),
-                            message,
+                            source,
                         }
                     })?;
                 // `command.user` wins over the image's `User`, and is a name or uid of the
@@ -831,9 +851,9 @@ impl OciRuntime {
                             gid,
                             groups: Vec::new(),
                         })
-                        .map_err(|message| OciError::ImageUse {
+                        .map_err(|source| OciError::ImageUse {
                             name: image.name.clone(),
-                            message,
+                            source,
                         })?,
                 };
                 // The image's config is input: its WorkingDir is resolved beneath the root
@@ -1046,14 +1066,14 @@ impl OciRuntime {
         let Some(store) = &self.images else {
             return Err(OciError::ImageUse {
                 name: image.name.clone(),
-                message: "the daemon has no usable image store (see its log)".to_owned(),
+                source: ImageUseError::NoImageStore,
             });
         };
         let reference = store
             .resolve(&image.name)
             .map_err(|err| OciError::ImageUse {
                 name: image.name.clone(),
-                message: err.to_string(),
+                source: ImageUseError::Reference(err),
             })?;
         let started = std::time::Instant::now();
         let prepared = store
@@ -1197,7 +1217,7 @@ pub fn image_argv(
     command: &CommandConfig,
     image: &ImageConfig,
     vars: &[(&str, &str)],
-) -> Result<Vec<String>, String> {
+) -> Result<Vec<String>, ImageUseError> {
     if !command.value.is_empty() {
         let (program, argv) = command.argv(vars);
         return Ok(std::iter::once(program)
@@ -1216,26 +1236,23 @@ pub fn image_argv(
     };
     let args: Vec<String> = image.entrypoint.iter().cloned().chain(tail).collect();
     if args.first().is_none_or(String::is_empty) {
-        return Err(
-            "the image has no Entrypoint or Cmd: give command.value in the plugin config"
-                .to_owned(),
-        );
+        return Err(ImageUseError::NoCommand);
     }
     Ok(args)
 }
 
 /// An image's `User` as uid and gid: empty → root; `uid` or `uid:gid` numbers. Names would
 /// need the image's `/etc/passwd`, which is not read (refused, saying so).
-fn numeric_user(user: Option<&str>) -> Result<(u32, u32), String> {
+fn numeric_user(user: Option<&str>) -> Result<(u32, u32), ImageUseError> {
     let Some(user) = user else {
         return Ok((0, 0));
     };
     let (uid, gid) = user.split_once(':').unwrap_or((user, "0"));
     match (uid.parse(), gid.parse()) {
         (Ok(uid), Ok(gid)) => Ok((uid, gid)),
-        _ => Err(format!(
-            "its config's User {user:?} is not numeric (uid or uid:gid); user names are not resolved"
-        )),
+        _ => Err(ImageUseError::UserNotNumeric {
+            user: user.to_owned(),
+        }),
     }
 }
 
@@ -1610,12 +1627,16 @@ mod tests {
         assert!(
             image_argv(&command("", false, &[]), &ImageConfig::default(), &vars)
                 .unwrap_err()
+                .to_string()
                 .contains("command.value")
         );
         assert_eq!(numeric_user(None).unwrap(), (0, 0));
         assert_eq!(numeric_user(Some("1000")).unwrap(), (1000, 0));
         assert_eq!(numeric_user(Some("1000:50")).unwrap(), (1000, 50));
-        assert!(numeric_user(Some("nobody")).is_err());
+        assert!(matches!(
+            numeric_user(Some("nobody")),
+            Err(ImageUseError::UserNotNumeric { user }) if user == "nobody"
+        ));
     }
 
     #[test]

@@ -65,6 +65,33 @@ pub enum RootPathError {
     },
 }
 
+/// Why the root's `/etc/<name>` was not read ([`Root::read_etc`]); each names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum EtcError {
+    #[error("cannot open {}: {source}", path.display())]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: BeneathError,
+    },
+    #[error("cannot stat {}: {source}", path.display())]
+    Stat {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{} is not a regular file", path.display())]
+    NotAFile { path: PathBuf },
+    #[error("cannot read {}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{} is larger than {max} bytes", path.display())]
+    TooLarge { path: PathBuf, max: u64 },
+}
+
 /// The container's root, opened once for the walks.
 #[derive(Debug)]
 pub struct Root {
@@ -189,29 +216,41 @@ impl Root {
     /// The root's `/etc/<name>` (`passwd`, `group`), read beneath the root without following
     /// a symlink, a regular file of at most [`MAX_PASSWD_BYTES`], as text. The error says
     /// why it was not read (it names the file).
-    pub fn read_etc(&self, name: &str) -> Result<String, String> {
+    pub fn read_etc(&self, name: &str) -> Result<String, EtcError> {
         let at = self.path.join("etc").join(name);
         let etc = self
             .dir_existing(Path::new("etc"))
-            .map_err(|err| format!("cannot open {}: {err}", at.display()))?;
-        let file = beneath::open_file_in(etc.as_fd(), OsStr::new(name), &at, &self.path)
-            .map_err(|err| format!("cannot open {}: {err}", at.display()))?;
-        let stat = rustix::fs::fstat(&file)
-            .map_err(|err| format!("cannot stat {}: {err}", at.display()))?;
+            .map_err(|source| EtcError::Open {
+                path: at.clone(),
+                source,
+            })?;
+        let file = beneath::open_file_in(etc.as_fd(), OsStr::new(name), &at, &self.path).map_err(
+            |source| EtcError::Open {
+                path: at.clone(),
+                source,
+            },
+        )?;
+        let stat = rustix::fs::fstat(&file).map_err(|errno| EtcError::Stat {
+            path: at.clone(),
+            source: errno.into(),
+        })?;
         if rustix::fs::FileType::from_raw_mode(stat.st_mode) != rustix::fs::FileType::RegularFile {
-            return Err(format!("{} is not a regular file", at.display()));
+            return Err(EtcError::NotAFile { path: at });
         }
         let mut text = Vec::new();
         std::fs::File::from(file)
             .take(MAX_PASSWD_BYTES + 1)
             .read_to_end(&mut text)
-            .map_err(|err| format!("cannot read {}: {err}", at.display()))?;
+            .map_err(|source| EtcError::Read {
+                path: at.clone(),
+                source,
+            })?;
         if text.len() as u64 > MAX_PASSWD_BYTES {
             tracing::warn!(path = %at.display(), "larger than {MAX_PASSWD_BYTES} bytes: not read");
-            return Err(format!(
-                "{} is larger than {MAX_PASSWD_BYTES} bytes",
-                at.display()
-            ));
+            return Err(EtcError::TooLarge {
+                path: at,
+                max: MAX_PASSWD_BYTES,
+            });
         }
         Ok(String::from_utf8_lossy(&text).into_owned())
     }
