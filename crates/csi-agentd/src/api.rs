@@ -13,8 +13,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{MethodRouter, delete, get, post};
 use axum::{Json, Router};
 use csi_agent::client::{RpcErrorKind, code_name};
-use csi_agent::image::pull::PullError;
-use csi_agent::image::store::{ImageStore, ImageStoreError, PullPolicy};
+use csi_agent::image::store::{ImageStore, PullPolicy};
 use csi_agent::metrics::ComponentLabels;
 use csi_agent::server::CsiServer;
 use csi_agent::service_manager::ComponentState;
@@ -564,7 +563,7 @@ async fn pull_image(
     let prepared = store
         .ensure(&reference, PullPolicy::Always)
         .await
-        .map_err(image_failure)?;
+        .map_err(ApiFailure::from)?;
     let size = store
         .list()
         .get(&prepared.reference)
@@ -663,18 +662,22 @@ async fn import_images(
         Ok(imported) => imported,
         Err(err) => {
             use csi_agent::image::import::ImportError;
-            let (status, code) = match &err {
-                ImportError::TooLarge { .. } => (
+            // The HTTP level first (the body was too large, or stalled), then the error's
+            // own code (convert::import_code).
+            let (status, code) = if matches!(err, ImportError::TooLarge { .. }) {
+                (
                     StatusCode::PAYLOAD_TOO_LARGE,
                     api::ErrorCode::InvalidRequest,
-                ),
-                _ if stalled.load(Ordering::SeqCst) => {
-                    (StatusCode::REQUEST_TIMEOUT, api::ErrorCode::InvalidRequest)
-                }
-                err if err.is_transient() => {
-                    (StatusCode::SERVICE_UNAVAILABLE, api::ErrorCode::Unavailable)
-                }
-                _ => (StatusCode::BAD_REQUEST, api::ErrorCode::InvalidRequest),
+                )
+            } else if stalled.load(Ordering::SeqCst) {
+                (StatusCode::REQUEST_TIMEOUT, api::ErrorCode::InvalidRequest)
+            } else {
+                let code = crate::convert::import_code(&err);
+                (
+                    StatusCode::from_u16(code.http_status())
+                        .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+                    code,
+                )
             };
             let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
                 format!("{err} (--image-import-max-bytes)")
@@ -710,18 +713,6 @@ async fn import_images(
         })
         .collect();
     Json(api::ImageImportResponse { images }).into_response()
-}
-
-/// A failed pull: not found → 404, transient (unreachable, timeouts, disk) → 503, an image
-/// that cannot be used (refused credentials, digest mismatch, unsupported, hostile) → 400.
-fn image_failure(err: ImageStoreError) -> ApiFailure {
-    let code = match &err {
-        ImageStoreError::Pull(PullError::NotFound { .. }) => api::ErrorCode::NotFound,
-        err if err.is_transient() => api::ErrorCode::Unavailable,
-        _ => api::ErrorCode::InvalidRequest,
-    };
-    // Every variant's message already includes its cause.
-    ApiFailure::new(code, err.to_string())
 }
 
 async fn publish(State(state): State<AppState>, body: Bytes) -> ApiResult<api::PublishResponse> {

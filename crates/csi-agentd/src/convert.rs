@@ -4,6 +4,10 @@
 use std::path::Path;
 
 use csi_agent::client::{RpcErrorKind, code_name};
+use csi_agent::image::blobs::BlobError;
+use csi_agent::image::import::ImportError;
+use csi_agent::image::pull::PullError;
+use csi_agent::image::store::ImageStoreError;
 use csi_agent::server::ServerError;
 use csi_agent::volume::progress::Progress;
 use csi_agent::volume::{AccessMode, AccessType, Capability, Origin, VolumeError, VolumeRecord};
@@ -90,6 +94,66 @@ impl From<ServerError> for ApiFailure {
                 Self::new(api::ErrorCode::Internal, err.to_string())
             }
         }
+    }
+}
+
+/// A failed pull or preparation: not found → 404, transient (unreachable, timeouts, disk) →
+/// 503, an image that cannot be used (refused credentials, digest mismatch, unsupported,
+/// hostile) → 400. Exhaustive: a new variant must be given its code here.
+impl From<ImageStoreError> for ApiFailure {
+    fn from(err: ImageStoreError) -> Self {
+        let code = match &err {
+            ImageStoreError::Pull(PullError::NotFound { .. }) => api::ErrorCode::NotFound,
+            ImageStoreError::Pull(pull) => transient_or_invalid(pull.is_transient()),
+            ImageStoreError::Unpack { source, .. } => transient_or_invalid(source.is_transient()),
+            ImageStoreError::Blob(_) | ImageStoreError::Io(_) | ImageStoreError::Task(_) => {
+                api::ErrorCode::Unavailable
+            }
+            ImageStoreError::Config { .. } | ImageStoreError::IndexCorrupt { .. } => {
+                api::ErrorCode::InvalidRequest
+            }
+        };
+        // Every variant's message already includes its cause.
+        Self::new(code, err.to_string())
+    }
+}
+
+/// The code of a refused image import: the same archive may import later (a full disk, an
+/// I/O error of the store) → 503; a hostile or malformed archive → 400. The route adds its
+/// HTTP-level statuses (413 too large, 408 stalled). Exhaustive, like the others.
+pub fn import_code(err: &ImportError) -> api::ErrorCode {
+    match err {
+        ImportError::Store(store) => transient_or_invalid(store.is_transient()),
+        ImportError::Blob { source, .. } => {
+            transient_or_invalid(matches!(source, BlobError::Io(_)))
+        }
+        ImportError::Task(_) => api::ErrorCode::Unavailable,
+        ImportError::Read { .. }
+        | ImportError::TooLarge { .. }
+        | ImportError::UnsafeName { .. }
+        | ImportError::UnsupportedEntry { .. }
+        | ImportError::Duplicate { .. }
+        | ImportError::TooMany { .. }
+        | ImportError::JsonTooLarge { .. }
+        | ImportError::Malformed { .. }
+        | ImportError::UnknownFormat
+        | ImportError::Missing { .. }
+        | ImportError::BlobMismatch { .. }
+        | ImportError::SizeMismatch { .. }
+        | ImportError::UnsupportedMediaType { .. }
+        | ImportError::Manifest { .. }
+        | ImportError::Unnamed { .. }
+        | ImportError::Ambiguous { .. }
+        | ImportError::Reference { .. }
+        | ImportError::PinnedDigest { .. } => api::ErrorCode::InvalidRequest,
+    }
+}
+
+fn transient_or_invalid(transient: bool) -> api::ErrorCode {
+    if transient {
+        api::ErrorCode::Unavailable
+    } else {
+        api::ErrorCode::InvalidRequest
     }
 }
 
@@ -227,6 +291,34 @@ fn operation_info(progress: Progress) -> api::OperationInfo {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn image_errors_map_to_their_codes() {
+        let code = |err: ImageStoreError| ApiFailure::from(err).0.code;
+        assert_eq!(
+            code(ImageStoreError::Task("panicked".to_owned())),
+            api::ErrorCode::Unavailable
+        );
+        assert_eq!(
+            code(ImageStoreError::IndexCorrupt {
+                path: "/x/index.json".into(),
+                reason: "bad".to_owned(),
+            }),
+            api::ErrorCode::InvalidRequest
+        );
+        assert_eq!(
+            import_code(&ImportError::UnknownFormat),
+            api::ErrorCode::InvalidRequest
+        );
+        assert_eq!(
+            import_code(&ImportError::Task("gone".to_owned())),
+            api::ErrorCode::Unavailable
+        );
+        assert_eq!(
+            import_code(&ImportError::Store(ImageStoreError::Task("x".to_owned()))),
+            api::ErrorCode::Unavailable
+        );
+    }
 
     #[test]
     fn capability_needs_exactly_one_access_type() {
