@@ -140,29 +140,39 @@ struct Fail {
     message: Option<String>,
 }
 
+/// Why a rule of the fault file is refused (the whole file is then ignored).
+#[derive(Debug, thiserror::Error)]
+enum RuleError {
+    #[error("unknown method {0:?}")]
+    UnknownMethod(String),
+    #[error("unknown version {0:?} (v1, v0, v0.3, v0.2)")]
+    UnknownVersion(String),
+    #[error("fail.code {0:?} is not a gRPC error code")]
+    NotAnErrorCode(String),
+    #[error("rule for {0:?} has none of fail, delay_ms, exit")]
+    NoAction(String),
+}
+
 impl Rule {
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), RuleError> {
         if self.method != "*" && !METHODS.contains(&self.method.as_str()) {
-            return Err(format!("unknown method {:?}", self.method));
+            return Err(RuleError::UnknownMethod(self.method.clone()));
         }
         if let Some(v) = &self.version
             && !matches!(v.as_str(), "v1" | "v0" | "v0.3" | "v0.2")
         {
-            return Err(format!("unknown version {v:?} (v1, v0, v0.3, v0.2)"));
+            return Err(RuleError::UnknownVersion(v.clone()));
         }
         if let Some(f) = &self.fail {
             match parse_code(&f.code) {
                 Some(tonic::Code::Ok) | None => {
-                    return Err(format!("fail.code {:?} is not a gRPC error code", f.code));
+                    return Err(RuleError::NotAnErrorCode(f.code.clone()));
                 }
                 Some(_) => {}
             }
         }
         if !self.exit && self.fail.is_none() && self.delay_ms.is_none() {
-            return Err(format!(
-                "rule for {:?} has none of fail, delay_ms, exit",
-                self.method
-            ));
+            return Err(RuleError::NoAction(self.method.clone()));
         }
         Ok(())
     }
@@ -285,7 +295,10 @@ impl Faults {
             .map_err(|e| e.to_string())
             .and_then(|b| serde_json::from_slice::<FaultFile>(&b).map_err(|e| e.to_string()))
             .and_then(|f| {
-                f.rules.iter().try_for_each(Rule::validate)?;
+                f.rules
+                    .iter()
+                    .try_for_each(Rule::validate)
+                    .map_err(|e| e.to_string())?;
                 Ok(f)
             });
         match parsed {

@@ -145,18 +145,15 @@ impl Capability {
     /// `SINGLE_NODE_*_WRITER` modes are refused because they belong to the
     /// `SINGLE_NODE_MULTI_WRITER` capability, which this plugin does not
     /// advertise.
-    pub fn unsupported_reason(&self) -> Option<String> {
+    pub fn unsupported_reason(&self) -> Option<Unsupported> {
         if matches!(self.access, AccessType::Block) {
-            return Some("block access type is not supported (mount only)".to_owned());
+            return Some(Unsupported::Block);
         }
         if matches!(
             self.mode,
             AccessMode::SingleNodeSingleWriter | AccessMode::SingleNodeMultiWriter
         ) {
-            return Some(format!(
-                "access mode {:?} needs the SINGLE_NODE_MULTI_WRITER capability, which this plugin does not advertise",
-                self.mode
-            ));
+            return Some(Unsupported::MultiWriterMode(self.mode));
         }
         None
     }
@@ -206,23 +203,47 @@ pub fn parse_code(s: &str) -> Option<Code> {
 /// The id becomes a single path component under `<work-dir>/volumes`, so it
 /// must not be empty, `.`, `..`, contain `/` or NUL, and it is bounded by the
 /// spec's general string size limit ("128 bytes | string").
-pub fn validate_volume_name(name: &str) -> Result<(), String> {
+pub fn validate_volume_name(name: &str) -> Result<(), VolumeNameError> {
     if name.is_empty() {
-        return Err("volume name must not be empty".to_owned());
+        return Err(VolumeNameError::Empty);
     }
     if name.len() > 128 {
-        return Err(format!(
-            "volume name is {} bytes; the CSI size limit for strings is 128 bytes",
-            name.len()
-        ));
+        return Err(VolumeNameError::TooLong { len: name.len() });
     }
     if name == "." || name == ".." {
-        return Err(format!("volume name {name:?} is not allowed"));
+        return Err(VolumeNameError::DotName {
+            name: name.to_owned(),
+        });
     }
     if name.contains('/') || name.contains('\0') {
-        return Err("volume name must not contain '/' or NUL".to_owned());
+        return Err(VolumeNameError::BadCharacter);
     }
     Ok(())
+}
+
+/// Why a volume name is refused ([`validate_volume_name`]).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum VolumeNameError {
+    #[error("volume name must not be empty")]
+    Empty,
+    #[error("volume name is {len} bytes; the CSI size limit for strings is 128 bytes")]
+    TooLong { len: usize },
+    #[error("volume name {name:?} is not allowed")]
+    DotName { name: String },
+    #[error("volume name must not contain '/' or NUL")]
+    BadCharacter,
+}
+
+/// Why this plugin cannot serve a capability ([`Capability::unsupported_reason`]); the
+/// message is what the plugin answers.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Unsupported {
+    #[error("block access type is not supported (mount only)")]
+    Block,
+    #[error(
+        "access mode {0:?} needs the SINGLE_NODE_MULTI_WRITER capability, which this plugin does not advertise"
+    )]
+    MultiWriterMode(AccessMode),
 }
 
 #[cfg(test)]

@@ -25,7 +25,7 @@ use tonic::Status;
 use crate::calllog::CallLog;
 use crate::cli::Config;
 use crate::faults::Faults;
-use crate::model::{ApiVersion, CapArg, Capability, validate_volume_name};
+use crate::model::{ApiVersion, CapArg, Capability, Unsupported, validate_volume_name};
 use crate::mounts::{self, MountMode};
 use crate::rpc::Inflight;
 use crate::state::{ControllerPublication, Publication, Staging, Store, VolumeRecord};
@@ -407,7 +407,7 @@ impl Plugin {
         if a.name.is_empty() {
             return Err(invalid("name is required"));
         }
-        validate_volume_name(&a.name).map_err(invalid)?;
+        validate_volume_name(&a.name).map_err(|err| invalid(err.to_string()))?;
         // "volume_capabilities ... This field is REQUIRED." and "A repeated
         // or map field listed as REQUIRED MUST contain at least 1 element."
         if a.capabilities.is_empty() {
@@ -417,7 +417,7 @@ impl Plugin {
         // "If ANY of the specified volume capabilities are not supported by
         // the SP, the call MUST return the appropriate gRPC error code."
         if let Some(why) = caps.iter().find_map(Capability::unsupported_reason) {
-            return Err(invalid(why));
+            return Err(invalid(why.to_string()));
         }
         // CapacityRange: "The value of this field MUST NOT be negative."
         if a.required_bytes < 0 || a.limit_bytes < 0 {
@@ -596,7 +596,7 @@ impl Plugin {
             )));
         }
         if let Some(why) = cap.unsupported_reason() {
-            return Err(invalid(why));
+            return Err(invalid(why.to_string()));
         }
         let context = HashMap::from([(
             "device".to_owned(),
@@ -697,7 +697,7 @@ impl Plugin {
         &self,
         id: &str,
         caps: Vec<CapArg>,
-    ) -> Result<Result<Vec<Capability>, String>, Status> {
+    ) -> Result<Result<Vec<Capability>, Unsupported>, Status> {
         if id.is_empty() {
             return Err(invalid("volume_id is required"));
         }
@@ -826,7 +826,7 @@ impl Plugin {
         let rec = self.record(id).ok_or_else(|| Self::not_found(id))?;
         // "Exceeds capabilities | 9 FAILED_PRECONDITION".
         if let Some(why) = cap.unsupported_reason() {
-            return Err(precondition(why));
+            return Err(precondition(why.to_string()));
         }
         self.check_controller_published(id, &rec)?;
         let staging_path = Path::new(staging);
@@ -1000,7 +1000,7 @@ impl Plugin {
         let rec = self.record(id).ok_or_else(|| Self::not_found(id))?;
         // "Exceeds capabilities | 9 FAILED_PRECONDITION".
         if let Some(why) = cap.unsupported_reason() {
-            return Err(precondition(why));
+            return Err(precondition(why.to_string()));
         }
         let target = Path::new(&a.target_path);
         let (source, staging) = if self.cfg.stage_unstage {

@@ -257,7 +257,7 @@ impl Controller for V0 {
                 },
                 Err(why) => pb::ValidateVolumeCapabilitiesResponse {
                     supported: false,
-                    message: why,
+                    message: why.to_string(),
                 },
             })
         })

@@ -265,7 +265,7 @@ impl Controller for V1 {
                     },
                     Err(why) => pb::ValidateVolumeCapabilitiesResponse {
                         confirmed: None,
-                        message: why,
+                        message: why.to_string(),
                     },
                 },
             )

@@ -469,25 +469,51 @@ fn parse_pairs_inner<'a>(
     Ok(map)
 }
 
+/// An access mode that is none of the API's ([`parse_access_mode`]); clap prints it after
+/// the flag and the value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UnknownAccessMode;
+
+impl fmt::Display for UnknownAccessMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "unknown access mode; expected one of {}",
+            CapabilitySpec::ACCESS_MODES.join(", ")
+        )
+    }
+}
+
+impl std::error::Error for UnknownAccessMode {}
+
+/// A `--timeout` that is not a positive number of seconds ([`parse_seconds`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BadSeconds;
+
+impl fmt::Display for BadSeconds {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("expected a positive number of seconds, e.g. 30 or 0.5")
+    }
+}
+
+impl std::error::Error for BadSeconds {}
+
 /// An access mode, case-insensitive, with `-` accepted for `_` (`single-node-writer`).
-pub fn parse_access_mode(raw: &str) -> Result<String, String> {
+pub fn parse_access_mode(raw: &str) -> Result<String, UnknownAccessMode> {
     let normal = raw.trim().to_ascii_uppercase().replace('-', "_");
     if CapabilitySpec::ACCESS_MODES.contains(&normal.as_str()) {
         Ok(normal)
     } else {
-        Err(format!(
-            "unknown access mode; expected one of {}",
-            CapabilitySpec::ACCESS_MODES.join(", ")
-        ))
+        Err(UnknownAccessMode)
     }
 }
 
-fn parse_seconds(raw: &str) -> Result<Duration, String> {
+fn parse_seconds(raw: &str) -> Result<Duration, BadSeconds> {
     match raw.trim().parse::<f64>() {
         Ok(secs) if secs.is_finite() && secs > 0.0 && secs < 1e9 => {
             Ok(Duration::from_secs_f64(secs))
         }
-        _ => Err("expected a positive number of seconds, e.g. 30 or 0.5".to_owned()),
+        _ => Err(BadSeconds),
     }
 }
 
@@ -812,7 +838,8 @@ mod tests {
             parse_access_mode("MULTI_NODE_MULTI_WRITER"),
             Ok("MULTI_NODE_MULTI_WRITER".to_owned())
         );
-        let err = parse_access_mode("rw").err().unwrap_or_default();
+        assert_eq!(parse_access_mode("rw"), Err(UnknownAccessMode));
+        let err = UnknownAccessMode.to_string();
         assert!(err.contains("SINGLE_NODE_WRITER"), "{err}");
     }
 }

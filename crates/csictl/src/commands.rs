@@ -256,21 +256,22 @@ mod tests {
 
     use super::*;
 
-    fn publish_args(args: &[&str]) -> Result<args::PublishArgs, String> {
+    type TestResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
+
+    fn publish_args(args: &[&str]) -> TestResult<args::PublishArgs> {
         let cli = Cli::try_parse_from(
             ["csictl", "publish", "--plugin", "p", "--volume", "v"]
                 .into_iter()
                 .chain(args.iter().copied()),
-        )
-        .map_err(|e| e.to_string())?;
+        )?;
         match cli.command {
             Command::Publish(args) => Ok(args),
-            other => Err(format!("parsed as {other:?}")),
+            other => Err(format!("parsed as {other:?}").into()),
         }
     }
 
     #[test]
-    fn publish_without_context_sends_none() -> Result<(), String> {
+    fn publish_without_context_sends_none() -> TestResult {
         let request = publish_request(&publish_args(&[])?).map_err(|e| e.to_string())?;
         assert_eq!(request.volume_context, None);
         assert_eq!(request.secrets, None);
@@ -279,7 +280,7 @@ mod tests {
     }
 
     #[test]
-    fn publish_secrets_and_context() -> Result<(), String> {
+    fn publish_secrets_and_context() -> TestResult {
         let request = publish_request(&publish_args(&[
             "--context",
             "a=b",
@@ -306,9 +307,9 @@ mod tests {
     }
 
     #[test]
-    fn bad_context_is_a_usage_error() -> Result<(), String> {
+    fn bad_context_is_a_usage_error() -> TestResult {
         let Err(err) = publish_request(&publish_args(&["--context", "x"])?) else {
-            return Err("accepted".to_owned());
+            return Err("accepted".into());
         };
         assert_eq!(err.to_string(), "--context expects KEY=VALUE, got 'x'");
         assert_eq!(err.exit_code(), 2);
