@@ -41,7 +41,7 @@
 //!
 //! | field | default | meaning |
 //! |---|---|---|
-//! | `runtime` | `{"kind": "process"}` | how managed components run; other kinds put their settings in the same object (`oci`: see [`OciConfig`]); an unknown kind is an error |
+//! | `runtime` | `{"kind": "process"}`; `{"kind": "oci"}` when a component names an image or asks for isolation (`crate::runtime::isolation::requested`) | how managed components run; other kinds put their settings in the same object (`oci`: see [`OciConfig`]); an unknown kind is an error |
 //! | `startup_timeout_ms` | 30000 | socket appears, connects and answers `Probe` ready within this time, or the launch failed |
 //! | `rpc_deadline_ms` | 10000 | deadline of each CSI call |
 //! | `stop_grace_ms` | 10000 | SIGTERM → SIGKILL grace period when a component is stopped |
@@ -298,7 +298,8 @@ pub struct ComponentConfig {
     /// component already serves. Never empty.
     pub serves: Vec<Service>,
     pub command: CommandConfig,
-    /// Mesos `resources`, kept verbatim (the process runtime does not enforce them).
+    /// Mesos `resources`, kept verbatim once validated (`crate::runtime::isolation`; the
+    /// process runtime does not enforce them).
     pub resources: Vec<Value>,
     /// Mesos `ContainerInfo`, kept verbatim.
     pub container: Option<Value>,
@@ -315,6 +316,18 @@ fn names_an_image(containers: &[Value]) -> bool {
                     Ok(None)
                 )
         })
+    })
+}
+
+/// Whether any `containers[i]` asks for isolation the process runtime cannot give
+/// (`crate::runtime::isolation::requested`).
+fn asks_for_isolation(containers: &[Value]) -> bool {
+    containers.iter().any(|c| {
+        let resources = c
+            .get("resources")
+            .and_then(Value::as_array)
+            .map_or(&[][..], Vec::as_slice);
+        !crate::runtime::isolation::requested(resources, c.get("container")).is_empty()
     })
 }
 
@@ -860,6 +873,12 @@ impl Parser<'_> {
             None | Some(Value::Null) if names_an_image(containers.unwrap_or_default()) => {
                 RuntimeConfig::Oci(OciConfig::default())
             }
+            // Without an image, a component asking for isolation (cgroup limits, volumes,
+            // capabilities, rlimits, a hostname) runs in a container on the host's root, as
+            // Mesos's containerizer confines it on the host's file system (issue #29).
+            None | Some(Value::Null) if asks_for_isolation(containers.unwrap_or_default()) => {
+                RuntimeConfig::Oci(OciConfig::default())
+            }
             None | Some(Value::Null) => RuntimeConfig::Process,
             Some(value) => self.runtime(value)?,
         };
@@ -1100,10 +1119,6 @@ impl Parser<'_> {
                 .array(obj, &prefix, "resources")?
                 .map(<[Value]>::to_vec)
                 .unwrap_or_default();
-            if matches!(runtime, RuntimeConfig::Oci(_)) {
-                crate::runtime::oci::limits(&resources)
-                    .map_err(|(field, message)| self.invalid(join(&prefix, &field), message))?;
-            }
             let container = match obj.get("container") {
                 None | Some(Value::Null) => None,
                 Some(value) => {
@@ -1125,16 +1140,22 @@ impl Parser<'_> {
                             "names an image, but runtime \"process\" runs host processes; remove the image or choose a runtime that runs images",
                         ));
                     }
-                    if matches!(runtime, RuntimeConfig::Oci(_)) {
-                        let invalid = |(field, message): (String, String)| {
-                            self.invalid(join(&join(&prefix, "container"), &field), message)
-                        };
-                        crate::runtime::oci::volumes(value).map_err(invalid)?;
-                        crate::runtime::oci::linux_info_capabilities(value).map_err(invalid)?;
-                    }
                     Some(value.clone())
                 }
             };
+            // Validated whichever runtime runs the component (issue #29): the process
+            // runtime does not apply these, but a typo must not wait for a runtime change
+            // to surface.
+            crate::runtime::isolation::parse(&resources, container.as_ref())
+                .map_err(|(field, message)| self.invalid(join(&prefix, &field), message))?;
+            if let Some(container) = &container {
+                for (field, instead) in crate::runtime::isolation::unhonoured(container) {
+                    tracing::warn!(
+                        file = %self.file.display(),
+                        "{prefix}.{field} is not applied by any runtime of csi-agent: {instead}"
+                    );
+                }
+            }
             let serves: Vec<Service> = services
                 .iter()
                 .copied()
@@ -1486,6 +1507,76 @@ mod tests {
                 assert!(message.contains("uris"), "{message}");
             }
             other => panic!("user with uris: {other:?}"),
+        }
+    }
+
+    #[test]
+    #[allow(clippy::unwrap_used)]
+    fn isolation_without_an_image_runs_in_a_container_and_is_validated_anyway() {
+        let component = |extra: &str| {
+            format!(r#"{{"services": ["NODE_SERVICE"], "command": {{"value": "./p"}}{extra}}}"#)
+        };
+        let with = |extra: &str, runtime: &str| {
+            parse(&format!(
+                r#"{{"type": "t", {runtime} "containers": [{}]}}"#,
+                component(extra)
+            ))
+        };
+        // Asking for nothing (a bare container type, a disk resource): the process runtime.
+        for nothing in [
+            "",
+            r#", "container": {"type": "MESOS", "volumes": []}"#,
+            r#", "resources": [{"name": "disk", "type": "SCALAR", "scalar": {"value": 10}}]"#,
+        ] {
+            assert_eq!(
+                with(nothing, "").unwrap().runtime,
+                RuntimeConfig::Process,
+                "{nothing}"
+            );
+        }
+        // Asking for any isolation: a container on the host's root.
+        for asking in [
+            r#", "resources": [{"name": "mem", "type": "SCALAR", "scalar": {"value": 64}}]"#,
+            r#", "container": {"volumes": [{"container_path": "/d", "host_path": "/srv"}]}"#,
+            r#", "container": {"linux_info": {"effective_capabilities": {"capabilities": ["CHOWN"]}}}"#,
+            r#", "container": {"rlimit_info": {"rlimits": [{"type": "RLMT_NOFILE"}]}}"#,
+            r#", "container": {"hostname": "plugin"}"#,
+        ] {
+            assert_eq!(
+                with(asking, "").unwrap().runtime,
+                RuntimeConfig::Oci(OciConfig::default()),
+                "{asking}"
+            );
+            // An explicit process runtime keeps it.
+            assert_eq!(
+                with(asking, r#""runtime": {"kind": "process"},"#)
+                    .unwrap()
+                    .runtime,
+                RuntimeConfig::Process
+            );
+        }
+        // Validated whichever runtime: a bad capability, a NaN-free negative cpus, an
+        // unknown rlimit each name their field, under the process runtime too.
+        for (bad, field) in [
+            (
+                r#", "container": {"linux_info": {"effective_capabilities": {"capabilities": ["CHOWN", "CAP_FLY"]}}}"#,
+                "containers[0].container.linux_info.effective_capabilities.capabilities[1]",
+            ),
+            (
+                r#", "resources": [{"name": "cpus", "type": "SCALAR", "scalar": {"value": -0.5}}]"#,
+                "containers[0].resources[0].scalar.value",
+            ),
+            (
+                r#", "container": {"rlimit_info": {"rlimits": [{"type": "RLMT_FLY"}]}}"#,
+                "containers[0].container.rlimit_info.rlimits[0].type",
+            ),
+        ] {
+            for runtime in ["", r#""runtime": {"kind": "process"},"#] {
+                match with(bad, runtime) {
+                    Err(ConfigError::Invalid { field: got, .. }) => assert_eq!(got, field),
+                    other => panic!("{bad} {runtime}: {other:?}"),
+                }
+            }
         }
     }
 

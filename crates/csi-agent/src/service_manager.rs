@@ -272,9 +272,9 @@ enum LaunchError {
     #[error("cannot prepare the socket dir: {0}")]
     SocketDir(#[source] io::Error),
     #[error(
-        "command.uris are fetched only for the process runtime, and this component runs in the {kind} runtime; install the plugin in its image (or on the host) and remove `uris`"
+        "command.uris are fetched into the sandbox, which a container with a root file system of its own (an image, runtime.rootfs) does not get; install the plugin in its image and remove `uris`"
     )]
-    UrisNeedProcessRuntime { kind: &'static str },
+    UrisNeedTheHostRoot,
     #[error(transparent)]
     Fetch(#[from] crate::fetch::FetchError),
     #[error(transparent)]
@@ -997,18 +997,30 @@ impl Inner {
     }
 
     /// Fetches the command's `uris` into the sandbox (the container dir, the process
-    /// runtime's working directory), before every launch: a failure is this launch's error,
-    /// retried with the restart backoff like any other. The `oci` runtime does not mount the
-    /// sandbox in the container, so a component with `uris` there is refused, saying so.
+    /// runtime's working directory, bound at the same path in a container on the host's
+    /// root), before every launch: a failure is this launch's error, retried with the restart
+    /// backoff like any other. A container with a root of its own (an image, a configured
+    /// rootfs) does not get the sandbox, so a component with `uris` there is refused, saying
+    /// so.
     async fn fetch_uris(&self, spec: &LaunchSpec, container_dir: &Path) -> Result<(), LaunchError> {
         let uris = &spec.command.uris;
         if uris.is_empty() {
             return Ok(());
         }
-        if self.runtime.kind() != "process" {
-            return Err(LaunchError::UrisNeedProcessRuntime {
-                kind: self.runtime.kind(),
-            });
+        let own_root = match &spec.runtime {
+            crate::config::RuntimeConfig::Process => false,
+            crate::config::RuntimeConfig::Oci(oci) => {
+                oci.rootfs.is_some()
+                    || spec.container.as_ref().is_some_and(|c| {
+                        !matches!(
+                            crate::image::reference::ContainerImage::from_container(c),
+                            Ok(None)
+                        )
+                    })
+            }
+        };
+        if own_root {
+            return Err(LaunchError::UrisNeedTheHostRoot);
         }
         crate::fetch::fetch_all(uris, container_dir, &self.options.fetch).await?;
         tracing::info!(plugin = self.plugin(), component = %spec.container_id, uris = uris.len(), "fetched the command's uris into the sandbox");

@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::{CommandConfig, RuntimeConfig};
 
+pub mod isolation;
 pub mod oci;
 pub mod process;
 pub mod users;

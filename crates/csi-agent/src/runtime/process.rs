@@ -207,11 +207,27 @@ async fn stop_untracked(marker: &str, user: Option<u32>) {
     }
 }
 
+/// A component the config explicitly runs as a host process (`"runtime": {"kind":
+/// "process"}`) may still ask for isolation only a container gives: said once per launch,
+/// naming the fields, never silently dropped (issue #29).
+fn warn_unapplied(spec: &LaunchSpec) {
+    let fields = super::isolation::requested(&spec.resources, spec.container.as_ref());
+    if !fields.is_empty() {
+        tracing::warn!(
+            component = %spec.container_id,
+            fields = %fields.join(", "),
+            "runtime \"process\" does not apply {}: the plugin runs without them; remove \"runtime\" (or use {{\"kind\": \"oci\"}}) to run it in a container that applies them",
+            fields.join(", ")
+        );
+    }
+}
+
 fn launch(
     spec: &LaunchSpec,
     context: &LaunchContext,
     user: Option<&users::User>,
 ) -> Result<ProcessComponent, RuntimeError> {
+    warn_unapplied(spec);
     let stdout = open_log(&context.container_dir.join("stdout"))?;
     let stderr = open_log(&context.container_dir.join("stderr"))?;
     let endpoint = format!("unix://{}", context.socket.display());

@@ -16,11 +16,13 @@ use std::path::{Path, PathBuf};
 use oci_spec::runtime::{
     Capability, LinuxBuilder, LinuxCapabilitiesBuilder, LinuxCpuBuilder, LinuxDeviceCgroupBuilder,
     LinuxMemoryBuilder, LinuxNamespaceBuilder, LinuxNamespaceType, LinuxResourcesBuilder, Mount,
-    MountBuilder, ProcessBuilder, RootBuilder, Spec, SpecBuilder, UserBuilder,
+    MountBuilder, PosixRlimitBuilder, PosixRlimitType, ProcessBuilder, RootBuilder, Spec,
+    SpecBuilder, UserBuilder,
 };
 
 use super::{ALL_CAPABILITIES, CPU_PERIOD_US, DEFAULT_CAPABILITIES, Limits, VolumeBind};
 use crate::config::OciConfig;
+use crate::runtime::isolation::Rlimit;
 
 /// The bundle's files, inside `containers/<id>/bundle/`.
 pub const CONFIG_FILE: &str = "config.json";
@@ -35,6 +37,8 @@ pub enum BundleError {
     },
     #[error("capability {name:?} is not known to oci-spec")]
     Capability { name: String },
+    #[error("rlimit {name:?} is not known to oci-spec")]
+    Rlimit { name: String },
 }
 
 impl From<oci_spec::OciSpecError> for BundleError {
@@ -76,6 +80,17 @@ pub struct BundleInput<'a> {
     pub user: (u32, u32),
     /// The process's supplementary groups (`command.user`'s in `/etc/group`).
     pub additional_gids: Vec<u32>,
+    /// The bounding capability set, when it differs from the effective one (Mesos
+    /// `linux_info.bounding_capabilities`). `None`: the effective set.
+    pub bounding: Option<&'a [String]>,
+    /// Mesos `rlimit_info`; empty: the daemon's rlimits are inherited.
+    pub rlimits: &'a [Rlimit],
+    /// Mesos `container.hostname`: a UTS namespace of its own with that name. `None`: the
+    /// host's UTS namespace.
+    pub hostname: Option<&'a str>,
+    /// The component's sandbox (its container dir), bound at its own path: a container on
+    /// the host's root only.
+    pub sandbox: Option<&'a Path>,
 }
 
 /// One top-level entry of the host's `/`, as a container on the host's root gets it.
@@ -125,29 +140,61 @@ fn capabilities(names: &[String]) -> Result<HashSet<Capability>, BundleError> {
 ///    `rslave`, and `ro` with a read-only root unless the entry is a mount of its own);
 /// 2. the container's own `/proc`, `/dev` (the host's `/dev` when privileged: a node plugin
 ///    needs the devices it formats and mounts), `/sys`, `/tmp`;
-/// 3. the socket dir, the mount roots (`rshared`) and `container.volumes`, parents first.
+/// 3. the socket dir, the mount roots (`rshared`), the sandbox and `container.volumes`,
+///    parents first.
 pub fn spec(input: &BundleInput<'_>) -> Result<Spec, BundleError> {
-    let settings = input.settings;
-    let privileged = input.privileged;
+    let mut mounts = host_root_mounts(input)?;
+    mounts.extend(own_mounts(input)?);
+    mounts.extend(bind_mounts(input)?);
+    let process = process(input)?;
+    let linux = linux(input)?;
+    let mut spec = SpecBuilder::default()
+        .version("1.0.2")
+        .root(
+            RootBuilder::default()
+                .path(input.root)
+                .readonly(input.settings.readonly_rootfs.unwrap_or(true))
+                .build()?,
+        )
+        .process(process)
+        .mounts(mounts)
+        .linux(linux)
+        .build()?;
+    // Without `container.hostname` the host's UTS namespace is shared: runc refuses to set
+    // a hostname then.
+    spec.set_hostname(input.hostname.map(str::to_owned));
+    spec.set_annotations(None);
+    Ok(spec)
+}
+
+/// Step 1 of [`spec`]: the host's root, entry by entry.
+fn host_root_mounts(input: &BundleInput<'_>) -> Result<Vec<Mount>, BundleError> {
     let mut mounts = Vec::new();
-    if settings.rootfs.is_none() {
-        let readonly = settings.readonly_rootfs.unwrap_or(true);
-        for entry in input.host_root {
-            if let HostRootEntry::Bind { path, own_mount } = entry {
-                let mut options = vec!["rbind", "rslave"];
-                if readonly && !own_mount {
-                    options.push("ro");
-                }
-                mounts.push(mount(path, "bind", path, &options)?);
+    if input.settings.rootfs.is_some() {
+        return Ok(mounts);
+    }
+    let readonly = input.settings.readonly_rootfs.unwrap_or(true);
+    for entry in input.host_root {
+        if let HostRootEntry::Bind { path, own_mount } = entry {
+            let mut options = vec!["rbind", "rslave"];
+            if readonly && !own_mount {
+                options.push("ro");
             }
+            mounts.push(mount(path, "bind", path, &options)?);
         }
     }
-    mounts.push(mount(
+    Ok(mounts)
+}
+
+/// Step 2 of [`spec`]: the container's own `/proc`, `/dev`, `/sys` and `/tmp`.
+fn own_mounts(input: &BundleInput<'_>) -> Result<Vec<Mount>, BundleError> {
+    let privileged = input.privileged;
+    let mut mounts = vec![mount(
         Path::new("/proc"),
         "proc",
         Path::new("proc"),
         &["nosuid", "noexec", "nodev"],
-    )?);
+    )?];
     if privileged {
         mounts.push(mount(
             Path::new("/dev"),
@@ -189,13 +236,14 @@ pub fn spec(input: &BundleInput<'_>) -> Result<Spec, BundleError> {
     }
     // A new sysfs can only be mounted in a network namespace of one's own (EBUSY
     // otherwise): with the host's network, the host's /sys is bound.
-    let sys_options: &[&str] = match (settings.host_network.unwrap_or(true), privileged) {
+    let host_network = input.settings.host_network.unwrap_or(true);
+    let sys_options: &[&str] = match (host_network, privileged) {
         (true, true) => &["rbind", "rslave"],
         (true, false) => &["rbind", "rslave", "ro"],
         (false, true) => &["nosuid", "noexec", "nodev"],
         (false, false) => &["nosuid", "noexec", "nodev", "ro"],
     };
-    let (sys_type, sys_source) = if settings.host_network.unwrap_or(true) {
+    let (sys_type, sys_source) = if host_network {
         ("bind", Path::new("/sys"))
     } else {
         ("sysfs", Path::new("sysfs"))
@@ -207,9 +255,13 @@ pub fn spec(input: &BundleInput<'_>) -> Result<Spec, BundleError> {
         Path::new("tmpfs"),
         &["nosuid", "nodev", "mode=1777"],
     )?);
+    Ok(mounts)
+}
 
-    // Binds at the same path, parents before children (a later mount may land inside an
-    // earlier one, e.g. a mount root under a volume).
+/// Step 3 of [`spec`]: binds at the same path (the volumes at theirs), parents before
+/// children (a later mount may land inside an earlier one, e.g. a mount root under a
+/// volume).
+fn bind_mounts(input: &BundleInput<'_>) -> Result<Vec<Mount>, BundleError> {
     let mut binds: Vec<(PathBuf, PathBuf, Vec<&str>)> = Vec::new();
     binds.push((
         input.socket_dir.to_path_buf(),
@@ -219,13 +271,23 @@ pub fn spec(input: &BundleInput<'_>) -> Result<Spec, BundleError> {
     for root in input.mount_roots {
         binds.push((root.clone(), root.clone(), vec!["rbind", "rshared"]));
     }
+    // The sandbox, writable as under Mesos; `rslave` like the host's root, so that nothing
+    // mounted inside goes out.
+    if let Some(sandbox) = input.sandbox {
+        binds.push((
+            sandbox.to_path_buf(),
+            sandbox.to_path_buf(),
+            vec!["rbind", "rslave"],
+        ));
+    }
     // On the host's root the container still has its own /tmp (and /dev unless privileged):
     // an executable that lives there (a build tree under /tmp) would be hidden and the launch
     // fail with ENOENT, so the file itself is bound in, read-only, at its path.
-    if settings.rootfs.is_none()
+    if input.settings.rootfs.is_none()
         && let Some(executable) = input.args.first().map(Path::new)
         && executable.is_absolute()
-        && (executable.starts_with("/tmp") || !privileged && executable.starts_with("/dev"))
+        && (executable.starts_with("/tmp") || !input.privileged && executable.starts_with("/dev"))
+        && !input.sandbox.is_some_and(|s| executable.starts_with(s))
     {
         binds.push((
             executable.to_path_buf(),
@@ -250,16 +312,22 @@ pub fn spec(input: &BundleInput<'_>) -> Result<Spec, BundleError> {
         ));
     }
     binds.sort_by_key(|(_, destination, _)| destination.components().count());
-    for (source, destination, options) in &binds {
-        mounts.push(mount(destination, "bind", source, options)?);
-    }
+    binds
+        .iter()
+        .map(|(source, destination, options)| mount(destination, "bind", source, options))
+        .collect()
+}
 
+/// The process: argv, environment, user, capabilities (effective and permitted; bounding
+/// as given, else the same) and rlimits (without any, the daemon's are inherited, as with
+/// the process runtime).
+fn process(input: &BundleInput<'_>) -> Result<oci_spec::runtime::Process, BundleError> {
     let available = |name: &&&str| {
         input
             .available_capabilities
             .is_none_or(|a| a.contains(*name))
     };
-    let capability_names: Vec<String> = match (&settings.capabilities, privileged) {
+    let capability_names: Vec<String> = match (&input.settings.capabilities, input.privileged) {
         (Some(names), _) => names.clone(),
         (None, true) => ALL_CAPABILITIES
             .iter()
@@ -273,7 +341,11 @@ pub fn spec(input: &BundleInput<'_>) -> Result<Spec, BundleError> {
             .collect(),
     };
     let caps = capabilities(&capability_names)?;
-    let process = ProcessBuilder::default()
+    let bounding = match input.bounding {
+        Some(names) => capabilities(names)?,
+        None => caps.clone(),
+    };
+    let mut process = ProcessBuilder::default()
         .terminal(false)
         .user(
             UserBuilder::default()
@@ -287,56 +359,86 @@ pub fn spec(input: &BundleInput<'_>) -> Result<Spec, BundleError> {
         .cwd(input.cwd.as_str())
         .capabilities(
             LinuxCapabilitiesBuilder::default()
-                .bounding(caps.clone())
+                .bounding(bounding)
                 .effective(caps.clone())
-                .permitted(caps.clone())
+                .permitted(caps)
                 .inheritable(HashSet::new())
                 .ambient(HashSet::new())
                 .build()?,
         )
-        .no_new_privileges(!privileged)
+        .no_new_privileges(!input.privileged)
         .build()?;
     // The builders start from oci-spec's defaults (a demo shell container): drop the parts
-    // that are not ours. Without rlimits the plugin inherits the daemon's, as with the
-    // process runtime.
-    let mut process = process;
-    process.set_rlimits(None);
+    // that are not ours.
+    let rlimits = input
+        .rlimits
+        .iter()
+        .map(|limit| {
+            let typ: PosixRlimitType = serde_json::from_value(serde_json::Value::String(
+                limit.typ.clone(),
+            ))
+            .map_err(|_| BundleError::Rlimit {
+                name: limit.typ.clone(),
+            })?;
+            Ok(PosixRlimitBuilder::default()
+                .typ(typ)
+                .hard(limit.hard)
+                .soft(limit.soft)
+                .build()?)
+        })
+        .collect::<Result<Vec<_>, BundleError>>()?;
+    process.set_rlimits((!rlimits.is_empty()).then_some(rlimits));
+    Ok(process)
+}
 
+/// Namespaces, cgroup and its limits, masked paths.
+fn linux(input: &BundleInput<'_>) -> Result<oci_spec::runtime::Linux, BundleError> {
+    let settings = input.settings;
+    let privileged = input.privileged;
     // Always an own mount namespace (that is the point); an own PID and IPC namespace
     // unless the config shares the host's PID namespace; the host's network by default (a
     // new one would have only loopback) and the host's UTS namespace (node ids are often
-    // host names).
-    let mut namespaces = vec![
-        LinuxNamespaceBuilder::default()
-            .typ(LinuxNamespaceType::Mount)
-            .build()?,
-        LinuxNamespaceBuilder::default()
-            .typ(LinuxNamespaceType::Ipc)
-            .build()?,
-    ];
+    // host names) unless `container.hostname` asks for one of its own.
+    let mut types = vec![LinuxNamespaceType::Mount, LinuxNamespaceType::Ipc];
     if !settings.host_pid.unwrap_or(false) {
-        namespaces.push(
-            LinuxNamespaceBuilder::default()
-                .typ(LinuxNamespaceType::Pid)
-                .build()?,
-        );
+        types.push(LinuxNamespaceType::Pid);
     }
     if !settings.host_network.unwrap_or(true) {
-        namespaces.push(
-            LinuxNamespaceBuilder::default()
-                .typ(LinuxNamespaceType::Network)
-                .build()?,
-        );
+        types.push(LinuxNamespaceType::Network);
     }
+    if input.hostname.is_some() {
+        types.push(LinuxNamespaceType::Uts);
+    }
+    let namespaces = types
+        .into_iter()
+        .map(|typ| LinuxNamespaceBuilder::default().typ(typ).build())
+        .collect::<Result<Vec<_>, _>>()?;
     let mut linux = LinuxBuilder::default()
         .namespaces(namespaces)
         .cgroups_path(PathBuf::from(&input.cgroups_path))
         // The host's mounts stay peers of ours, so that an `rshared` bind of a mount root
         // is in the host's peer group; the `/` bind above is `rslave` so nothing else
         // propagates out.
-        .rootfs_propagation("shared");
-    let mut resources = LinuxResourcesBuilder::default();
+        .rootfs_propagation("shared")
+        .resources(resources(input)?);
+    if !privileged {
+        linux = linux
+            .masked_paths(oci_spec::runtime::get_default_maskedpaths())
+            .readonly_paths(oci_spec::runtime::get_default_readonly_paths());
+    }
+    let mut linux = linux.build()?;
     if privileged {
+        // Privileged means the host's view: nothing masked, nothing read-only.
+        linux.set_masked_paths(None);
+        linux.set_readonly_paths(None);
+    }
+    Ok(linux)
+}
+
+/// The cgroup's devices and limits.
+fn resources(input: &BundleInput<'_>) -> Result<oci_spec::runtime::LinuxResources, BundleError> {
+    let mut resources = LinuxResourcesBuilder::default();
+    if input.privileged {
         resources = resources.devices(vec![
             LinuxDeviceCgroupBuilder::default()
                 .allow(true)
@@ -364,35 +466,7 @@ pub fn spec(input: &BundleInput<'_>) -> Result<Spec, BundleError> {
         let bytes = (mem_mb * 1024.0 * 1024.0).round() as i64;
         resources = resources.memory(LinuxMemoryBuilder::default().limit(bytes).build()?);
     }
-    linux = linux.resources(resources.build()?);
-    if !privileged {
-        linux = linux
-            .masked_paths(oci_spec::runtime::get_default_maskedpaths())
-            .readonly_paths(oci_spec::runtime::get_default_readonly_paths());
-    }
-    let mut linux = linux.build()?;
-    if privileged {
-        // Privileged means the host's view: nothing masked, nothing read-only.
-        linux.set_masked_paths(None);
-        linux.set_readonly_paths(None);
-    }
-
-    let mut spec = SpecBuilder::default()
-        .version("1.0.2")
-        .root(
-            RootBuilder::default()
-                .path(input.root)
-                .readonly(settings.readonly_rootfs.unwrap_or(true))
-                .build()?,
-        )
-        .process(process)
-        .mounts(mounts)
-        .linux(linux)
-        .build()?;
-    // The host's UTS namespace is shared: runc refuses to set a hostname then.
-    spec.set_hostname(None);
-    spec.set_annotations(None);
-    Ok(spec)
+    Ok(resources.build()?)
 }
 
 #[cfg(test)]
@@ -419,6 +493,10 @@ mod tests {
             cwd: "/".to_owned(),
             user: (0, 0),
             additional_gids: Vec::new(),
+            bounding: None,
+            rlimits: &[],
+            hostname: None,
+            sandbox: None,
         }
     }
 

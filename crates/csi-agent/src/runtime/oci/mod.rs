@@ -55,6 +55,7 @@ use rustix::process::{Pid, PidfdFlags, pidfd_open};
 use serde_json::Value;
 use tokio::io::unix::AsyncFd;
 
+use super::isolation::{self, Isolation};
 use super::process::{current_boot_id, read_stat};
 use super::{Component, ExitInfo, LaunchContext, LaunchSpec, Runtime, RuntimeError, RuntimeHandle};
 use crate::config::{CommandConfig, OciConfig, RuntimeConfig, Service};
@@ -280,36 +281,6 @@ pub fn volumes(container: &Value) -> Result<Vec<VolumeBind>, (String, String)> {
     Ok(binds)
 }
 
-/// The capabilities Mesos `ContainerInfo.linux_info` asks for: `effective_capabilities`
-/// (or the older `capability_info`) `.capabilities`, Mesos enum names such as `SYS_ADMIN`.
-/// `None` when it asks for none. An error is `(field relative to the container, message)`.
-pub fn linux_info_capabilities(container: &Value) -> Result<Option<Vec<String>>, (String, String)> {
-    let Some(linux) = container.get("linux_info") else {
-        return Ok(None);
-    };
-    for key in ["effective_capabilities", "capability_info"] {
-        let Some(names) = linux.get(key).and_then(|c| c.get("capabilities")) else {
-            continue;
-        };
-        let field = format!("linux_info.{key}.capabilities");
-        let Some(names) = names.as_array() else {
-            return Err((field, "must be a list".to_owned()));
-        };
-        let mut canonical = Vec::new();
-        for (index, name) in names.iter().enumerate() {
-            let Some(found) = name.as_str().and_then(canonical_capability) else {
-                return Err((
-                    format!("{field}[{index}]"),
-                    format!("{name} is not a Linux capability; use a name like \"SYS_ADMIN\""),
-                ));
-            };
-            canonical.push(found);
-        }
-        return Ok(Some(canonical));
-    }
-    Ok(None)
-}
-
 /// The cgroup limits of a component, from Mesos `resources` (`cpus`, `mem` in MB).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Limits {
@@ -453,6 +424,13 @@ pub enum OciError {
     /// A launch spec of another runtime kind reached the oci runtime (a bug of the caller).
     #[error("container: the oci runtime was given a component of another runtime kind")]
     OtherRuntimeKind,
+    /// `--oci-runtime` cannot be found: the component is not run at all, never without the
+    /// isolation it asks for.
+    #[error(
+        "the OCI runtime `{}` (the daemon's --oci-runtime) is not installed or not in PATH, and this component needs it for {needs}: install runc (or crun) or point --oci-runtime at it; to run the plugin as a host process without that isolation, set \"runtime\": {{\"kind\": \"process\"}} in its config",
+        binary.display()
+    )]
+    RuntimeMissing { binary: PathBuf, needs: String },
     #[error(
         "container.volumes[{index}].source.host_path.mount_propagation.mode: BIDIRECTIONAL needs host_path {} on a shared mount, and the mount at {} is not shared: mounts made in the container would never reach the host. Make it shared (mount --make-rshared {}, or give the path a shared mount of its own: mount --bind {} {} && mount --make-shared {}) or use HOST_TO_CONTAINER",
         path.display(), mount.display(), mount.display(), path.display(), path.display(), path.display()
@@ -728,57 +706,17 @@ impl OciRuntime {
         let RuntimeConfig::Oci(settings) = &spec.runtime else {
             return Err(OciError::OtherRuntimeKind);
         };
-        // An image named by the config is pulled and prepared first (the store is shared by
-        // every plugin; one already there is used without a download): its rootfs becomes the
-        // container's root, read-only because every container of the image shares it.
-        let image = match &spec.container {
-            Some(container) => ContainerImage::from_container(container)
-                .map_err(|(field, message)| OciError::Volumes(format!("{field}: {message}")))?,
-            None => None,
-        };
-        let prepared = match &image {
-            Some(image) => Some(self.prepare_image(image).await?),
-            None => None,
-        };
+        // Before anything is made: without the runtime binary the plugin must fail saying
+        // what it needs, never run without its isolation (issue #29).
+        self.check_installed(spec)?;
+        let isolation = isolation::parse(&spec.resources, spec.container.as_ref())
+            .map_err(|(field, message)| OciError::Volumes(format!("{field}: {message}")))?;
         let id = container_id(&spec.container_id);
         let bundle_dir = context.container_dir.join(BUNDLE_DIR);
-        let with_image;
-        let settings = match &prepared {
-            Some(prepared) => {
-                with_image = match &prepared.root {
-                    // Shared by every container of the image: never writable.
-                    PreparedRoot::Flattened(rootfs) => OciConfig {
-                        rootfs: Some(rootfs.clone()),
-                        readonly_rootfs: Some(true),
-                        ..settings.clone()
-                    },
-                    // The container's own overlay: writable if the config says so.
-                    PreparedRoot::Layers(_) => OciConfig {
-                        rootfs: Some(bundle_dir.join(bundle::ROOTFS_DIR)),
-                        ..settings.clone()
-                    },
-                };
-                &with_image
-            }
-            None => settings,
-        };
-        // A container left by a crash or an earlier run of this component (stopped, or
-        // never started) would make `create` fail: it is ours, and outdated.
-        self.runc.delete(&id).await?;
-        remove_bundle(&bundle_dir);
-        if let Some(PreparedRoot::Layers(layers)) = prepared.as_ref().map(|p| &p.root) {
-            if let Err(err) =
-                crate::sys::blocking("overlay mount", || mount_image_root(layers, &bundle_dir))
-            {
-                remove_bundle(&bundle_dir);
-                return Err(err);
-            }
-            if let Err(err) = crate::failpoint::hit(FP_AFTER_OVERLAY) {
-                self.discard(&id, &bundle_dir).await;
-                return Err(err.into());
-            }
-        }
-
+        let (image, prepared) = self.image_of(spec).await?;
+        let settings = settings_with_image(settings, prepared.as_ref(), &bundle_dir);
+        self.prepare_bundle_dir(&id, &bundle_dir, prepared.as_ref())
+            .await?;
         let (root, host_root) = match &settings.rootfs {
             Some(rootfs) => {
                 if !rootfs.is_dir() {
@@ -793,267 +731,181 @@ impl OciRuntime {
                 host_root_entries(Path::new("/"))?,
             ),
         };
-        let volumes = match &spec.container {
-            Some(container) => volumes(container)
-                .map_err(|(field, message)| OciError::Volumes(format!("{field}: {message}")))?,
-            None => Vec::new(),
-        };
-        let limits = limits(&spec.resources)
-            .map_err(|(field, message)| OciError::Resources(format!("{field}: {message}")))?;
-        for (wanted, controller) in [
-            (limits.cpus.is_some(), "cpu"),
-            (limits.mem_mb.is_some(), "memory"),
-        ] {
-            if wanted && !cgroup_controller_available(controller) {
-                // A limit the host cannot enforce is an error, not silently dropped.
-                return Err(OciError::Resources(format!(
-                    "resources: this host has no {controller} cgroup controller to enforce the limit; remove it or enable the controller"
-                )));
-            }
-        }
-        for volume in &volumes {
-            if !volume.host_path.exists() {
-                return Err(OciError::HostPathMissing {
-                    path: volume.host_path.clone(),
-                });
-            }
-        }
-        check_bidirectional_volumes(&volumes)?;
-        for dir in &context.mount_roots {
-            share_mount_root(dir)?;
-        }
+        check_host_side(&isolation, context)?;
         let socket_dir = context.socket.parent().unwrap_or(Path::new("/"));
 
         let endpoint = format!("unix://{}", context.socket.display());
         let vars = super::agent_vars(&endpoint, &spec.node_id);
-        let (args, mut env, cwd, user) = match (&prepared, &image) {
+        // On the host's root (no image, no configured rootfs) the component's sandbox is
+        // bound at its own path and is its working directory, as with the process runtime:
+        // what the fetcher put there (`./test-csi-plugin`) runs as under Mesos.
+        let sandbox = settings
+            .rootfs
+            .is_none()
+            .then_some(context.container_dir.as_path());
+        let started = match (&prepared, &image) {
             (Some(prepared), Some(image)) => {
-                let args =
-                    image_argv(&spec.command, &prepared.config, &vars).map_err(|source| {
-                        OciError::ImageUse {
-                            name: image.name.clone(),
-                            source,
-                        }
-                    })?;
-                // `command.user` wins over the image's `User`, and is a name or uid of the
-                // image's own /etc/passwd (read beneath its root), as Mesos resolves it in
-                // the container.
-                let user = match &spec.command.user {
-                    Some(name) => super::users::resolve(&root, name).map_err(|err| {
-                        // Nothing was created: the image's overlay, if any, goes now.
-                        remove_bundle(&bundle_dir);
-                        OciError::User(Box::new(err))
-                    })?,
-                    None => numeric_user(prepared.config.user.as_deref())
-                        .map(|(uid, gid)| super::users::User {
-                            name: format!("{uid}"),
-                            uid,
-                            gid,
-                            groups: Vec::new(),
-                        })
-                        .map_err(|source| OciError::ImageUse {
-                            name: image.name.clone(),
-                            source,
-                        })?,
-                };
-                // The image's config is input: its WorkingDir is resolved beneath the root
-                // here, never handed to runc as it is (rootpaths).
-                let opened = rootpaths::Root::open(&root).and_then(|tree| {
-                    let cwd = tree.working_dir(prepared.config.working_dir.as_deref())?;
-                    Ok((tree, cwd))
-                });
-                let (tree, cwd) = match opened {
-                    Ok(opened) => opened,
-                    Err(source) => {
-                        // Nothing was created: the image's overlay, if any, goes now.
-                        remove_bundle(&bundle_dir);
-                        return Err(OciError::RootPath {
-                            root: format!("container image {}", image.name),
-                            source: Box::new(source),
-                        });
-                    }
-                };
-                // The image's environment, not the daemon's (the host's PATH and the like
-                // mean nothing inside another root file system), over the defaults a real
-                // image expects; the config's comes after it.
-                let config_env: Vec<(String, String)> = spec
-                    .command
-                    .environment
-                    .iter()
-                    .map(|var| (var.name.clone(), var.value.clone()))
-                    .collect();
-                let env = rootpaths::image_environment(&prepared.config.env, &config_env, || {
-                    tree.home_of(user.uid)
-                        .unwrap_or_else(|| rootpaths::DEFAULT_HOME.to_owned())
-                });
-                (args, env, cwd, user)
+                image_process(spec, prepared, image, &root, &vars).inspect_err(|_| {
+                    // Nothing was created: the image's overlay, if any, goes now.
+                    remove_bundle(&bundle_dir);
+                })?
             }
-            _ => {
-                let (program, argv) = spec.command.argv(&vars);
-                // OCI has no separate argv[0]: args[0] is what runc executes.
-                let args: Vec<String> = std::iter::once(program)
-                    .chain(argv.into_iter().skip(1))
-                    .collect();
-                // The same environment as the process runtime: the daemon's, then the
-                // config's.
-                let mut env: Vec<(String, String)> = std::env::vars().collect();
-                for var in &spec.command.environment {
-                    env.push((var.name.clone(), var.value.clone()));
-                }
-                // The host's user database: the container runs on the host's root (or on a
-                // configured rootfs, whose own database then applies).
-                let user = match &spec.command.user {
-                    Some(name) => super::users::resolve(
-                        settings.rootfs.as_deref().unwrap_or(Path::new("/")),
-                        name,
-                    )
-                    .map_err(|err| OciError::User(Box::new(err)))?,
-                    None => super::users::User {
-                        name: "root".to_owned(),
-                        uid: 0,
-                        gid: 0,
-                        groups: Vec::new(),
-                    },
-                };
-                (args, env, "/".to_owned(), user)
-            }
+            _ => host_process(spec, &settings, sandbox, &vars)?,
         };
-        // Then ours, which win. No MESOS_SANDBOX: the component's dir is not mounted in a
-        // container (docs/configuration.md).
-        env.extend(
-            vars.iter()
-                .map(|(name, value)| ((*name).to_owned(), (*value).to_owned())),
-        );
-        let mut seen = std::collections::BTreeSet::new();
-        let mut env: Vec<String> = env
-            .into_iter()
-            .rev()
-            .filter(|(name, _)| seen.insert(name.clone()))
-            .map(|(name, value)| format!("{name}={value}"))
-            .collect();
-        env.reverse();
-
-        // `runtime.capabilities` wins; else what Mesos `linux_info` asks for.
-        let mut effective = settings.clone();
-        if effective.capabilities.is_none()
-            && let Some(container) = &spec.container
-        {
-            effective.capabilities = linux_info_capabilities(container)
-                .map_err(|(field, message)| OciError::Volumes(format!("{field}: {message}")))?;
-        }
-        let settings = &effective;
+        let env = final_environment(started.env, &vars);
+        let (settings, bounding) = resolve_capabilities(&settings, &isolation)?;
         let privileged = settings
             .privileged
             .unwrap_or_else(|| spec.container_id.contains(Service::Node.as_str()));
         let own = own_capabilities();
-        if let (Some(own), Some(wanted)) = (&own, &settings.capabilities)
-            && let Some(missing) = wanted.iter().find(|c| !own.contains(&c.as_str()))
-        {
-            return Err(OciError::Capability {
-                name: missing.clone(),
-            });
-        }
         let input = bundle::BundleInput {
-            settings,
+            settings: &settings,
             privileged,
-            args,
+            args: started.args,
             env,
             root: &root,
             host_root: &host_root,
             socket_dir,
             mount_roots: &context.mount_roots,
-            volumes: &volumes,
+            volumes: &isolation.volumes,
             cgroups_path: cgroups_path(self.runc.root(), &id),
             available_capabilities: own.as_deref(),
-            limits,
-            cwd,
-            user: (user.uid, user.gid),
-            additional_gids: user.groups.clone(),
+            limits: isolation.limits,
+            cwd: started.cwd,
+            user: (started.user.uid, started.user.gid),
+            additional_gids: started.user.groups.clone(),
+            bounding: bounding.as_deref(),
+            rlimits: &isolation.rlimits,
+            hostname: isolation.hostname.as_deref(),
+            sandbox,
         };
         // The socket dir is the process's user's (an image's numeric `User` too), or taken
         // back for root.
-        let owner = (user.uid != 0 || user.gid != 0).then_some(&user);
+        let owner = (started.user.uid != 0 || started.user.gid != 0).then_some(&started.user);
         super::users::give_socket_dir(socket_dir, owner)
             .map_err(|err| OciError::User(Box::new(err)))?;
         let oci_spec = bundle::spec(&input)?;
-        // A root of the container's own (an image's, a configured rootfs) is input: runc
-        // would follow its symlinks to every mount destination.
-        if let Some(rootfs) = &settings.rootfs {
-            let name = match &image {
-                Some(image) => format!("container image {}", image.name),
-                None => format!("runtime.rootfs {}", rootfs.display()),
-            };
-            if let Err(source) = check_mount_points(&root, &oci_spec, &input, &volumes) {
-                remove_bundle(&bundle_dir);
-                return Err(OciError::RootPath {
-                    root: name,
-                    source: Box::new(source),
-                });
-            }
-        }
-        std::fs::create_dir_all(bundle_dir.join(bundle::ROOTFS_DIR))
-            .map_err(io("cannot create the bundle", &bundle_dir))?;
-        for entry in &host_root {
-            if let bundle::HostRootEntry::Symlink { path, target } = entry {
-                let link = bundle_dir
-                    .join(bundle::ROOTFS_DIR)
-                    .join(path.strip_prefix("/").unwrap_or(path));
-                std::os::unix::fs::symlink(target, &link)
-                    .map_err(io("cannot recreate the host's symlink at", &link))?;
-            }
-        }
-        let config_path = bundle_dir.join(bundle::CONFIG_FILE);
-        // It holds the process's environment, SECRET variables included (runc reads them
-        // from here): made 0600 before anything is written to it, like every secret
-        // csi-agent keeps (the save truncates it, keeping the mode).
-        {
-            use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
-            let file = std::fs::OpenOptions::new()
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .mode(0o600)
-                .open(&config_path)
-                .map_err(io("cannot create", &config_path))?;
-            file.set_permissions(std::fs::Permissions::from_mode(0o600))
-                .map_err(io("cannot restrict the mode of", &config_path))?;
-        }
-        oci_spec.save(&config_path).map_err(|err| OciError::Io {
-            what: "cannot write",
-            path: config_path.clone(),
-            source: std::io::Error::other(err.to_string()),
-        })?;
+        let root_name = settings.rootfs.as_ref().map(|rootfs| match &image {
+            Some(image) => format!("container image {}", image.name),
+            None => format!("runtime.rootfs {}", rootfs.display()),
+        });
+        write_bundle(&bundle_dir, &oci_spec, &input, root_name)?;
+        self.create_and_start(&id, &bundle_dir, context).await
+    }
 
+    /// The runtime binary (`--oci-runtime`) can be run: a path that is a file, or a name
+    /// found in `PATH`. Else the error names the fields of the component that need it.
+    fn check_installed(&self, spec: &LaunchSpec) -> Result<(), OciError> {
+        let binary = self.runc.binary();
+        if binary_exists(binary) {
+            return Ok(());
+        }
+        let mut needs: Vec<&str> = isolation::requested(&spec.resources, spec.container.as_ref());
+        if spec
+            .container
+            .as_ref()
+            .is_some_and(|c| !matches!(ContainerImage::from_container(c), Ok(None)))
+        {
+            needs.insert(0, "container image");
+        }
+        if let RuntimeConfig::Oci(OciConfig {
+            rootfs: Some(_), ..
+        }) = &spec.runtime
+        {
+            needs.insert(0, "runtime.rootfs");
+        }
+        Err(OciError::RuntimeMissing {
+            binary: binary.to_path_buf(),
+            needs: if needs.is_empty() {
+                "\"runtime\": {\"kind\": \"oci\"}".to_owned()
+            } else {
+                needs.join(", ")
+            },
+        })
+    }
+
+    /// The image the component's `container` names, pulled (per its policy) and prepared.
+    async fn image_of(
+        &self,
+        spec: &LaunchSpec,
+    ) -> Result<(Option<ContainerImage>, Option<Prepared>), OciError> {
+        // The store is shared by every plugin; an image already there is used without a
+        // download.
+        let image = match &spec.container {
+            Some(container) => ContainerImage::from_container(container)
+                .map_err(|(field, message)| OciError::Volumes(format!("{field}: {message}")))?,
+            None => None,
+        };
+        let prepared = match &image {
+            Some(image) => Some(self.prepare_image(image).await?),
+            None => None,
+        };
+        Ok((image, prepared))
+    }
+
+    /// Clears what an earlier container of this id left, and mounts the image's overlay.
+    async fn prepare_bundle_dir(
+        &self,
+        id: &str,
+        bundle_dir: &Path,
+        prepared: Option<&Prepared>,
+    ) -> Result<(), OciError> {
+        // A container left by a crash or an earlier run of this component (stopped, or
+        // never started) would make `create` fail: it is ours, and outdated.
+        self.runc.delete(id).await?;
+        remove_bundle(bundle_dir);
+        if let Some(PreparedRoot::Layers(layers)) = prepared.map(|p| &p.root) {
+            if let Err(err) =
+                crate::sys::blocking("overlay mount", || mount_image_root(layers, bundle_dir))
+            {
+                remove_bundle(bundle_dir);
+                return Err(err);
+            }
+            if let Err(err) = crate::failpoint::hit(FP_AFTER_OVERLAY) {
+                self.discard(id, bundle_dir).await;
+                return Err(err.into());
+            }
+        }
+        Ok(())
+    }
+
+    /// `runc create` with the component's log files as stdio, then `runc start`; any
+    /// failure deletes the container and its bundle.
+    async fn create_and_start(
+        &self,
+        id: &str,
+        bundle_dir: &Path,
+        context: &LaunchContext,
+    ) -> Result<OciComponent, OciError> {
         let stdout = open_log(&context.container_dir.join("stdout"))?;
         let stderr = open_log(&context.container_dir.join("stderr"))?;
         let pid_file = bundle_dir.join("init.pid");
         let log = bundle_dir.join("runc.log");
         if let Err(err) = self
             .runc
-            .create(&id, &bundle_dir, &pid_file, &log, stdout, stderr)
+            .create(id, bundle_dir, &pid_file, &log, stdout, stderr)
             .await
         {
-            self.discard(&id, &bundle_dir).await;
+            self.discard(id, bundle_dir).await;
             return Err(explain_create_failure(&self.runc, err));
         }
         if let Err(err) = crate::failpoint::hit(FP_AFTER_CREATE) {
-            self.discard(&id, &bundle_dir).await;
+            self.discard(id, bundle_dir).await;
             return Err(err.into());
         }
-        let watched = self.watch_init(&id, &pid_file);
-        let component = match watched {
+        let component = match self.watch_init(id, &pid_file) {
             Ok(component) => component,
             Err(err) => {
-                self.discard(&id, &bundle_dir).await;
+                self.discard(id, bundle_dir).await;
                 return Err(err);
             }
         };
-        if let Err(err) = self.runc.start(&id).await {
-            self.discard(&id, &bundle_dir).await;
+        if let Err(err) = self.runc.start(id).await {
+            self.discard(id, bundle_dir).await;
             return Err(err.into());
         }
         if let Err(err) = crate::failpoint::hit(FP_AFTER_START) {
-            self.discard(&id, &bundle_dir).await;
+            self.discard(id, bundle_dir).await;
             return Err(err.into());
         }
         tracing::debug!(container = %id, pid = component.pid.as_raw_pid(), "started container");
@@ -1258,6 +1110,294 @@ fn numeric_user(user: Option<&str>) -> Result<(u32, u32), ImageUseError> {
 
 /// A cgroup path of its own per state root: two csi-agents (or test daemons) with the same
 /// plugin type must not share a cgroup. One level only, so that `runc delete` (which removes
+/// Whether an OCI runtime binary can be run: a path naming a file, or a bare name found in
+/// one of `PATH`'s dirs.
+fn binary_exists(binary: &Path) -> bool {
+    if binary.components().count() > 1 {
+        return binary.is_file();
+    }
+    std::env::var_os("PATH")
+        .is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join(binary).is_file()))
+}
+
+/// The settings once an image is prepared: its root is the container's.
+fn settings_with_image(
+    settings: &OciConfig,
+    prepared: Option<&Prepared>,
+    bundle_dir: &Path,
+) -> OciConfig {
+    match prepared.map(|p| &p.root) {
+        // Shared by every container of the image: never writable.
+        Some(PreparedRoot::Flattened(rootfs)) => OciConfig {
+            rootfs: Some(rootfs.clone()),
+            readonly_rootfs: Some(true),
+            ..settings.clone()
+        },
+        // The container's own overlay: writable if the config says so.
+        Some(PreparedRoot::Layers(_)) => OciConfig {
+            rootfs: Some(bundle_dir.join(bundle::ROOTFS_DIR)),
+            ..settings.clone()
+        },
+        None => settings.clone(),
+    }
+}
+
+/// What the host must have for the component's isolation: the cgroup controllers of its
+/// limits, its volumes' host paths (shared where BIDIRECTIONAL); then the mount roots are
+/// made shared.
+fn check_host_side(isolation: &Isolation, context: &LaunchContext) -> Result<(), OciError> {
+    for (wanted, controller) in [
+        (isolation.limits.cpus.is_some(), "cpu"),
+        (isolation.limits.mem_mb.is_some(), "memory"),
+    ] {
+        if wanted && !cgroup_controller_available(controller) {
+            // A limit the host cannot enforce is an error, not silently dropped.
+            return Err(OciError::Resources(format!(
+                "resources: this host has no {controller} cgroup controller to enforce the limit; remove it or enable the controller"
+            )));
+        }
+    }
+    for volume in &isolation.volumes {
+        if !volume.host_path.exists() {
+            return Err(OciError::HostPathMissing {
+                path: volume.host_path.clone(),
+            });
+        }
+    }
+    check_bidirectional_volumes(&isolation.volumes)?;
+    for dir in &context.mount_roots {
+        share_mount_root(dir)?;
+    }
+    Ok(())
+}
+
+/// The container's process before the agent's variables: argv, environment, working dir
+/// and user.
+struct Started {
+    args: Vec<String>,
+    env: Vec<(String, String)>,
+    cwd: String,
+    user: super::users::User,
+}
+
+/// The process of an image: its Entrypoint/Cmd unless the config's command overrides them,
+/// its environment, WorkingDir and User (`command.user` wins, from the image's passwd).
+fn image_process(
+    spec: &LaunchSpec,
+    prepared: &Prepared,
+    image: &ContainerImage,
+    root: &Path,
+    vars: &[(&str, &str)],
+) -> Result<Started, OciError> {
+    let args = image_argv(&spec.command, &prepared.config, vars).map_err(|source| {
+        OciError::ImageUse {
+            name: image.name.clone(),
+            source,
+        }
+    })?;
+    // `command.user` wins over the image's `User`, and is a name or uid of the image's own
+    // /etc/passwd (read beneath its root), as Mesos resolves it in the container.
+    let user = match &spec.command.user {
+        Some(name) => {
+            super::users::resolve(root, name).map_err(|err| OciError::User(Box::new(err)))?
+        }
+        None => numeric_user(prepared.config.user.as_deref())
+            .map(|(uid, gid)| super::users::User {
+                name: format!("{uid}"),
+                uid,
+                gid,
+                groups: Vec::new(),
+            })
+            .map_err(|source| OciError::ImageUse {
+                name: image.name.clone(),
+                source,
+            })?,
+    };
+    // The image's config is input: its WorkingDir is resolved beneath the root here, never
+    // handed to runc as it is (rootpaths).
+    let (tree, cwd) = rootpaths::Root::open(root)
+        .and_then(|tree| {
+            let cwd = tree.working_dir(prepared.config.working_dir.as_deref())?;
+            Ok((tree, cwd))
+        })
+        .map_err(|source| OciError::RootPath {
+            root: format!("container image {}", image.name),
+            source: Box::new(source),
+        })?;
+    // The image's environment, not the daemon's (the host's PATH and the like mean nothing
+    // inside another root file system), over the defaults a real image expects; the
+    // config's comes after it.
+    let config_env: Vec<(String, String)> = spec
+        .command
+        .environment
+        .iter()
+        .map(|var| (var.name.clone(), var.value.clone()))
+        .collect();
+    let env = rootpaths::image_environment(&prepared.config.env, &config_env, || {
+        tree.home_of(user.uid)
+            .unwrap_or_else(|| rootpaths::DEFAULT_HOME.to_owned())
+    });
+    Ok(Started {
+        args,
+        env,
+        cwd,
+        user,
+    })
+}
+
+/// The process of a container on the host's root (or a configured rootfs): the config's
+/// command and the daemon's environment, as with the process runtime.
+fn host_process(
+    spec: &LaunchSpec,
+    settings: &OciConfig,
+    sandbox: Option<&Path>,
+    vars: &[(&str, &str)],
+) -> Result<Started, OciError> {
+    let (program, argv) = spec.command.argv(vars);
+    // OCI has no separate argv[0]: args[0] is what runc executes.
+    let args: Vec<String> = std::iter::once(program)
+        .chain(argv.into_iter().skip(1))
+        .collect();
+    // The same environment as the process runtime: the daemon's, Mesos's sandbox variable
+    // (where the sandbox is given), then the config's.
+    let mut env: Vec<(String, String)> = std::env::vars().collect();
+    if let Some(sandbox) = sandbox {
+        env.push((
+            super::MESOS_SANDBOX_VAR.to_owned(),
+            sandbox.display().to_string(),
+        ));
+    }
+    for var in &spec.command.environment {
+        env.push((var.name.clone(), var.value.clone()));
+    }
+    // The host's user database: the container runs on the host's root (or on a configured
+    // rootfs, whose own database then applies).
+    let user = match &spec.command.user {
+        Some(name) => {
+            super::users::resolve(settings.rootfs.as_deref().unwrap_or(Path::new("/")), name)
+                .map_err(|err| OciError::User(Box::new(err)))?
+        }
+        None => super::users::User {
+            name: "root".to_owned(),
+            uid: 0,
+            gid: 0,
+            groups: Vec::new(),
+        },
+    };
+    // The sandbox is the working dir, as with the process runtime; not for another user,
+    // who cannot reach it (the work dir is root's, 0700), as with the process runtime too.
+    let cwd = match sandbox {
+        Some(sandbox) if user.uid == 0 => sandbox.display().to_string(),
+        _ => "/".to_owned(),
+    };
+    Ok(Started {
+        args,
+        env,
+        cwd,
+        user,
+    })
+}
+
+/// The environment with the agent's variables over it (they win), one entry per name (the
+/// last), as `NAME=value`.
+fn final_environment(mut env: Vec<(String, String)>, vars: &[(&str, &str)]) -> Vec<String> {
+    env.extend(
+        vars.iter()
+            .map(|(name, value)| ((*name).to_owned(), (*value).to_owned())),
+    );
+    let mut seen = std::collections::BTreeSet::new();
+    let mut env: Vec<String> = env
+        .into_iter()
+        .rev()
+        .filter(|(name, _)| seen.insert(name.clone()))
+        .map(|(name, value)| format!("{name}={value}"))
+        .collect();
+    env.reverse();
+    env
+}
+
+/// The capabilities: `runtime.capabilities` wins (effective and bounding); else what Mesos
+/// `linux_info` asks for, its bounding set apart. Each must be one csi-agent holds.
+fn resolve_capabilities(
+    settings: &OciConfig,
+    isolation: &Isolation,
+) -> Result<(OciConfig, Option<Vec<String>>), OciError> {
+    let mut effective = settings.clone();
+    let mut bounding = None;
+    if effective.capabilities.is_none()
+        && let Some(sets) = &isolation.capabilities
+    {
+        effective.capabilities = Some(sets.effective.clone());
+        bounding = Some(sets.bounding.clone());
+    }
+    if let Some(own) = own_capabilities() {
+        let wanted = effective
+            .capabilities
+            .iter()
+            .chain(bounding.iter())
+            .flatten();
+        if let Some(missing) = wanted.into_iter().find(|c| !own.contains(&c.as_str())) {
+            return Err(OciError::Capability {
+                name: missing.clone(),
+            });
+        }
+    }
+    Ok((effective, bounding))
+}
+
+/// Writes the bundle: a root of the container's own checked (`root_name` names it), the
+/// host root's symlinks recreated in `rootfs/`, `config.json` (0600: it holds secrets).
+fn write_bundle(
+    bundle_dir: &Path,
+    oci_spec: &oci_spec::runtime::Spec,
+    input: &bundle::BundleInput<'_>,
+    root_name: Option<String>,
+) -> Result<(), OciError> {
+    // A root of the container's own (an image's, a configured rootfs) is input: runc would
+    // follow its symlinks to every mount destination.
+    if let Some(name) = root_name
+        && let Err(source) = check_mount_points(input.root, oci_spec, input, input.volumes)
+    {
+        remove_bundle(bundle_dir);
+        return Err(OciError::RootPath {
+            root: name,
+            source: Box::new(source),
+        });
+    }
+    std::fs::create_dir_all(bundle_dir.join(bundle::ROOTFS_DIR))
+        .map_err(io("cannot create the bundle", bundle_dir))?;
+    for entry in input.host_root {
+        if let bundle::HostRootEntry::Symlink { path, target } = entry {
+            let link = bundle_dir
+                .join(bundle::ROOTFS_DIR)
+                .join(path.strip_prefix("/").unwrap_or(path));
+            std::os::unix::fs::symlink(target, &link)
+                .map_err(io("cannot recreate the host's symlink at", &link))?;
+        }
+    }
+    let config_path = bundle_dir.join(bundle::CONFIG_FILE);
+    // It holds the process's environment, SECRET variables included (runc reads them from
+    // here): made 0600 before anything is written to it, like every secret csi-agent keeps
+    // (the save truncates it, keeping the mode).
+    {
+        use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&config_path)
+            .map_err(io("cannot create", &config_path))?;
+        file.set_permissions(std::fs::Permissions::from_mode(0o600))
+            .map_err(io("cannot restrict the mode of", &config_path))?;
+    }
+    oci_spec.save(&config_path).map_err(|err| OciError::Io {
+        what: "cannot write",
+        path: config_path.clone(),
+        source: std::io::Error::other(err.to_string()),
+    })
+}
+
 /// the leaf) leaves no dir behind.
 fn cgroups_path(state_root: &Path, id: &str) -> String {
     let mut hash: u32 = 0x811c_9dc5;
@@ -1657,26 +1797,29 @@ mod tests {
 
     #[test]
     fn mesos_linux_info_capabilities_are_read_and_checked() {
+        use crate::runtime::isolation::{CapabilitySets, capability_sets};
         let container = serde_json::json!({"linux_info": {"effective_capabilities":
             {"capabilities": ["SYS_ADMIN", "MKNOD"]}}});
+        let both = vec!["CAP_SYS_ADMIN".to_owned(), "CAP_MKNOD".to_owned()];
+        // The effective set alone bounds itself, as under Mesos.
         assert_eq!(
-            linux_info_capabilities(&container),
-            Ok(Some(vec![
-                "CAP_SYS_ADMIN".to_owned(),
-                "CAP_MKNOD".to_owned()
-            ]))
+            capability_sets(&container),
+            Ok(Some(CapabilitySets {
+                effective: both.clone(),
+                bounding: both
+            }))
         );
         let older =
             serde_json::json!({"linux_info": {"capability_info": {"capabilities": ["CHOWN"]}}});
         assert_eq!(
-            linux_info_capabilities(&older),
+            capability_sets(&older).map(|s| s.map(|s| s.effective)),
             Ok(Some(vec!["CAP_CHOWN".to_owned()]))
         );
-        assert_eq!(linux_info_capabilities(&serde_json::json!({})), Ok(None));
+        assert_eq!(capability_sets(&serde_json::json!({})), Ok(None));
         let bad = serde_json::json!({"linux_info": {"effective_capabilities":
             {"capabilities": ["SYS_ADMIN", "TEA"]}}});
         assert_eq!(
-            linux_info_capabilities(&bad).map_err(|(field, _)| field),
+            capability_sets(&bad).map_err(|(field, _)| field),
             Err("linux_info.effective_capabilities.capabilities[1]".to_owned())
         );
     }
