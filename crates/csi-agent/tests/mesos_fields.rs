@@ -6,11 +6,12 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-const VERDICTS: [&str; 5] = [
+const VERDICTS: [&str; 6] = [
     "honoured",
     "honoured differently",
-    "oci only",
+    "isolation",
     "rejected",
+    "warned",
     "ignored",
 ];
 

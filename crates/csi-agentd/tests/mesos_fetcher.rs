@@ -4,7 +4,8 @@
 //!
 //! - Mesos's own sample SLRP config (`fixtures/mesos/slrp-sample.json`, from Mesos's
 //!   `docs/csi.md`), unchanged but for the URI's host, fetches the plugin binary, runs
-//!   `./test-csi-plugin` from the sandbox and serves a publish;
+//!   `./test-csi-plugin` from the sandbox and serves a publish (its `resources` make it run in
+//!   a container on the host's root, with the sandbox bound at its path: issue #29 item 3);
 //! - the same plugin shipped in a `.tar.gz` (`extract` by default) is extracted and runs;
 //! - hostile archives (`../escape`, an absolute name, a symlink then a file through it) are
 //!   the component's launch error, naming the entry, and nothing is written outside the
@@ -223,6 +224,15 @@ async fn launch_error(daemon: &Daemon, plugin_type: &str) -> String {
     }
 }
 
+/// Removes every config and reloads: the plugins stop, and (the sample asks for `resources`,
+/// so it runs in a container on the host's root) their shared mount roots are released.
+async fn stop_plugins(daemon: &Daemon) {
+    for entry in std::fs::read_dir(&daemon.configs).unwrap().flatten() {
+        std::fs::remove_file(entry.path()).unwrap();
+    }
+    daemon.api().reload().await.unwrap();
+}
+
 /// Creates and publishes a volume through the daemon's API, then unpublishes it.
 async fn publish_through_the_daemon(daemon: &Daemon, plugin_type: &str) {
     let api = daemon.api();
@@ -314,6 +324,7 @@ async fn the_mesos_slrp_sample_fetches_its_plugin_and_serves_a_publish() {
         .filter(|p| p.to_string_lossy().contains(".tmp-"))
         .collect();
     assert_eq!(leftovers, Vec::<PathBuf>::new());
+    stop_plugins(&daemon).await;
     assert_eq!(mounts_under(dir.path()), Vec::<PathBuf>::new());
 }
 
@@ -366,16 +377,16 @@ async fn hostile_archives_are_refused_and_write_nothing_outside_the_sandbox() {
             json!({"value": server.url(&format!("/{name}.tar.gz"))});
         daemon.add_config(&format!("{name}.json"), &config);
     }
-    // The oci runtime does not see the sandbox: uris there are refused, saying so, before
-    // anything is fetched.
+    // A container with a root of its own does not see the sandbox: uris there are refused,
+    // saying so, before anything is fetched (one on the host's root gets the sandbox).
     let mut oci = sample_plugin(&server.url("/dotdot.tar.gz"));
     oci["type"] = json!("org.example.oci");
-    oci["runtime"] = json!({"kind": "oci"});
+    oci["runtime"] = json!({"kind": "oci", "rootfs": outside_str});
     daemon.add_config("oci.json", &oci);
     daemon.start();
     let error = launch_error(&daemon, "org.example.oci").await;
     assert!(
-        error.contains("fetched only for the process runtime"),
+        error.contains("a container with a root file system of its own"),
         "oci: {error}"
     );
     for (name, _, expected) in &hostile {
@@ -471,6 +482,7 @@ async fn an_endless_body_is_cut_at_the_cap_and_cache_fetches_once() {
     }
     assert_eq!(server.gets("/cached/test-csi-plugin"), 1, "cache: true");
     assert_eq!(server.gets("/uncached/test-csi-plugin"), 2, "cache: false");
+    stop_plugins(&daemon).await;
     assert_eq!(mounts_under(dir.path()), Vec::<PathBuf>::new());
 }
 

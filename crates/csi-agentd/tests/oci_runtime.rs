@@ -546,8 +546,8 @@ async fn a_container_stopped_while_the_daemon_was_down_is_replaced_and_a_changed
     // replaces the container.
     let mut changed = oci_config(&plugin_dir, json!({"kind": "oci"}));
     // Its MESOS_AGENT_ID is csi-agent's node id (here the plugin's own), over the config's
-    // variable of that name (as Mesos's service manager's wins); no MESOS_SANDBOX (the
-    // component's dir is not given to a container).
+    // variable of that name (as Mesos's service manager's wins); MESOS_SANDBOX is the
+    // component's dir, bound at its path in a container on the host's root (issue #29).
     changed["node_id"] = json!("node-oci");
     changed["containers"][0]["command"]["environment"] = json!({"variables": [
         {"name": "CHANGED", "value": "1"},
@@ -578,9 +578,14 @@ async fn a_container_stopped_while_the_daemon_was_down_is_replaced_and_a_changed
         String::from_utf8_lossy(&environ)
     );
     assert!(
-        !vars
-            .iter()
-            .any(|v| v.starts_with(b"MESOS_AGENT_ID=from") || v.starts_with(b"MESOS_SANDBOX=")),
+        !vars.iter().any(|v| v.starts_with(b"MESOS_AGENT_ID=from")),
+        "{:?}",
+        String::from_utf8_lossy(&environ)
+    );
+    let sandbox = std::fs::read_link(format!("/proc/{third}/cwd")).unwrap();
+    assert!(sandbox.starts_with(&daemon.work), "{sandbox:?}");
+    assert!(
+        vars.contains(&format!("MESOS_SANDBOX={}", sandbox.display()).as_bytes()),
         "{:?}",
         String::from_utf8_lossy(&environ)
     );

@@ -183,6 +183,11 @@ pub fn unhonoured(container: &Value) -> Vec<(String, &'static str)> {
         ),
         (
             "docker",
+            "network",
+            "the host's network is shared unless runtime.host_network is false",
+        ),
+        (
+            "docker",
             "port_mappings",
             "the host's network is shared: nothing is mapped",
         ),
@@ -209,7 +214,8 @@ pub fn unhonoured(container: &Value) -> Vec<(String, &'static str)> {
             None | Some(Value::Null | Value::Bool(false)) => false,
             Some(Value::Array(items)) => !items.is_empty(),
             Some(Value::Object(fields)) => !fields.is_empty(),
-            Some(Value::String(text)) => !text.is_empty(),
+            // Mesos's default Docker network is the host's, which is what csi-agent gives.
+            Some(Value::String(text)) => !text.is_empty() && text != "HOST",
             Some(Value::Number(n)) => n.as_f64() != Some(0.0),
             Some(Value::Bool(true)) => true,
         };
@@ -516,13 +522,14 @@ mod tests {
         assert!(requested(&[json!({"name": "disk"})], Some(&plain)).is_empty());
         assert!(unhonoured(&plain).is_empty());
         let asking = json!({"linux_info": {"seccomp": {"profile_name": "default"}, "shm_size": 128},
-                            "docker": {"image": "x", "port_mappings": [{"host_port": 1}]}});
+                            "docker": {"image": "x", "network": "BRIDGE", "port_mappings": [{"host_port": 1}]}});
         let fields: Vec<String> = unhonoured(&asking).into_iter().map(|(f, _)| f).collect();
         assert_eq!(
             fields,
             vec![
                 "container.linux_info.seccomp",
                 "container.linux_info.shm_size",
+                "container.docker.network",
                 "container.docker.port_mappings"
             ]
         );

@@ -341,9 +341,13 @@ fn process(input: &BundleInput<'_>) -> Result<oci_spec::runtime::Process, Bundle
             .collect(),
     };
     let caps = capabilities(&capability_names)?;
-    let bounding = match input.bounding {
-        Some(names) => capabilities(names)?,
-        None => caps.clone(),
+    // Mesos `linux_info` (a bounding set is given): the effective set is also inheritable
+    // and ambient, as Mesos's launcher makes it, so that a non-root `command.user` keeps it
+    // across `exec`. A root process gets its whole bounding set back at `exec` whatever
+    // these say (capabilities(7), "Capabilities and execution of programs by root").
+    let (bounding, ambient) = match input.bounding {
+        Some(names) => (capabilities(names)?, caps.clone()),
+        None => (caps.clone(), HashSet::new()),
     };
     let mut process = ProcessBuilder::default()
         .terminal(false)
@@ -362,8 +366,8 @@ fn process(input: &BundleInput<'_>) -> Result<oci_spec::runtime::Process, Bundle
                 .bounding(bounding)
                 .effective(caps.clone())
                 .permitted(caps)
-                .inheritable(HashSet::new())
-                .ambient(HashSet::new())
+                .inheritable(ambient.clone())
+                .ambient(ambient)
                 .build()?,
         )
         .no_new_privileges(!input.privileged)
@@ -611,6 +615,55 @@ mod tests {
             !namespaces.contains(&"network".to_owned()),
             "{namespaces:?}"
         );
+        Ok(())
+    }
+
+    #[test]
+    fn mesos_isolation_fields_reach_the_spec() -> anyhow::Result<()> {
+        let settings = OciConfig {
+            capabilities: Some(vec!["CAP_SYS_ADMIN".to_owned()]),
+            ..OciConfig::default()
+        };
+        let bounding = ["CAP_SYS_ADMIN".to_owned(), "CAP_CHOWN".to_owned()];
+        let rlimits = [Rlimit {
+            typ: "RLIMIT_NOFILE".to_owned(),
+            hard: 4096,
+            soft: 1024,
+        }];
+        let mut input = input(&settings, &[]);
+        input.bounding = Some(&bounding);
+        input.rlimits = &rlimits;
+        input.hostname = Some("plugin-1");
+        input.sandbox = Some(Path::new("/w/csi/t/default/containers/c"));
+        input.args = vec!["/w/csi/t/default/containers/c/plugin".to_owned()];
+        let json = serde_json::to_value(spec(&input)?)?;
+        let caps = &json["process"]["capabilities"];
+        let mut bounding_got: Vec<String> =
+            serde_json::from_value(caps["bounding"].clone()).unwrap_or_default();
+        bounding_got.sort();
+        assert_eq!(bounding_got, vec!["CAP_CHOWN", "CAP_SYS_ADMIN"]);
+        assert_eq!(caps["effective"], serde_json::json!(["CAP_SYS_ADMIN"]));
+        assert_eq!(caps["ambient"], serde_json::json!(["CAP_SYS_ADMIN"]));
+        assert_eq!(
+            json["process"]["rlimits"],
+            serde_json::json!([{"type": "RLIMIT_NOFILE", "hard": 4096, "soft": 1024}])
+        );
+        assert_eq!(json["hostname"], "plugin-1");
+        let namespaces = json["linux"]["namespaces"].to_string();
+        assert!(namespaces.contains("uts"), "{namespaces}");
+        let mounts = json["mounts"].as_array().cloned().unwrap_or_default();
+        let sandbox: Vec<_> = mounts
+            .iter()
+            .filter(|m| m["destination"] == "/w/csi/t/default/containers/c")
+            .collect();
+        assert_eq!(sandbox.len(), 1, "{mounts:?}");
+        assert_eq!(sandbox[0]["source"], "/w/csi/t/default/containers/c");
+        assert!(!sandbox[0]["options"].to_string().contains("\"ro\""));
+        // Without them: no rlimits (the daemon's are inherited), the host's UTS namespace.
+        let json = serde_json::to_value(spec(&self::input(&settings, &[]))?)?;
+        assert!(json["process"]["rlimits"].is_null(), "{}", json["process"]);
+        assert!(json["hostname"].is_null());
+        assert!(!json["linux"]["namespaces"].to_string().contains("uts"));
         Ok(())
     }
 
