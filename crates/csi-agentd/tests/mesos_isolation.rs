@@ -40,21 +40,9 @@ fn test_dir(prefix: &str) -> tempfile::TempDir {
 
 /// The test plugin with its state in `workdir`, relative: beneath its working directory.
 fn plugin_config() -> Value {
-    json!({
-        "type": PLUGIN,
-        "containers": [{
-            "services": ["CONTROLLER_SERVICE", "NODE_SERVICE"],
-            "command": {
-                "shell": false,
-                "value": binary("csi-testplugin"),
-                "arguments": ["csi-testplugin", "--endpoint", "$CSI_ENDPOINT",
-                              "--work-dir", "workdir", "--volumes", "vol1:1M",
-                              "--node-id", "node-1"]
-            }
-        }],
-        "startup_timeout_ms": 20000,
-        "restart_backoff": {"initial_ms": 100, "max_ms": 500}
-    })
+    let mut config = managed_config(PLUGIN, Path::new("workdir"), "vol1:1M");
+    config["restart_backoff"] = json!({"initial_ms": 100, "max_ms": 500});
+    config
 }
 
 fn resources() -> Value {
