@@ -6,7 +6,8 @@
 //!   `docs/csi.md`), unchanged but for the URI's host, fetches the plugin binary, runs
 //!   `./test-csi-plugin` from the sandbox and serves a publish (its `resources` make it run in
 //!   a container on the host's root, with the sandbox bound at its path: issue #29 item 3);
-//! - the same plugin shipped in a `.tar.gz` (`extract` by default) is extracted and runs;
+//! - the same plugin shipped in a `.tar.gz` or a `.zip` (`extract` by default) is extracted
+//!   and runs (hostile zips: the fetch module's unit tests);
 //! - hostile archives (`../escape`, an absolute name, a symlink then a file through it) are
 //!   the component's launch error, naming the entry, and nothing is written outside the
 //!   sandbox (nor anything left in it);
@@ -184,6 +185,19 @@ fn tar_gz(symlinks: &[(&str, &str)], files: &[(&str, u32, &[u8])]) -> Vec<u8> {
     builder.into_inner().unwrap().finish().unwrap()
 }
 
+/// A deflated zip of `(name, mode, data)` files.
+fn zip_of(files: &[(&str, u32, &[u8])]) -> Vec<u8> {
+    let mut writer = zip::ZipWriter::new(std::io::Cursor::new(Vec::new()));
+    for (name, mode, data) in files {
+        let options = zip::write::SimpleFileOptions::default()
+            .compression_method(zip::CompressionMethod::Deflated)
+            .unix_permissions(*mode);
+        writer.start_file(*name, options).unwrap();
+        writer.write_all(data).unwrap();
+    }
+    writer.finish().unwrap().into_inner()
+}
+
 async fn plugin_info(daemon: &Daemon, plugin_type: &str) -> PluginInfo {
     daemon.api().plugin(plugin_type).await.unwrap()
 }
@@ -285,6 +299,10 @@ async fn the_mesos_slrp_sample_fetches_its_plugin_and_serves_a_publish() {
                 &[("test-csi-plugin", 0o755, &testplugin_bytes())],
             )),
         ),
+        (
+            "/plugin.zip".to_owned(),
+            Body::Bytes(zip_of(&[("test-csi-plugin", 0o755, &testplugin_bytes())])),
+        ),
     ]));
     let mut daemon = Daemon::new(dir.path(), &["--start-plugins"]);
     daemon.add_config("slrp.json", &sample_plugin(&server.url(SAMPLE_PATH)));
@@ -293,9 +311,14 @@ async fn the_mesos_slrp_sample_fetches_its_plugin_and_serves_a_publish() {
     tarred["type"] = json!("org.example.tarred");
     tarred["containers"][0]["command"]["uris"][0] = json!({"value": server.url("/plugin.tar.gz")});
     daemon.add_config("tarred.json", &tarred);
+    // And in a zip.
+    let mut zipped = sample_plugin(&server.url("/plugin.zip"));
+    zipped["type"] = json!("org.example.zipped");
+    zipped["containers"][0]["command"]["uris"][0] = json!({"value": server.url("/plugin.zip")});
+    daemon.add_config("zipped.json", &zipped);
     daemon.start();
 
-    for plugin_type in [SAMPLE_TYPE, "org.example.tarred"] {
+    for plugin_type in [SAMPLE_TYPE, "org.example.tarred", "org.example.zipped"] {
         let info = ready(&daemon, plugin_type, None).await;
         let pid = info.components[0].pid.unwrap();
         // The shell ran `./test-csi-plugin` in the sandbox: the component's dir in the work

@@ -8,9 +8,10 @@
 //! [`FetchOptions::timeout`], written to a temp name, fsynced and renamed, so a partial
 //! download is never used), the download cache (`<work>/fetch-cache/<sha256 of the URI>`,
 //! used when a URI asks for `cache`), and what is put in the sandbox: the file under its name
-//! (`output_file`, or the URI's last path component), made 0755 when `executable`, or a tar
+//! (`output_file`, or the URI's last path component), made 0755 when `executable`, or an
 //! archive's content when `extract` (and not `executable`) and the name ends in `.tar`,
-//! `.tar.gz` or `.tgz`. Extraction is `crate::image::unpack::apply_archive_within`: the image
+//! `.tar.gz`, `.tgz` or `.zip` (a zip is rewritten as a tar first, [`zip`], so its entries
+//! meet the same rules). Extraction is `crate::image::unpack::apply_archive_within`: the image
 //! layer rules (nothing through `..`, an absolute name, a symlink; no device node; entries
 //! and bytes bounded), into a fresh directory beneath the sandbox whose entries are then
 //! renamed into place, so a refused archive leaves nothing in the sandbox.
@@ -31,6 +32,8 @@ use crate::config::UriConfig;
 use crate::durable::{self, IoError, Replace, TempFile};
 use crate::image::registry::{self, RegistryError};
 use crate::image::unpack::{self, UnpackError};
+
+mod zip;
 
 /// `--fetch-max-bytes`' default: 1 GiB per downloaded file.
 pub const DEFAULT_MAX_BYTES: u64 = 1 << 30;
@@ -100,10 +103,12 @@ pub enum FetchError {
         #[source]
         source: Box<UnpackError>,
     },
-    #[error(
-        "fetching {uri}: zip archives are not extracted by csi-agent; ship a .tar.gz, or set \"extract\": false"
-    )]
-    Zip { uri: String },
+    #[error("extracting the zip {uri}: {source}; fix the archive or set \"extract\": false")]
+    Zip {
+        uri: String,
+        #[source]
+        source: Box<zip::ZipError>,
+    },
     #[error("fetching {uri}: {reason}")]
     Invalid { uri: String, reason: String },
     #[error("fetching {uri}: {source}")]
@@ -230,6 +235,8 @@ enum Action {
     Copy,
     Executable,
     ExtractTar,
+    /// A `.zip`: rewritten as a tar, then extracted as one ([`zip`]).
+    ExtractZip,
     /// A bare `.gz` file: decompressed to the name without `.gz`, as Mesos's `gunzip`.
     Gunzip,
 }
@@ -253,9 +260,7 @@ fn action(uri: &UriConfig, name: &str) -> Result<Action, FetchError> {
         return Ok(Action::Gunzip);
     }
     if lower.ends_with(".zip") {
-        return Err(FetchError::Zip {
-            uri: uri.value.clone(),
-        });
+        return Ok(Action::ExtractZip);
     }
     Ok(Action::Copy)
 }
@@ -411,7 +416,8 @@ fn install(
 ) -> Result<(), FetchError> {
     let io = |op, path: &Path| io_error(uri, op, path);
     match action {
-        Action::ExtractTar => extract(file, uri, sandbox, max),
+        Action::ExtractTar => extract(file, uri, sandbox, max, false),
+        Action::ExtractZip => extract(file, uri, sandbox, max, true),
         Action::Copy | Action::Executable | Action::Gunzip => {
             let input = File::open(file).map_err(io("opening", file))?;
             let size = input.metadata().map_err(io("stat", file))?.len();
@@ -468,14 +474,40 @@ fn install(
     }
 }
 
-/// Extracts a tar into a fresh dir beneath the sandbox, then renames its top-level entries
-/// into the sandbox (replacing what an earlier launch put there).
-fn extract(file: &Path, uri: &str, sandbox: &Path, max: u64) -> Result<(), FetchError> {
+/// Extracts a tar (or a zip, rewritten as a tar first: [`zip`]) into a fresh dir beneath the
+/// sandbox, then renames its top-level entries into the sandbox (replacing what an earlier
+/// launch put there).
+fn extract(
+    file: &Path,
+    uri: &str,
+    sandbox: &Path,
+    max: u64,
+    is_zip: bool,
+) -> Result<(), FetchError> {
     let io = |op, path: &Path| io_error(uri, op, path);
     let staging = sandbox.join(durable::temp_name("extract"));
+    let rewritten = sandbox.join(durable::temp_name("zip-as-tar"));
+    let scratch = sandbox.join(durable::temp_name("zip-scratch"));
     std::fs::create_dir(&staging).map_err(io("creating", &staging))?;
     let result = (|| {
-        let input = File::open(file).map_err(io("opening", file))?;
+        let tar = if is_zip {
+            zip::to_tar(
+                file,
+                &rewritten,
+                &scratch,
+                MAX_ARCHIVE_ENTRIES,
+                max.saturating_mul(EXTRACT_FACTOR),
+            )
+            .map_err(|source| FetchError::Zip {
+                uri: uri.to_owned(),
+                source: Box::new(source),
+            })?;
+            let _ = std::fs::remove_file(&scratch);
+            rewritten.as_path()
+        } else {
+            file
+        };
+        let input = File::open(tar).map_err(io("opening", tar))?;
         let limits = unpack::Limits {
             max_entries: MAX_ARCHIVE_ENTRIES,
             max_file_bytes: max.saturating_mul(EXTRACT_FACTOR),
@@ -527,6 +559,8 @@ fn extract(file: &Path, uri: &str, sandbox: &Path, max: u64) -> Result<(), Fetch
             .map_err(io_failure(uri))
     })();
     let _ = std::fs::remove_dir_all(&staging);
+    let _ = std::fs::remove_file(&rewritten);
+    let _ = std::fs::remove_file(&scratch);
     result
 }
 
@@ -595,7 +629,7 @@ mod tests {
     }
 
     #[test]
-    fn executable_is_never_extracted_and_zip_is_refused() {
+    fn executable_is_never_extracted_and_zip_is_extracted() {
         let uri = |executable, extract| UriConfig {
             value: "http://h/p.tar.gz".into(),
             executable,
@@ -618,10 +652,138 @@ mod tests {
         assert_eq!(action(&uri(false, true), "p.bin").unwrap(), Action::Copy);
         assert_eq!(action(&uri(false, true), "p.gz").unwrap(), Action::Gunzip);
         assert_eq!(action(&uri(false, false), "p.gz").unwrap(), Action::Copy);
-        assert!(matches!(
-            action(&uri(false, true), "p.zip"),
-            Err(FetchError::Zip { .. })
-        ));
+        assert_eq!(
+            action(&uri(false, true), "p.zip").unwrap(),
+            Action::ExtractZip
+        );
+        assert_eq!(action(&uri(false, false), "p.zip").unwrap(), Action::Copy);
+    }
+
+    /// A zip of `(name, unix mode, content)` entries; a symlink's content is its target.
+    fn zip_of(entries: &[(&str, u32, &[u8])], method: ::zip::CompressionMethod) -> Vec<u8> {
+        use std::io::Write as _;
+        let mut writer = ::zip::ZipWriter::new(std::io::Cursor::new(Vec::new()));
+        for (name, mode, content) in entries {
+            let options = ::zip::write::SimpleFileOptions::default()
+                .compression_method(method)
+                .unix_permissions(*mode & 0o7777);
+            if mode & 0o170_000 == 0o120_000 {
+                writer
+                    .add_symlink(*name, String::from_utf8_lossy(content), options)
+                    .unwrap();
+            } else if mode & 0o170_000 == 0o040_000 {
+                writer.add_directory(*name, options).unwrap();
+            } else {
+                writer.start_file(*name, options).unwrap();
+                writer.write_all(content).unwrap();
+            }
+        }
+        writer.finish().unwrap().into_inner()
+    }
+
+    /// Every path beneath `dir`, relative, sorted (not following symlinks).
+    fn tree(dir: &Path) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut stack = vec![dir.to_path_buf()];
+        while let Some(next) = stack.pop() {
+            for entry in std::fs::read_dir(&next).unwrap() {
+                let path = entry.unwrap().path();
+                out.push(path.strip_prefix(dir).unwrap().display().to_string());
+                if std::fs::symlink_metadata(&path).unwrap().is_dir() {
+                    stack.push(path);
+                }
+            }
+        }
+        out.sort();
+        out
+    }
+
+    #[test]
+    fn a_zip_is_extracted_as_a_tar_and_hostile_ones_write_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let outside = dir.path().join("outside");
+        std::fs::create_dir(&outside).unwrap();
+        let sandbox = dir.path().join("work").join("sandbox");
+        std::fs::create_dir_all(&sandbox).unwrap();
+        let run = |name: &str, bytes: Vec<u8>, max: u64| {
+            let source = dir.path().join(name);
+            std::fs::write(&source, bytes).unwrap();
+            install(
+                &source,
+                &format!("http://h/{name}"),
+                &sandbox,
+                name,
+                &Action::ExtractZip,
+                max,
+            )
+        };
+        // A plugin in a dir, executable, deflated; a relative symlink inside the archive.
+        let good = zip_of(
+            &[
+                ("bin/", 0o040_755, b""),
+                ("bin/plugin", 0o100_755, b"#!/bin/sh\necho plugin\n"),
+                ("plugin", 0o120_777, b"bin/plugin"),
+            ],
+            ::zip::CompressionMethod::Deflated,
+        );
+        run("good.zip", good, 1 << 20).unwrap();
+        assert_eq!(tree(&sandbox), vec!["bin", "bin/plugin", "plugin"]);
+        let meta = std::fs::metadata(sandbox.join("bin/plugin")).unwrap();
+        assert_eq!(meta.permissions().mode() & 0o777, 0o755);
+        assert_eq!(
+            std::fs::read(sandbox.join("plugin")).unwrap(),
+            b"#!/bin/sh\necho plugin\n"
+        );
+
+        let abs = format!("{}/abs", outside.display());
+        let link_out = outside.display().to_string();
+        let stored = ::zip::CompressionMethod::Stored;
+        let hostile: Vec<(&str, Vec<u8>, &str)> = vec![
+            (
+                "dotdot.zip",
+                zip_of(&[("../../x", 0o100_644, b"pwned")], stored),
+                "'..'",
+            ),
+            (
+                "abs.zip",
+                zip_of(&[(abs.as_str(), 0o100_644, b"pwned")], stored),
+                "absolute",
+            ),
+            (
+                "link.zip",
+                zip_of(
+                    &[
+                        ("out", 0o120_777, link_out.as_bytes()),
+                        ("out/through", 0o100_644, b"pwned"),
+                    ],
+                    stored,
+                ),
+                "out/through",
+            ),
+            // 64 KiB of zeros deflate to well under the 1 KiB download cap, and expand past
+            // the 4 KiB an archive may take.
+            (
+                "bomb.zip",
+                zip_of(
+                    &[("zeros", 0o100_644, &[0u8; 64 << 10])],
+                    ::zip::CompressionMethod::Deflated,
+                ),
+                "zip bomb",
+            ),
+        ];
+        for (name, bytes, expected) in hostile {
+            assert!(bytes.len() < 1024, "{name}: {} bytes", bytes.len());
+            let err = run(name, bytes, 1024).unwrap_err().to_string();
+            assert!(err.contains(expected), "{name}: {err}");
+            // Nothing outside, nothing new or temporary in the sandbox.
+            assert_eq!(tree(&outside), Vec::<String>::new(), "{name}");
+            assert!(!dir.path().join("x").exists() && !dir.path().join("work/x").exists());
+            assert_eq!(
+                tree(&sandbox),
+                vec!["bin", "bin/plugin", "plugin"],
+                "{name}"
+            );
+        }
     }
 
     #[test]
