@@ -18,11 +18,14 @@ use std::collections::HashSet;
 use std::ffi::OsString;
 use std::fs;
 use std::io;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStringExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, PoisonError};
 
-use rustix::mount::{MountFlags, UnmountFlags};
+use rustix::mount::{MountFlags, MoveMountFlags, OpenTreeFlags, UnmountFlags};
+
+use crate::beneath::{self, BeneathError, Identity};
 
 /// Where the kernel publishes this process's mount table.
 pub const MOUNTINFO_PATH: &str = "/proc/self/mountinfo";
@@ -367,19 +370,49 @@ pub trait Mounter: Send + Sync + std::fmt::Debug {
 
     /// The current mount table as this mounter sees it.
     fn mount_table(&self) -> Result<MountTable, MountError>;
+
+    /// Clones the mount tree at the dir `source` (`open_tree(OPEN_TREE_CLONE)`) and
+    /// attaches the clone onto the dir `onto` (`move_mount`): no path is resolved between
+    /// the walk that opened `onto` and the mount. Returns an fd of the attached mount's root
+    /// (which pins it: see [`Mounter::detach`]).
+    fn attach_clone(
+        &self,
+        source: BorrowedFd<'_>,
+        onto: BorrowedFd<'_>,
+    ) -> Result<OwnedFd, AttachError>;
+
+    /// One `umount2(path, UMOUNT_NOFOLLOW)`: unmounts the topmost mount at exactly `path`
+    /// (callers name it through `/proc/self/fd/N/<name>` of a walked parent).
+    fn unmount_nofollow(&self, path: &Path) -> io::Result<()>;
+
+    /// One `umount2(path, MNT_DETACH)`: lazily detaches the mount reached through `path`.
+    fn detach(&self, path: &Path) -> io::Result<()>;
+
+    /// Makes the bind mount reached through `path` read-only, keeping its other per-mount
+    /// flags.
+    fn remount_read_only(&self, path: &Path) -> Result<(), MountError>;
+
+    /// The identity (inode, mount id, mount root) of what `fd` refers to, as this mounter's
+    /// mounts make it look (`statx` for the real one).
+    fn identity(&self, fd: BorrowedFd<'_>, at: &Path) -> Result<Identity, BeneathError>;
+}
+
+/// A step of [`Mounter::attach_clone`] failed: `op` names it ("clone of the target" or
+/// "mount").
+#[derive(Debug, thiserror::Error)]
+#[error("{op}: {source}")]
+pub struct AttachError {
+    pub op: &'static str,
+    #[source]
+    pub source: io::Error,
 }
 
 /// The real mounter: mount(2)/umount2(2) through `rustix`, in this process's mount namespace.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct HostMounter;
 
-/// Makes the bind mount at `dst` read-only (see [`HostMounter::bind_mount`]).
-pub(crate) fn remount_read_only(dst: &Path) -> Result<(), MountError> {
-    HostMounter::remount_read_only(dst)
-}
-
 impl HostMounter {
-    fn remount_read_only(dst: &Path) -> Result<(), MountError> {
+    fn remount_bind_read_only(dst: &Path) -> Result<(), MountError> {
         let remount_error = |source: io::Error| MountError::Remount {
             path: dst.to_path_buf(),
             source,
@@ -432,7 +465,7 @@ impl Mounter for HostMounter {
             dst: dst.to_path_buf(),
             source: errno.into(),
         })?;
-        if readonly && let Err(err) = Self::remount_read_only(dst) {
+        if readonly && let Err(err) = Self::remount_bind_read_only(dst) {
             // Never leave a writable mount where a read-only one was asked for.
             if rustix::mount::unmount(dst, UnmountFlags::NOFOLLOW).is_err() {
                 let _ = rustix::mount::unmount(dst, UnmountFlags::NOFOLLOW | UnmountFlags::DETACH);
@@ -477,6 +510,52 @@ impl Mounter for HostMounter {
     fn mount_table(&self) -> Result<MountTable, MountError> {
         MountTable::read()
     }
+
+    fn attach_clone(
+        &self,
+        source: BorrowedFd<'_>,
+        onto: BorrowedFd<'_>,
+    ) -> Result<OwnedFd, AttachError> {
+        let failed = |op: &'static str| {
+            move |errno: rustix::io::Errno| AttachError {
+                op,
+                source: errno.into(),
+            }
+        };
+        let tree = rustix::mount::open_tree(
+            source,
+            "",
+            OpenTreeFlags::OPEN_TREE_CLONE
+                | OpenTreeFlags::OPEN_TREE_CLOEXEC
+                | OpenTreeFlags::AT_EMPTY_PATH,
+        )
+        .map_err(failed("clone of the target"))?;
+        rustix::mount::move_mount(
+            tree.as_fd(),
+            "",
+            onto,
+            "",
+            MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH | MoveMountFlags::MOVE_MOUNT_T_EMPTY_PATH,
+        )
+        .map_err(failed("mount"))?;
+        Ok(tree)
+    }
+
+    fn unmount_nofollow(&self, path: &Path) -> io::Result<()> {
+        rustix::mount::unmount(path, UnmountFlags::NOFOLLOW).map_err(Into::into)
+    }
+
+    fn detach(&self, path: &Path) -> io::Result<()> {
+        rustix::mount::unmount(path, UnmountFlags::DETACH).map_err(Into::into)
+    }
+
+    fn remount_read_only(&self, path: &Path) -> Result<(), MountError> {
+        Self::remount_bind_read_only(path)
+    }
+
+    fn identity(&self, fd: BorrowedFd<'_>, at: &Path) -> Result<Identity, BeneathError> {
+        beneath::identity(fd, at)
+    }
 }
 
 /// One mount made by [`FakeMounter`].
@@ -487,11 +566,42 @@ pub struct FakeMount {
     pub readonly: bool,
 }
 
-/// An in-memory mounter for tests without root: records mounts and reports them in its
-/// table. It checks that both paths exist, as the kernel would.
+/// A file's device and inode: what the fake's mounts are keyed by, so that a dir reached by
+/// any path (or fd) is the same mount point, as it is for the kernel.
+type InodeKey = (u32, u32, u64);
+
+/// A [`FakeMounter`] mount with what its identity overlay needs.
+#[derive(Clone, Debug)]
+struct FakeEntry {
+    mount: FakeMount,
+    mount_id: u64,
+    /// The mount point dir's own inode.
+    point: InodeKey,
+    /// The inode the mount shows at its root (the bound dir's).
+    root: InodeKey,
+}
+
+#[derive(Debug, Default)]
+struct FakeState {
+    entries: Vec<FakeEntry>,
+    /// Mounts only the table shows (made by "someone else": a plugin, an operator).
+    foreign: Vec<MountInfo>,
+    next_id: u64,
+    fail_attach: Option<io::ErrorKind>,
+    fail_unmount: Option<i32>,
+}
+
+/// Fake mount ids start far above any real one, so that a fake id never names a real mount.
+const FAKE_MOUNT_IDS: u64 = 1 << 40;
+
+/// An in-memory mounter for tests without root: records mounts, reports them in its table
+/// and overlays them on [`Mounter::identity`] (a dir it "mounted" on shows the bound dir's
+/// inode as a mount root with the fake mount's id), so that code walking real directories
+/// through fds sees the fake mounts the way it would see real ones. It checks that both paths
+/// exist, as the kernel would, and can be told to fail the next attach or every unmount.
 #[derive(Debug, Default)]
 pub struct FakeMounter {
-    mounts: Mutex<Vec<FakeMount>>,
+    state: Mutex<FakeState>,
 }
 
 impl FakeMounter {
@@ -499,69 +609,230 @@ impl FakeMounter {
         Self::default()
     }
 
+    fn state(&self) -> std::sync::MutexGuard<'_, FakeState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
     /// The current mounts, oldest first.
     pub fn mounts(&self) -> Vec<FakeMount> {
-        self.mounts
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
+        self.state()
+            .entries
+            .iter()
+            .map(|entry| entry.mount.clone())
+            .collect()
     }
+
+    /// Shows a mount at `mount_point` in the table only, as one made outside this mounter
+    /// (by a plugin or an operator) would be.
+    pub fn add_foreign(&self, mount_point: &Path) {
+        let mut state = self.state();
+        let mount_id = FAKE_MOUNT_IDS + state.next_id;
+        state.next_id += 1;
+        state.foreign.push(MountInfo {
+            mount_id,
+            parent_id: 1,
+            major: 0,
+            minor: 0,
+            root: PathBuf::from("/"),
+            mount_point: canonical(mount_point),
+            mount_options: "rw".to_owned(),
+            optional_fields: Vec::new(),
+            fs_type: "foreign".to_owned(),
+            source: "foreign".to_owned(),
+            super_options: "rw".to_owned(),
+        });
+    }
+
+    /// The next [`Mounter::attach_clone`] fails with `kind` (once).
+    pub fn fail_next_attach(&self, kind: io::ErrorKind) {
+        self.state().fail_attach = Some(kind);
+    }
+
+    /// Every [`Mounter::unmount_nofollow`] fails with `errno` (say `EBUSY`) until
+    /// [`FakeMounter::allow_unmounts`].
+    pub fn fail_unmounts(&self, errno: i32) {
+        self.state().fail_unmount = Some(errno);
+    }
+
+    pub fn allow_unmounts(&self) {
+        self.state().fail_unmount = None;
+    }
+
+    /// Records a mount of `root` (a dir) on `point` (a dir) and returns its id.
+    fn push(&self, src: PathBuf, dst: PathBuf, point: InodeKey, root: InodeKey) -> u64 {
+        let mut state = self.state();
+        let mount_id = FAKE_MOUNT_IDS + state.next_id;
+        state.next_id += 1;
+        state.entries.push(FakeEntry {
+            mount: FakeMount {
+                src,
+                dst,
+                readonly: false,
+            },
+            mount_id,
+            point,
+            root,
+        });
+        mount_id
+    }
+
+    /// Removes the topmost mount on the dir `point`; false if there is none.
+    fn pop_at(&self, point: InodeKey) -> bool {
+        let mut state = self.state();
+        match state.entries.iter().rposition(|entry| entry.point == point) {
+            Some(index) => {
+                state.entries.remove(index);
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// The device and inode of what `path` names; `follow`: through a final symlink.
+fn inode_of_path(path: &Path, follow: bool) -> io::Result<InodeKey> {
+    use rustix::fs::{AtFlags, StatxFlags};
+    let flags = if follow {
+        AtFlags::empty()
+    } else {
+        AtFlags::SYMLINK_NOFOLLOW
+    };
+    let stat = rustix::fs::statx(rustix::fs::CWD, path, flags, StatxFlags::BASIC_STATS)?;
+    Ok((stat.stx_dev_major, stat.stx_dev_minor, stat.stx_ino))
+}
+
+fn inode_of(id: &Identity) -> InodeKey {
+    (id.dev_major, id.dev_minor, id.ino)
 }
 
 impl Mounter for FakeMounter {
     fn bind_mount(&self, src: &Path, dst: &Path, readonly: bool) -> Result<(), MountError> {
-        for path in [src, dst] {
-            if !path.exists() {
-                return Err(MountError::Bind {
-                    src: src.to_path_buf(),
-                    dst: dst.to_path_buf(),
-                    source: io::Error::from(io::ErrorKind::NotFound),
-                });
-            }
+        let bind_err = |source: io::Error| MountError::Bind {
+            src: src.to_path_buf(),
+            dst: dst.to_path_buf(),
+            source,
+        };
+        let root = inode_of_path(src, true).map_err(bind_err)?;
+        let point = inode_of_path(dst, true).map_err(bind_err)?;
+        self.push(canonical(src), canonical(dst), point, root);
+        if readonly && let Some(last) = self.state().entries.last_mut() {
+            last.mount.readonly = true;
         }
-        self.mounts
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push(FakeMount {
-                src: canonical(src),
-                dst: canonical(dst),
-                readonly,
-            });
         Ok(())
     }
 
     fn unmount(&self, path: &Path) -> Result<(), MountError> {
         let path = canonical(path);
-        self.mounts
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .retain(|mount| mount.dst != path);
+        self.state().entries.retain(|entry| entry.mount.dst != path);
         Ok(())
     }
 
     fn mount_table(&self) -> Result<MountTable, MountError> {
-        let entries = self
-            .mounts()
-            .into_iter()
-            .enumerate()
-            .map(|(index, mount)| {
-                let id = 1000 + index as u64;
-                MountInfo {
-                    mount_id: id,
-                    parent_id: 1,
-                    major: 0,
-                    minor: 0,
-                    root: mount.src,
-                    mount_point: mount.dst,
-                    mount_options: if mount.readonly { "ro" } else { "rw" }.to_owned(),
-                    optional_fields: Vec::new(),
-                    fs_type: "fake".to_owned(),
-                    source: "fake".to_owned(),
-                    super_options: "rw".to_owned(),
-                }
-            })
-            .collect();
+        let state = self.state();
+        let mut entries: Vec<MountInfo> = state.foreign.clone();
+        entries.extend(state.entries.iter().map(|entry| MountInfo {
+            mount_id: entry.mount_id,
+            parent_id: 1,
+            major: 0,
+            minor: 0,
+            root: entry.mount.src.clone(),
+            mount_point: entry.mount.dst.clone(),
+            mount_options: if entry.mount.readonly { "ro" } else { "rw" }.to_owned(),
+            optional_fields: Vec::new(),
+            fs_type: "fake".to_owned(),
+            source: "fake".to_owned(),
+            super_options: "rw".to_owned(),
+        }));
         Ok(MountTable::from_entries(entries))
+    }
+
+    fn attach_clone(
+        &self,
+        source: BorrowedFd<'_>,
+        onto: BorrowedFd<'_>,
+    ) -> Result<OwnedFd, AttachError> {
+        let failed = |op: &'static str| move |source: io::Error| AttachError { op, source };
+        if let Some(kind) = self.state().fail_attach.take() {
+            return Err(failed("mount")(io::Error::from(kind)));
+        }
+        let src = fs::read_link(beneath::fd_path(source)).map_err(failed("clone of the target"))?;
+        let root = self
+            .identity(source, &src)
+            .map(|id| inode_of(&id))
+            .map_err(|err| failed("clone of the target")(io::Error::other(err.to_string())))?;
+        let dst = fs::read_link(beneath::fd_path(onto)).map_err(failed("mount"))?;
+        let point = beneath::identity(onto, &dst)
+            .map(|id| inode_of(&id))
+            .map_err(|err| failed("mount")(io::Error::other(err.to_string())))?;
+        // The returned fd names the mount point dir, which the overlay shows as the mount.
+        let tree = rustix::io::fcntl_dupfd_cloexec(onto, 0)
+            .map_err(|errno| failed("mount")(errno.into()))?;
+        self.push(src, dst, point, root);
+        Ok(tree)
+    }
+
+    fn unmount_nofollow(&self, path: &Path) -> io::Result<()> {
+        if let Some(errno) = self.state().fail_unmount {
+            return Err(io::Error::from_raw_os_error(errno));
+        }
+        // umount2 on a path that is not a mount point answers EINVAL.
+        if self.pop_at(inode_of_path(path, false)?) {
+            Ok(())
+        } else {
+            Err(io::Error::from_raw_os_error(
+                rustix::io::Errno::INVAL.raw_os_error(),
+            ))
+        }
+    }
+
+    fn detach(&self, path: &Path) -> io::Result<()> {
+        if self.pop_at(inode_of_path(path, true)?) {
+            Ok(())
+        } else {
+            Err(io::Error::from_raw_os_error(
+                rustix::io::Errno::INVAL.raw_os_error(),
+            ))
+        }
+    }
+
+    fn remount_read_only(&self, path: &Path) -> Result<(), MountError> {
+        let remount_err = |source: io::Error| MountError::Remount {
+            path: path.to_path_buf(),
+            source,
+        };
+        let point = inode_of_path(path, true).map_err(remount_err)?;
+        let mut state = self.state();
+        match state.entries.iter_mut().rev().find(|e| e.point == point) {
+            Some(entry) => {
+                entry.mount.readonly = true;
+                Ok(())
+            }
+            None => Err(remount_err(io::Error::from_raw_os_error(
+                rustix::io::Errno::INVAL.raw_os_error(),
+            ))),
+        }
+    }
+
+    fn identity(&self, fd: BorrowedFd<'_>, at: &Path) -> Result<Identity, BeneathError> {
+        let real = beneath::identity(fd, at)?;
+        let state = self.state();
+        Ok(
+            match state
+                .entries
+                .iter()
+                .rev()
+                .find(|e| e.point == inode_of(&real))
+            {
+                Some(entry) => Identity {
+                    dev_major: entry.root.0,
+                    dev_minor: entry.root.1,
+                    ino: entry.root.2,
+                    mount_id: entry.mount_id,
+                    mount_root: true,
+                },
+                None => real,
+            },
+        )
     }
 }
 

@@ -33,14 +33,13 @@ use std::ops::Bound;
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use rustix::fs::Mode;
-use rustix::mount::{MoveMountFlags, OpenTreeFlags, UnmountFlags};
 use serde::{Deserialize, Serialize};
 
 use crate::beneath::{self, BeneathError, Identity};
-use crate::mounts::MountTable;
+use crate::mounts::{HostMounter, Mounter};
 
 /// How many of our own stacked binds one unbind peels off a path before giving up.
 const MAX_STACKED_BINDS: usize = 8;
@@ -221,9 +220,12 @@ impl BindError {
 
 /// The bind roots, the paths no bind may touch, and every `bind_to` in use: one per daemon,
 /// shared by every plugin's volume manager.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Binder {
     roots: Vec<PathBuf>,
+    /// Every mount syscall, mount-table read and mount identity of the node's volume code
+    /// goes through it: [`HostMounter`] in the daemon, a `FakeMounter` in tests without root.
+    mounter: Arc<dyn Mounter>,
     forbidden: Mutex<Vec<(PathBuf, &'static str)>>,
     owners: Mutex<Owners>,
 }
@@ -263,12 +265,25 @@ impl Binder {
     /// `roots` must be absolute and canonical (the daemon canonicalizes the flags);
     /// `work_dir` may never be bound over or into.
     pub fn new(roots: Vec<PathBuf>, work_dir: &Path) -> Self {
+        Self::with_mounter(roots, work_dir, Arc::new(HostMounter))
+    }
+
+    /// [`Binder::new`] with the mounter every mount goes through.
+    pub fn with_mounter(roots: Vec<PathBuf>, work_dir: &Path, mounter: Arc<dyn Mounter>) -> Self {
         let binder = Self {
             roots,
-            ..Self::default()
+            mounter,
+            forbidden: Mutex::default(),
+            owners: Mutex::default(),
         };
         binder.forbid(work_dir, "is or overlaps the csi-agent work dir");
         binder
+    }
+
+    /// The mounter of the node's volume code (the volume managers read the mount table
+    /// through it too).
+    pub fn mounter(&self) -> &dyn Mounter {
+        self.mounter.as_ref()
     }
 
     /// No roots: every `bind_to` is refused.
@@ -414,7 +429,7 @@ impl Binder {
     ) -> Result<BindMount, BindError> {
         let (root, relative) = self.check(&bind.path)?;
         let source = open_target(target_root, target)?;
-        let source_id = identity(&source, target)?;
+        let source_id = self.identity(&source, target)?;
         let root_fd = beneath::open_root(&root).map_err(|source| BindError::Walk {
             path: bind.path.clone(),
             source,
@@ -432,7 +447,7 @@ impl Binder {
         let mut recorded = bind.clone();
         let opened_created = opened.created;
         recorded.created_dirs = recorded.created_dirs.max(opened.created);
-        let here = identity(&opened.fd, &bind.path)?;
+        let here = self.identity(&opened.fd, &bind.path)?;
         self.refuse_forbidden_inode(&bind.path, &here)?;
         // The walked dir is, or lies in, another claim's bind (moved there, or this path
         // reached through it): neither mount there nor adopt it (L3).
@@ -470,9 +485,9 @@ impl Binder {
             .mount_id
             .filter(|_| bind.boot_id.as_deref() == Some(boot_id))
         {
-            let table = MountTable::read().map_err(BindError::MountTable)?;
+            let table = self.mounter.mount_table().map_err(BindError::MountTable)?;
             if let Some(entry) = table.entries().iter().find(|m| m.mount_id == id)
-                && is_our_bind(&entry.mount_point, id, Some(&source_id))
+                && self.is_our_bind(&entry.mount_point, id, Some(&source_id))
             {
                 return Err(BindError::Moved {
                     path: bind.path.clone(),
@@ -482,40 +497,24 @@ impl Binder {
                 });
             }
         }
-        let mount_err = |op: &'static str| {
-            let path = bind.path.clone();
-            move |errno: rustix::io::Errno| BindError::Mount {
-                op,
-                path,
-                source: errno.into(),
-            }
-        };
-        let tree = rustix::mount::open_tree(
-            source.as_fd(),
-            "",
-            OpenTreeFlags::OPEN_TREE_CLONE
-                | OpenTreeFlags::OPEN_TREE_CLOEXEC
-                | OpenTreeFlags::AT_EMPTY_PATH,
-        )
-        .map_err(mount_err("clone of the target"))?;
-        rustix::mount::move_mount(
-            tree.as_fd(),
-            "",
-            opened.fd.as_fd(),
-            "",
-            MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH | MoveMountFlags::MOVE_MOUNT_T_EMPTY_PATH,
-        )
-        .map_err(mount_err("mount"))?;
+        let tree = self
+            .mounter
+            .attach_clone(source.as_fd(), opened.fd.as_fd())
+            .map_err(|err| BindError::Mount {
+                op: err.op,
+                path: bind.path.clone(),
+                source: err.source,
+            })?;
         // After move_mount the tree fd is the root of the attached mount: its id is the one
         // to record, and unmounting through it reaches this mount wherever it ends up.
-        let attached = identity(&tree, &bind.path)?;
+        let attached = self.identity(&tree, &bind.path)?;
         // Walk again: the bind must be reachable at its path, or it is undone at once.
         let reachable = beneath::open_dir(root_fd.as_fd(), &root, &relative, None)
             .ok()
-            .and_then(|opened| identity(&opened.fd, &bind.path).ok())
+            .and_then(|opened| self.identity(&opened.fd, &bind.path).ok())
             .is_some_and(|now| now.mount_root && now.mount_id == attached.mount_id);
         if !reachable {
-            let _ = detach_fd(&tree);
+            let _ = self.detach_fd(&tree);
             return Err(BindError::Walk {
                 path: bind.path.clone(),
                 source: BeneathError::Invalid {
@@ -525,10 +524,12 @@ impl Binder {
             });
         }
         if readonly
-            && let Err(err) = crate::mounts::remount_read_only(&beneath::fd_path(tree.as_fd()))
+            && let Err(err) = self
+                .mounter
+                .remount_read_only(&beneath::fd_path(tree.as_fd()))
         {
             // Never leave a writable bind where a read-only one was asked for.
-            let _ = detach_fd(&tree);
+            let _ = self.detach_fd(&tree);
             return Err(BindError::Mount {
                 op: "read-only remount",
                 path: bind.path.clone(),
@@ -569,7 +570,7 @@ impl Binder {
         // The target's inode tells our bind from anything else mounted at the path.
         let source_id = open_target(target_root, target)
             .ok()
-            .and_then(|fd| identity(&fd, target).ok());
+            .and_then(|fd| self.identity(&fd, target).ok());
         let root_fd = beneath::open_root(&root).map_err(|source| BindError::Walk {
             path: bind.path.clone(),
             source,
@@ -578,7 +579,7 @@ impl Binder {
             // The fd only identifies what is there; it is closed before the unmount, which
             // an open fd would make fail with EBUSY.
             let here = match beneath::open_dir(root_fd.as_fd(), &root, &relative, None) {
-                Ok(opened) => Some(identity(&opened.fd, &bind.path)?),
+                Ok(opened) => Some(self.identity(&opened.fd, &bind.path)?),
                 Err(_) => None,
             };
             let ours_here = here.is_some_and(|id| {
@@ -588,13 +589,12 @@ impl Binder {
                             && self.mount_holder(id.mount_id, owner).is_none())
             });
             if ours_here {
-                unmount_beneath(root_fd.as_fd(), &root, &relative).map_err(|source| {
-                    BindError::Mount {
+                self.unmount_beneath(root_fd.as_fd(), &root, &relative)
+                    .map_err(|source| BindError::Mount {
                         op: "unmount",
                         path: bind.path.clone(),
                         source,
-                    }
-                })?;
+                    })?;
                 // Gone: from now on its id may name someone else's new mount.
                 our_id = None;
                 continue;
@@ -602,9 +602,9 @@ impl Binder {
             // Nothing of ours at the path (any foreign mount there is left alone). If the
             // mount we made still exists elsewhere, the path was changed under us.
             if let Some(id) = our_id {
-                let table = MountTable::read().map_err(BindError::MountTable)?;
+                let table = self.mounter.mount_table().map_err(BindError::MountTable)?;
                 if let Some(entry) = table.entries().iter().find(|m| m.mount_id == id)
-                    && is_our_bind(&entry.mount_point, id, source_id.as_ref())
+                    && self.is_our_bind(&entry.mount_point, id, source_id.as_ref())
                 {
                     return self.remove_moved(bind, id, &entry.mount_point, &root);
                 }
@@ -653,17 +653,18 @@ impl Binder {
         })?;
         let opened = beneath::open_dir(root_fd.as_fd(), now_root, &relative, None)
             .map_err(|_| moved("reachable only through a symlink"))?;
-        let id = identity(&opened.fd, now_at)?;
+        let id = self.identity(&opened.fd, now_at)?;
         drop(opened);
         if !(id.mount_root && id.mount_id == mount_id) {
             return Err(moved("covered by another mount"));
         }
         tracing::warn!(bind_to = ?bind.path, now_at = ?now_at, root = ?root, mount_id, "bind mount was moved beneath the bind root; unmounting it where it is");
-        unmount_beneath(root_fd.as_fd(), now_root, &relative).map_err(|source| BindError::Mount {
-            op: "unmount",
-            path: now_at.to_path_buf(),
-            source,
-        })
+        self.unmount_beneath(root_fd.as_fd(), now_root, &relative)
+            .map_err(|source| BindError::Mount {
+                op: "unmount",
+                path: now_at.to_path_buf(),
+                source,
+            })
     }
 
     /// Refuses a walked dir that is the work dir or a plugin's mount root by inode (a bind
@@ -673,7 +674,7 @@ impl Binder {
             let Ok(fd) = beneath::open_root(other) else {
                 continue;
             };
-            if let Ok(id) = beneath::identity(fd.as_fd(), other)
+            if let Ok(id) = self.mounter.identity(fd.as_fd(), other)
                 && id.same_inode(here)
             {
                 return Err(BindError::Forbidden {
@@ -687,26 +688,72 @@ impl Binder {
     }
 }
 
-/// Whether the mount the table shows at `mount_point` with `mount_id` is a bind of the
-/// volume's target (`source`): ids are reused as soon as a mount goes, so an id alone proves
-/// nothing. Looked at without following symlinks; when the target cannot be seen, any mount
-/// with that id counts as ours, so that nothing is unmounted without an operator.
-fn is_our_bind(mount_point: &Path, mount_id: u64, source: Option<&Identity>) -> bool {
-    let Ok(relative) = beneath::normalized_relative(Path::new("/"), mount_point) else {
-        return source.is_none();
-    };
-    let Ok(root) = beneath::open_root(Path::new("/")) else {
-        return source.is_none();
-    };
-    match beneath::open_dir(root.as_fd(), Path::new("/"), &relative, None)
-        .and_then(|opened| beneath::identity(opened.fd.as_fd(), mount_point))
-    {
-        Ok(id) => {
-            id.mount_root
-                && id.mount_id == mount_id
-                && source.is_none_or(|source| id.same_inode(source))
+/// The mount calls of the binder, each through its [`Mounter`].
+impl Binder {
+    /// Whether the mount the table shows at `mount_point` with `mount_id` is a bind of the
+    /// volume's target (`source`): ids are reused as soon as a mount goes, so an id alone
+    /// proves nothing. Looked at without following symlinks; when the target cannot be seen,
+    /// any mount with that id counts as ours, so that nothing is unmounted without an operator.
+    fn is_our_bind(&self, mount_point: &Path, mount_id: u64, source: Option<&Identity>) -> bool {
+        let Ok(relative) = beneath::normalized_relative(Path::new("/"), mount_point) else {
+            return source.is_none();
+        };
+        let Ok(root) = beneath::open_root(Path::new("/")) else {
+            return source.is_none();
+        };
+        match beneath::open_dir(root.as_fd(), Path::new("/"), &relative, None)
+            .and_then(|opened| self.mounter.identity(opened.fd.as_fd(), mount_point))
+        {
+            Ok(id) => {
+                id.mount_root
+                    && id.mount_id == mount_id
+                    && source.is_none_or(|source| id.same_inode(source))
+            }
+            Err(_) => source.is_none(),
         }
-        Err(_) => source.is_none(),
+    }
+
+    fn identity(&self, fd: &OwnedFd, at: &Path) -> Result<Identity, BindError> {
+        self.mounter
+            .identity(fd.as_fd(), at)
+            .map_err(|source| BindError::Walk {
+                path: at.to_path_buf(),
+                source,
+            })
+    }
+
+    /// Unmounts what is mounted at `relative` beneath `root_fd`: the parent is walked without
+    /// symlinks and named by its fd (`/proc/self/fd/N/<name>`), and the last component is
+    /// not followed (`UMOUNT_NOFOLLOW`), so no path string that may have changed is resolved.
+    fn unmount_beneath(
+        &self,
+        root_fd: std::os::fd::BorrowedFd<'_>,
+        root: &Path,
+        relative: &Path,
+    ) -> Result<(), std::io::Error> {
+        let name = relative
+            .file_name()
+            .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+        let parent_rel = relative.parent().unwrap_or(Path::new(""));
+        let parent = if parent_rel.as_os_str().is_empty() {
+            None
+        } else {
+            Some(
+                beneath::open_dir(root_fd, root, parent_rel, None)
+                    .map_err(std::io::Error::other)?
+                    .fd,
+            )
+        };
+        let parent_fd = parent.as_ref().map_or(root_fd, |fd| fd.as_fd());
+        let path = beneath::fd_path(parent_fd).join(name);
+        self.mounter.unmount_nofollow(&path)
+    }
+
+    /// Takes back a mount csi-agent just made and nobody uses yet, through the fd that made
+    /// it (that fd pins the mount, so only a lazy detach works; it completes when the fd
+    /// closes).
+    fn detach_fd(&self, fd: &OwnedFd) -> Result<(), std::io::Error> {
+        self.mounter.detach(&beneath::fd_path(fd.as_fd()))
     }
 }
 
@@ -734,45 +781,6 @@ fn open_target(target_root: &Path, target: &Path) -> Result<OwnedFd, BindError> 
         }),
         Err(err) => Err(source_err(err)),
     }
-}
-
-fn identity(fd: &OwnedFd, at: &Path) -> Result<Identity, BindError> {
-    beneath::identity(fd.as_fd(), at).map_err(|source| BindError::Walk {
-        path: at.to_path_buf(),
-        source,
-    })
-}
-
-/// Unmounts what is mounted at `relative` beneath `root_fd`: the parent is walked without
-/// symlinks and named by its fd (`/proc/self/fd/N/<name>`), and the last component is not
-/// followed (`UMOUNT_NOFOLLOW`), so no path string that may have changed is resolved.
-fn unmount_beneath(
-    root_fd: std::os::fd::BorrowedFd<'_>,
-    root: &Path,
-    relative: &Path,
-) -> Result<(), std::io::Error> {
-    let name = relative
-        .file_name()
-        .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
-    let parent_rel = relative.parent().unwrap_or(Path::new(""));
-    let parent = if parent_rel.as_os_str().is_empty() {
-        None
-    } else {
-        Some(
-            beneath::open_dir(root_fd, root, parent_rel, None)
-                .map_err(std::io::Error::other)?
-                .fd,
-        )
-    };
-    let parent_fd = parent.as_ref().map_or(root_fd, |fd| fd.as_fd());
-    let path = beneath::fd_path(parent_fd).join(name);
-    rustix::mount::unmount(&path, UnmountFlags::NOFOLLOW).map_err(Into::into)
-}
-
-/// Takes back a mount csi-agent just made and nobody uses yet, through the fd that made it
-/// (that fd pins the mount, so only a lazy detach works; it completes when the fd closes).
-fn detach_fd(fd: &OwnedFd) -> Result<(), std::io::Error> {
-    rustix::mount::unmount(beneath::fd_path(fd.as_fd()), UnmountFlags::DETACH).map_err(Into::into)
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

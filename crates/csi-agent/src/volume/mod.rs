@@ -942,7 +942,7 @@ impl VolumeManager {
     ) -> Result<VolumeState, VolumeError> {
         let deadline = Instant::now() + self.inner.config.operation_timeout;
         if slot.unconfirmed && !up {
-            let (mounts_root, mounted) = self.mounted_under_mounts_root(&mount_table()?);
+            let (mounts_root, mounted) = self.mounted_under_mounts_root(&self.mount_table()?);
             let volume_dir = mounts_root.join(crate::layout::encode_id(&record.volume_id));
             if self.raise_to_mounts(&mut record, &volume_dir, &mounted) {
                 tracing::info!(plugin = %self.inner.config.plugin_type, volume_id = ?record.volume_id, state = ?record.state, "record raised to what the mount table shows before going down");
@@ -1465,6 +1465,13 @@ impl VolumeManager {
         }
     }
 
+    /// The mount table, through the node's mounter ([`Binder::mounter`]).
+    fn mount_table(&self) -> Result<MountTable, VolumeError> {
+        Ok(sys::blocking("read mountinfo", || {
+            self.inner.binder.mounter().mount_table()
+        })?)
+    }
+
     fn volume_mount_dir(&self, volume_id: &str) -> PathBuf {
         self.inner.mounts_root.join(encode_id(volume_id))
     }
@@ -1694,10 +1701,6 @@ fn lock<T>(mutex: &StdMutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 // The helpers below are the volume code's blocking system calls, each through the one
 // boundary (`crate::sys`).
-
-fn mount_table() -> Result<MountTable, VolumeError> {
-    Ok(sys::blocking("read mountinfo", MountTable::read)?)
-}
 
 fn path_string(path: &Path) -> String {
     path.to_string_lossy().into_owned()

@@ -10,7 +10,7 @@
 
 use std::time::Instant;
 
-use super::{VolumeError, VolumeManager, VolumeRecord, VolumeState, blocking, mount_table};
+use super::{VolumeError, VolumeManager, VolumeRecord, VolumeState, blocking};
 use crate::layout::decode_id;
 use crate::store::LoadAll;
 
@@ -91,7 +91,7 @@ impl VolumeManager {
         for problem in &report.problems {
             tracing::error!(plugin = %self.inner.config.plugin_type, %problem, "volume record unreadable");
         }
-        let table = mount_table()?;
+        let table = self.mount_table()?;
         let (mounts_root, mounted) = self.mounted_under_mounts_root(&table);
         for entry in loaded.records {
             let mut record = entry.record;

@@ -13,8 +13,9 @@ use csi_agent::client::ClientOptions;
 use csi_agent::config::Service;
 use csi_agent::endpoints::FixedEndpoints;
 use csi_agent::layout::Layout;
-use csi_agent::mounts::MountTable;
+use csi_agent::mounts::{MountTable, Mounter};
 use csi_agent::store::Store;
+use csi_agent::volume::bind::Binder;
 use csi_agent::volume::{
     AccessMode, AccessType, Capability, NodeContext, PublishRequest, VolumeConfig, VolumeManager,
     VolumeSecrets,
@@ -203,6 +204,37 @@ pub fn manager_configured(
     rpc_deadline: Duration,
     tweak: impl FnOnce(&mut VolumeConfig),
 ) -> VolumeManager {
+    manager_in(work_dir, socket, boot_id, rpc_deadline, tweak, None)
+}
+
+/// A volume manager whose `bind_to`s may go beneath `bind_roots` and whose every mount,
+/// unmount and mount-table read goes through `mounter` (a `FakeMounter`: no root needed).
+pub fn manager_mounting(
+    work_dir: &Path,
+    socket: &Path,
+    boot_id: &str,
+    bind_roots: Vec<PathBuf>,
+    mounter: Arc<dyn Mounter>,
+) -> VolumeManager {
+    let binder = Binder::with_mounter(bind_roots, work_dir, mounter);
+    manager_in(
+        work_dir,
+        socket,
+        boot_id,
+        Duration::from_secs(5),
+        |_| {},
+        Some(Arc::new(binder)),
+    )
+}
+
+fn manager_in(
+    work_dir: &Path,
+    socket: &Path,
+    boot_id: &str,
+    rpc_deadline: Duration,
+    tweak: impl FnOnce(&mut VolumeConfig),
+    binder: Option<Arc<Binder>>,
+) -> VolumeManager {
     let layout = Layout::new(work_dir);
     let store = Store::open(layout.clone(), None).unwrap();
     let endpoints = FixedEndpoints::new(
@@ -221,11 +253,11 @@ pub fn manager_configured(
     config.retry.max = Duration::from_millis(200);
     config.operation_timeout = Duration::from_secs(30);
     tweak(&mut config);
-    VolumeManager::new(
-        config,
-        Arc::new(endpoints),
-        NodeContext::new(layout, store, boot_id.to_owned()),
-    )
+    let mut context = NodeContext::new(layout, store, boot_id.to_owned());
+    if let Some(binder) = binder {
+        context.binder = binder;
+    }
+    VolumeManager::new(config, Arc::new(endpoints), context)
 }
 
 pub fn mount_capability() -> Capability {
