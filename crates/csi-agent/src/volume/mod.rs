@@ -501,6 +501,62 @@ impl VolumeManager {
         validate_id("volume_id", &request.volume_id)?;
         validate_id("workload", &request.workload)?;
         let _ticket = self.enter(&request.volume_id, "publish", Admission::Request)?;
+        self.check_publish(&request)?;
+        let slot = self.slot(&request.volume_id);
+        let mut guard = slot.lock().await;
+        let _running = self.inner.progress.begin(&request.volume_id, "publish");
+        let mut record = match guard.record.as_deref().cloned() {
+            Some(record) => record,
+            None => VolumeRecord::new(&request.volume_id, Origin::PreProvisioned),
+        };
+        if let Some(published) = self.admit_publish(&mut guard, &mut record, &request)? {
+            return Ok(published);
+        }
+        let owner = self.bind_owner(&request.volume_id, &request.workload);
+        // Given back by every early return below, kept once a record names it.
+        let reservation = match &request.bind_to {
+            Some(bind_to) => self.inner.binder.reservation(bind_to, &owner)?,
+            None => bind::Reservation::none(&self.inner.binder),
+        };
+        // Secrets first: the steps below may need them after a crash.
+        self.save_publish_secrets(&mut guard, &mut record, &request)
+            .await?;
+        let added_claim = record.claims.insert(request.workload.clone());
+        if let Some(bind_to) = &request.bind_to {
+            // The binding is durable with the claim, before anything is mounted.
+            record
+                .bind_mounts
+                .entry(request.workload.clone())
+                .or_insert_with(|| BindMount::new(bind_to.clone()));
+        }
+        match self
+            .drive(&mut guard, record, true, Binds::Of(&request.workload))
+            .await
+        {
+            Ok(state) => {
+                reservation.keep();
+                failpoint::hit("volume.publish.before_answer")?;
+                Ok(Published {
+                    target_path: self.target_path(&request.volume_id),
+                    state,
+                    bind_to: request.bind_to.clone(),
+                })
+            }
+            Err(err) => {
+                if !added_claim {
+                    // The claim existed before this request; its reservation stays.
+                    reservation.keep();
+                } else if self.withdraw_failed_claim(&mut guard, &request, &err).await {
+                    reservation.keep();
+                }
+                Err(err)
+            }
+        }
+    }
+
+    /// The checks of a publish request that need neither the volume's lock nor its record:
+    /// a bad request changes nothing.
+    fn check_publish(&self, request: &PublishRequest) -> Result<(), VolumeError> {
         if !self.inner.endpoints.serves(Service::Node) {
             // A config mistake, not the plugin's: nothing may be recorded for a publish no
             // component can ever carry out.
@@ -532,13 +588,19 @@ impl VolumeManager {
                 .into());
             }
         }
-        let slot = self.slot(&request.volume_id);
-        let mut guard = slot.lock().await;
-        let _running = self.inner.progress.begin(&request.volume_id, "publish");
-        let mut record = match guard.record.as_deref().cloned() {
-            Some(record) => record,
-            None => VolumeRecord::new(&request.volume_id, Origin::PreProvisioned),
-        };
+        Ok(())
+    }
+
+    /// Holds a publish to the volume's current use: refused when it contradicts it or when
+    /// the volume has all the claims it may have. A volume already published for this very
+    /// claim is answered at once (`Some`), its bind checked; a volume not in use takes the
+    /// request's capability, readonly and context.
+    fn admit_publish(
+        &self,
+        slot: &mut Slot,
+        record: &mut VolumeRecord,
+        request: &PublishRequest,
+    ) -> Result<Option<Published>, VolumeError> {
         let in_use = !record.claims.is_empty() || record.state != VolumeState::Created;
         if in_use {
             // The first publish fixed how the volume is staged and published; a later one
@@ -549,7 +611,7 @@ impl VolumeManager {
                 return Err(VolumeError::Conflict(format!(
                     "volume {:?} is already in use with {}; publish it with the same capability and readonly, or unpublish it first",
                     request.volume_id,
-                    describe_use(&record)
+                    describe_use(record)
                 )));
             }
             let recorded_bind = record.bind_mounts.get(&request.workload).map(|b| &b.path);
@@ -569,14 +631,14 @@ impl VolumeManager {
             {
                 // Already published for this workload. The bind is checked, not assumed: a
                 // crash may have come between recording it and mounting it.
-                if self.ensure_binds(&mut record, Binds::Of(&request.workload))? {
-                    self.note(&mut guard, record.clone())?;
+                if self.ensure_binds(record, Binds::Of(&request.workload))? {
+                    self.note(slot, record.clone())?;
                 }
-                return Ok(Published {
+                return Ok(Some(Published {
                     target_path: self.target_path(&request.volume_id),
                     state: record.state,
                     bind_to: request.bind_to.clone(),
-                });
+                }));
             }
         } else {
             record.capability = Some(request.capability.clone());
@@ -594,85 +656,68 @@ impl VolumeManager {
                 record.claims.len()
             )));
         }
-        let owner = self.bind_owner(&request.volume_id, &request.workload);
-        if let Some(bind_to) = &request.bind_to {
-            self.inner.binder.reserve(bind_to, &owner)?;
+        Ok(None)
+    }
+
+    /// Writes a publish request's secrets (if any) before anything needs them.
+    async fn save_publish_secrets(
+        &self,
+        slot: &mut Slot,
+        record: &mut VolumeRecord,
+        request: &PublishRequest,
+    ) -> Result<(), VolumeError> {
+        if request.secrets.is_empty() {
+            return Ok(());
         }
-        // Secrets first: the steps below may need them after a crash.
-        if !request.secrets.is_empty() {
-            let store = self.inner.store.clone();
-            let c = self.inner.config.clone();
-            let secrets = request.secrets.clone();
-            let volume_id = request.volume_id.clone();
-            let saved = blocking(move || {
-                store.save_secrets(&c.plugin_type, &c.plugin_name, &volume_id, &secrets)
-            })
-            .await;
-            if let Err(err) = saved {
-                if let Some(bind_to) = &request.bind_to {
-                    self.inner.binder.release(bind_to, &owner);
+        let store = self.inner.store.clone();
+        let c = self.inner.config.clone();
+        let secrets = request.secrets.clone();
+        let volume_id = request.volume_id.clone();
+        blocking(move || store.save_secrets(&c.plugin_type, &c.plugin_name, &volume_id, &secrets))
+            .await?;
+        record.has_secrets = true;
+        slot.secrets = Some(request.secrets.clone());
+        failpoint::hit("volume.secrets.after_write")?;
+        Ok(())
+    }
+
+    /// Withdraws the claim a failed publish added (and its bind, if it can be undone), and
+    /// leaves the volume to a reconciler. True when the claim's `bind_to` must stay reserved:
+    /// its bind could not be undone, or the withdrawal could not be written (the claim stays,
+    /// and a later unpublish cleans it).
+    async fn withdraw_failed_claim(
+        &self,
+        slot: &mut Slot,
+        request: &PublishRequest,
+        err: &VolumeError,
+    ) -> bool {
+        let Some(mut record) = slot.record.as_deref().cloned() else {
+            return false;
+        };
+        record.claims.remove(&request.workload);
+        let mut bind_kept = false;
+        if let Some(bind) = record.bind_mounts.get(&request.workload).cloned() {
+            match self.unbind(&request.volume_id, &request.workload, &bind) {
+                Ok(()) => {
+                    record.bind_mounts.remove(&request.workload);
                 }
-                return Err(err);
-            }
-            record.has_secrets = true;
-            guard.secrets = Some(request.secrets.clone());
-            failpoint::hit("volume.secrets.after_write")?;
-        }
-        let added_claim = record.claims.insert(request.workload.clone());
-        if let Some(bind_to) = &request.bind_to {
-            // The binding is durable with the claim, before anything is mounted.
-            record
-                .bind_mounts
-                .entry(request.workload.clone())
-                .or_insert_with(|| BindMount::new(bind_to.clone()));
-        }
-        let outcome = self
-            .drive(&mut guard, record, true, Binds::Of(&request.workload))
-            .await;
-        match outcome {
-            Ok(state) => {
-                failpoint::hit("volume.publish.before_answer")?;
-                Ok(Published {
-                    target_path: self.target_path(&request.volume_id),
-                    state,
-                    bind_to: request.bind_to.clone(),
-                })
-            }
-            Err(err) => {
-                if added_claim && let Some(mut record) = guard.record.as_deref().cloned() {
-                    record.claims.remove(&request.workload);
-                    let mut bind_kept = false;
-                    if let Some(bind) = record.bind_mounts.get(&request.workload).cloned() {
-                        match self.unbind(&request.volume_id, &request.workload, &bind) {
-                            Ok(()) => {
-                                record.bind_mounts.remove(&request.workload);
-                            }
-                            Err(unbind_err) => {
-                                // Keep the entry (and the claim) so that a later unpublish
-                                // still knows what to undo.
-                                tracing::warn!(plugin = %self.inner.config.plugin_type, volume_id = ?request.volume_id, error = %unbind_err, "bind mount of a failed publish could not be undone");
-                                record.claims.insert(request.workload.clone());
-                                bind_kept = true;
-                            }
-                        }
-                    }
-                    record.last_error = Some(err.to_string());
-                    // Best effort: if this write fails, the claim stays and the reconciler
-                    // publishes the volume; a later unpublish for the workload cleans it.
-                    if self.persist(&mut guard, record).await.is_ok() {
-                        if !bind_kept && let Some(bind_to) = &request.bind_to {
-                            self.inner.binder.release(bind_to, &owner);
-                        }
-                        self.spawn_reconcile(&request.volume_id);
-                    }
-                } else if !added_claim {
-                    // The claim existed before this request; its reservation stays.
-                } else if let Some(bind_to) = &request.bind_to {
-                    self.inner.binder.release(bind_to, &owner);
+                Err(unbind_err) => {
+                    // Keep the entry (and the claim) so that a later unpublish still knows
+                    // what to undo.
+                    tracing::warn!(plugin = %self.inner.config.plugin_type, volume_id = ?request.volume_id, error = %unbind_err, "bind mount of a failed publish could not be undone");
+                    record.claims.insert(request.workload.clone());
+                    bind_kept = true;
                 }
-                Err(err)
             }
         }
+        record.last_error = Some(err.to_string());
+        // Best effort: if this write fails, the claim stays and the reconciler publishes the
+        // volume; a later unpublish for the workload cleans it.
+        if self.persist(slot, record).await.is_err() {
+            return true;
+        }
+        self.spawn_reconcile(&request.volume_id);
+        bind_kept
     }
 
     /// Withdraws a workload's claim; when it was the last one, unpublishes (and unstages, and
