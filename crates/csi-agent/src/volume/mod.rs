@@ -1095,6 +1095,20 @@ impl VolumeManager {
                 return Ok(VolumeState::Created);
             }
         }
+        self.finish_drive(slot, record, binds, ran_rpc, dirty)
+    }
+
+    /// The end of a [`VolumeManager::drive`] that reached the state it wanted: the binds
+    /// `binds` of a published volume made sure of, then the last progress note (when
+    /// anything changed), then the binds' first error, if any.
+    fn finish_drive(
+        &self,
+        slot: &mut Slot,
+        mut record: VolumeRecord,
+        binds: Binds<'_>,
+        ran_rpc: bool,
+        mut dirty: bool,
+    ) -> Result<VolumeState, VolumeError> {
         // Binds before the last write, so that their mount ids are durable with it; a bind
         // that fails still lets the progress above be written.
         let published = record.state == VolumeState::Published;
