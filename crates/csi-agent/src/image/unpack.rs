@@ -532,6 +532,22 @@ struct Layer<'a> {
 
 type ReadError<'f> = &'f dyn Fn(io::Error) -> UnpackError;
 
+/// Where one entry goes: its parent dir (walked beneath the root), its name, its whole path
+/// as components, and its name as shown in errors.
+struct Place<'p> {
+    parent: BorrowedFd<'p>,
+    name: &'p [u8],
+    components: &'p [Vec<u8>],
+    shown: &'p str,
+}
+
+impl Place<'_> {
+    /// How many components deep the entry is (what [`Layer::remove_existing`] takes).
+    fn depth(&self) -> usize {
+        self.components.len()
+    }
+}
+
 impl Layer<'_> {
     fn apply<R: Read>(
         &mut self,
@@ -569,150 +585,213 @@ impl Layer<'_> {
         }
         let meta = self.meta(entry, &shown, read_error)?;
         let parent_fd = self.create_parent(parent, &shown)?;
-        let parent_fd = parent_fd.as_fd();
-        let depth = components.len();
+        let at = Place {
+            parent: parent_fd.as_fd(),
+            name,
+            components: &components,
+            shown: &shown,
+        };
         // Old-style tars mark directories by a trailing '/' on a regular entry.
         let is_dir = kind.is_dir() || (kind == tar::EntryType::Regular && raw.ends_with(b"/"));
-        if is_dir {
-            match rustix::fs::statat(parent_fd, name.as_slice(), AtFlags::SYMLINK_NOFOLLOW) {
-                Ok(stat) if FileType::from_raw_mode(stat.st_mode) == FileType::Directory => {}
-                Ok(_) => {
-                    self.remove_existing(parent_fd, name, depth, &shown)?;
-                    self.mkdir(parent_fd, name, &shown)?;
-                }
-                Err(Errno::NOENT) => self.mkdir(parent_fd, name, &shown)?,
-                Err(errno) => return Err(io_error(&shown, "stat", errno)),
-            }
-            self.defer_dir(&components, &meta, &shown)?;
+        let made = if is_dir {
+            self.apply_dir(&at, &meta)?
         } else if kind.is_file() || kind.is_contiguous() || kind.is_gnu_sparse() {
-            self.remove_existing(parent_fd, name, depth, &shown)?;
-            self.charge_inode(&shown)?;
-            let fd = rustix::fs::openat(
-                parent_fd,
-                name.as_slice(),
-                OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-                Mode::from_raw_mode(0o600),
-            )
-            .map_err(|errno| io_error(&shown, "create", errno))?;
-            let mut file = File::from(fd);
-            self.copy(entry, &mut file, &shown, read_error)?;
-            self.set_meta_fd(file.as_fd(), &meta, &shown)?;
+            self.apply_file(entry, &at, &meta, read_error)?
         } else if kind.is_symlink() {
-            let target = self.link_target(entry, &shown)?;
-            self.remove_existing(parent_fd, name, depth, &shown)?;
-            self.charge_inode(&shown)?;
-            self.charge_bytes(target.len() as u64, &shown)?;
-            rustix::fs::symlinkat(target.as_slice(), parent_fd, name.as_slice())
-                .map_err(|errno| io_error(&shown, "symlink", errno))?;
-            if self.as_root {
-                rustix::fs::chownat(
-                    parent_fd,
-                    name.as_slice(),
-                    Some(uid(meta.uid)),
-                    Some(gid(meta.gid)),
-                    AtFlags::SYMLINK_NOFOLLOW,
-                )
-                .map_err(|errno| io_error(&shown, "chown", errno))?;
-            }
-            rustix::fs::utimensat(
-                parent_fd,
-                name.as_slice(),
-                &times(meta.mtime),
-                AtFlags::SYMLINK_NOFOLLOW,
-            )
-            .map_err(|errno| io_error(&shown, "set times", errno))?;
+            self.apply_symlink(entry, &at, &meta)?
         } else if kind.is_hard_link() {
-            let raw_target = self.link_target(entry, &shown)?;
-            let target = self.components(&raw_target, &shown, Refusal::LinkParentDir)?;
-            let Some((target_name, target_parent)) = target.split_last() else {
-                return Err(refused(&shown, Refusal::LinkEmpty));
-            };
-            if target == components {
-                return Err(refused(&shown, Refusal::LinkToSelf));
-            }
-            let not_found = || UnpackError::LinkTargetMissing {
-                entry: shown.clone(),
-                target: show(&raw_target),
-            };
-            let in_this_layer = match self.open_existing_parent(target_parent, &shown)? {
-                Some(dir) => match rustix::fs::statat(
-                    &dir,
-                    target_name.as_slice(),
-                    AtFlags::SYMLINK_NOFOLLOW,
-                ) {
-                    Ok(_) => Some(dir),
-                    Err(Errno::NOENT) => None,
-                    Err(errno) => return Err(io_error(&shown, "stat", errno)),
-                },
-                None => None,
-            };
-            let Some(target_dir) = in_this_layer else {
-                if self.lowers.is_none() {
-                    return Err(not_found());
-                }
-                // The overlay form: the target is a lower layer's; copy it up.
-                if !self.lower_shows(&target, &shown)? {
-                    return Err(not_found());
-                }
-                self.remove_existing(parent_fd, name, depth, &shown)?;
-                if !self.copy_up(target_parent, target_name, parent_fd, name, &shown)? {
-                    return Err(not_found());
-                }
-                self.record(&components);
-                return Ok(());
-            };
-            self.remove_existing(parent_fd, name, depth, &shown)?;
-            self.charge_inode(&shown)?;
-            // No AT_SYMLINK_FOLLOW: a target that is a symlink is linked itself.
-            rustix::fs::linkat(
-                &target_dir,
-                target_name.as_slice(),
-                parent_fd,
-                name.as_slice(),
-                AtFlags::empty(),
-            )
-            .map_err(|errno| io_error(&shown, "link", errno))?;
+            self.apply_hard_link(entry, &at)?
         } else if kind.is_character_special() || kind.is_block_special() || kind.is_fifo() {
-            let file_type = if kind.is_character_special() {
-                FileType::CharacterDevice
-            } else if kind.is_block_special() {
-                FileType::BlockDevice
-            } else {
-                FileType::Fifo
-            };
-            if file_type != FileType::Fifo && self.archive {
-                return Err(refused(&shown, Refusal::Device));
-            }
-            if file_type != FileType::Fifo && !self.as_root {
-                self.report.devices_skipped += 1;
-                return Ok(());
-            }
-            let header = entry.header();
-            let major = lenient(header, 329..337, header.device_major())
-                .map_err(|source| malformed(&shown, "device major", source))?
-                .unwrap_or(0);
-            let minor = lenient(header, 337..345, header.device_minor())
-                .map_err(|source| malformed(&shown, "device minor", source))?
-                .unwrap_or(0);
-            self.remove_existing(parent_fd, name, depth, &shown)?;
-            self.charge_inode(&shown)?;
-            rustix::fs::mknodat(
-                parent_fd,
-                name.as_slice(),
-                file_type,
-                Mode::from_raw_mode(0o600),
-                rustix::fs::makedev(major, minor),
-            )
-            .map_err(|errno| io_error(&shown, "mknod", errno))?;
-            self.set_meta_node(parent_fd, name, file_type, &meta, &shown)?;
+            self.apply_node(entry, &at, kind, &meta)?
         } else {
             return Err(UnpackError::Unsupported {
                 entry: shown,
                 kind: format!("{kind:?}"),
             });
+        };
+        if made {
+            self.record(&components);
         }
-        self.record(&components);
         Ok(())
+    }
+
+    /// A directory entry: made (replacing what else is there) or kept, its metadata set at
+    /// the layer's end.
+    fn apply_dir(&mut self, at: &Place<'_>, meta: &Meta) -> Result<bool, UnpackError> {
+        let (parent_fd, name, shown) = (at.parent, at.name, at.shown);
+        match rustix::fs::statat(parent_fd, name, AtFlags::SYMLINK_NOFOLLOW) {
+            Ok(stat) if FileType::from_raw_mode(stat.st_mode) == FileType::Directory => {}
+            Ok(_) => {
+                self.remove_existing(parent_fd, name, at.depth(), shown)?;
+                self.mkdir(parent_fd, name, shown)?;
+            }
+            Err(Errno::NOENT) => self.mkdir(parent_fd, name, shown)?,
+            Err(errno) => return Err(io_error(shown, "stat", errno)),
+        }
+        self.defer_dir(at.components, meta, shown)?;
+        Ok(true)
+    }
+
+    /// A regular file entry: created new (never through what was there) and filled.
+    fn apply_file<R: Read>(
+        &mut self,
+        entry: &mut tar::Entry<'_, R>,
+        at: &Place<'_>,
+        meta: &Meta,
+        read_error: ReadError<'_>,
+    ) -> Result<bool, UnpackError> {
+        let (parent_fd, name, shown) = (at.parent, at.name, at.shown);
+        self.remove_existing(parent_fd, name, at.depth(), shown)?;
+        self.charge_inode(shown)?;
+        let fd = rustix::fs::openat(
+            parent_fd,
+            name,
+            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::from_raw_mode(0o600),
+        )
+        .map_err(|errno| io_error(shown, "create", errno))?;
+        let mut file = File::from(fd);
+        self.copy(entry, &mut file, shown, read_error)?;
+        self.set_meta_fd(file.as_fd(), meta, shown)?;
+        Ok(true)
+    }
+
+    /// A symlink entry: made as it is (its target is never followed), owner and times set
+    /// on the link itself.
+    fn apply_symlink<R: Read>(
+        &mut self,
+        entry: &mut tar::Entry<'_, R>,
+        at: &Place<'_>,
+        meta: &Meta,
+    ) -> Result<bool, UnpackError> {
+        let (parent_fd, name, shown) = (at.parent, at.name, at.shown);
+        let target = self.link_target(entry, shown)?;
+        self.remove_existing(parent_fd, name, at.depth(), shown)?;
+        self.charge_inode(shown)?;
+        self.charge_bytes(target.len() as u64, shown)?;
+        rustix::fs::symlinkat(target.as_slice(), parent_fd, name)
+            .map_err(|errno| io_error(shown, "symlink", errno))?;
+        if self.as_root {
+            rustix::fs::chownat(
+                parent_fd,
+                name,
+                Some(uid(meta.uid)),
+                Some(gid(meta.gid)),
+                AtFlags::SYMLINK_NOFOLLOW,
+            )
+            .map_err(|errno| io_error(shown, "chown", errno))?;
+        }
+        rustix::fs::utimensat(
+            parent_fd,
+            name,
+            &times(meta.mtime),
+            AtFlags::SYMLINK_NOFOLLOW,
+        )
+        .map_err(|errno| io_error(shown, "set times", errno))?;
+        Ok(true)
+    }
+
+    /// A hard link entry: linked to its target in this layer, or (the overlay form) to a
+    /// copy up of a lower layer's; refused when the target is missing or the entry itself.
+    fn apply_hard_link<R: Read>(
+        &mut self,
+        entry: &mut tar::Entry<'_, R>,
+        at: &Place<'_>,
+    ) -> Result<bool, UnpackError> {
+        let (parent_fd, name, shown) = (at.parent, at.name, at.shown);
+        let raw_target = self.link_target(entry, shown)?;
+        let target = self.components(&raw_target, shown, Refusal::LinkParentDir)?;
+        let Some((target_name, target_parent)) = target.split_last() else {
+            return Err(refused(shown, Refusal::LinkEmpty));
+        };
+        if target == at.components {
+            return Err(refused(shown, Refusal::LinkToSelf));
+        }
+        let not_found = || UnpackError::LinkTargetMissing {
+            entry: shown.to_owned(),
+            target: show(&raw_target),
+        };
+        let in_this_layer = match self.open_existing_parent(target_parent, shown)? {
+            Some(dir) => {
+                match rustix::fs::statat(&dir, target_name.as_slice(), AtFlags::SYMLINK_NOFOLLOW) {
+                    Ok(_) => Some(dir),
+                    Err(Errno::NOENT) => None,
+                    Err(errno) => return Err(io_error(shown, "stat", errno)),
+                }
+            }
+            None => None,
+        };
+        let Some(target_dir) = in_this_layer else {
+            if self.lowers.is_none() {
+                return Err(not_found());
+            }
+            // The overlay form: the target is a lower layer's; copy it up.
+            if !self.lower_shows(&target, shown)? {
+                return Err(not_found());
+            }
+            self.remove_existing(parent_fd, name, at.depth(), shown)?;
+            if !self.copy_up(target_parent, target_name, parent_fd, name, shown)? {
+                return Err(not_found());
+            }
+            return Ok(true);
+        };
+        self.remove_existing(parent_fd, name, at.depth(), shown)?;
+        self.charge_inode(shown)?;
+        // No AT_SYMLINK_FOLLOW: a target that is a symlink is linked itself.
+        rustix::fs::linkat(
+            &target_dir,
+            target_name.as_slice(),
+            parent_fd,
+            name,
+            AtFlags::empty(),
+        )
+        .map_err(|errno| io_error(shown, "link", errno))?;
+        Ok(true)
+    }
+
+    /// A device node or FIFO entry: a device is refused in an archive and skipped (counted)
+    /// without root. False when nothing was made.
+    fn apply_node<R: Read>(
+        &mut self,
+        entry: &mut tar::Entry<'_, R>,
+        at: &Place<'_>,
+        kind: tar::EntryType,
+        meta: &Meta,
+    ) -> Result<bool, UnpackError> {
+        let (parent_fd, name, shown) = (at.parent, at.name, at.shown);
+        let file_type = if kind.is_character_special() {
+            FileType::CharacterDevice
+        } else if kind.is_block_special() {
+            FileType::BlockDevice
+        } else {
+            FileType::Fifo
+        };
+        if file_type != FileType::Fifo && self.archive {
+            return Err(refused(shown, Refusal::Device));
+        }
+        if file_type != FileType::Fifo && !self.as_root {
+            self.report.devices_skipped += 1;
+            return Ok(false);
+        }
+        let header = entry.header();
+        let major = lenient(header, 329..337, header.device_major())
+            .map_err(|source| malformed(shown, "device major", source))?
+            .unwrap_or(0);
+        let minor = lenient(header, 337..345, header.device_minor())
+            .map_err(|source| malformed(shown, "device minor", source))?
+            .unwrap_or(0);
+        self.remove_existing(parent_fd, name, at.depth(), shown)?;
+        self.charge_inode(shown)?;
+        rustix::fs::mknodat(
+            parent_fd,
+            name,
+            file_type,
+            Mode::from_raw_mode(0o600),
+            rustix::fs::makedev(major, minor),
+        )
+        .map_err(|errno| io_error(shown, "mknod", errno))?;
+        self.set_meta_node(parent_fd, name, file_type, meta, shown)?;
+        Ok(true)
     }
 
     /// The entry's name as components, by the rules in the module doc.
