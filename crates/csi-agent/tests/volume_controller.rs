@@ -7,6 +7,7 @@ mod volume_support;
 
 use std::collections::BTreeMap;
 
+use csi_agent::volume::refusal::Conflict;
 use csi_agent::volume::{Origin, VolumeError, VolumeState};
 use serde_json::json;
 use volume_support::*;
@@ -61,7 +62,14 @@ async fn create_publish_delete_with_the_creation_context() {
         .delete_volume("new-vol", BTreeMap::new())
         .await
         .unwrap_err();
-    assert!(matches!(err, VolumeError::Conflict(_)), "{err}");
+    assert!(
+        matches!(
+            &err,
+            VolumeError::Conflict(Conflict::DeleteInUse { volume_id, claims: 1, .. })
+                if volume_id == "new-vol"
+        ),
+        "{err}"
+    );
     manager.unpublish("new-vol", "w1").await.unwrap();
     // A created volume stays known (CREATED) after unpublish, until deleted.
     assert_eq!(

@@ -8,6 +8,7 @@ mod volume_support;
 
 use csi_agent::client::RpcErrorKind;
 use csi_agent::mounts::require_private_mount_namespace;
+use csi_agent::volume::refusal::Conflict;
 use csi_agent::volume::{VolumeError, VolumeSecrets, VolumeState};
 use serde_json::json;
 use volume_support::*;
@@ -145,7 +146,10 @@ async fn a_conflicting_second_publish_is_refused_and_changes_nothing() {
     let mut readonly = publish_request("v", "w2");
     readonly.readonly = true;
     let err = manager.publish(readonly).await.unwrap_err();
-    assert!(matches!(err, VolumeError::Conflict(_)), "{err}");
+    assert!(
+        matches!(&err, VolumeError::Conflict(Conflict::InUseOtherwise { volume_id, .. }) if volume_id == "v"),
+        "{err}"
+    );
     assert_eq!(manager.get("v").await.unwrap(), before);
     manager.unpublish("v", "w1").await.unwrap();
 }

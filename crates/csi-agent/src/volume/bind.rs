@@ -931,7 +931,10 @@ mod tests {
         // A guard of a path its owner held before gives nothing back: an earlier request's
         // record names it.
         drop(binder.reservation(path, &owner("w1")).unwrap());
-        assert!(taken("w2"), "an earlier reservation was given back by a later guard");
+        assert!(
+            taken("w2"),
+            "an earlier reservation was given back by a later guard"
+        );
         assert!(matches!(
             binder.reservation(path, &owner("w2")),
             Err(BindError::InUse { .. })

@@ -11,8 +11,9 @@ use std::time::Instant;
 
 use csi_proto::v1;
 
+use super::refusal::{Conflict, InvalidRequest, ProtocolViolation};
 use super::{
-    Admission, Capability, Origin, VolumeError, VolumeManager, VolumeRecord, VolumeState,
+    Admission, Capability, Origin, VolumeError, VolumeManager, VolumeRecord, VolumeState, check_id,
     retry_transient_except, to_hash_map, validate_id,
 };
 use crate::client::{CsiClient, RpcError};
@@ -71,10 +72,10 @@ impl VolumeManager {
         if self.inner.endpoints.serves(Service::Controller) {
             Ok(())
         } else {
-            Err(VolumeError::InvalidRequest(format!(
-                "plugin {} has no CONTROLLER_SERVICE component: controller operations need one in its configuration",
-                self.inner.config.plugin_type
-            )))
+            Err(InvalidRequest::NoController {
+                plugin: self.inner.config.plugin_type.clone(),
+            }
+            .into())
         }
     }
 
@@ -89,9 +90,7 @@ impl VolumeManager {
     ) -> Result<CreatedVolume, VolumeError> {
         validate_id("name", name)?;
         if capacity_bytes < 0 {
-            return Err(VolumeError::InvalidRequest(format!(
-                "capacity_bytes is {capacity_bytes}: give 0 (plugin default) or a positive size"
-            )));
+            return Err(InvalidRequest::NegativeCapacity(capacity_bytes).into());
         }
         self.require_controller()?;
         let _ticket = self.enter(name, "create", Admission::Request)?;
@@ -112,17 +111,13 @@ impl VolumeManager {
             })
             .await?;
         let Some(volume) = response.volume else {
-            return Err(VolumeError::Protocol(
-                "CreateVolume returned no volume".into(),
-            ));
+            return Err(ProtocolViolation::NoVolume.into());
         };
         if volume.volume_id.is_empty() {
-            return Err(VolumeError::Protocol(
-                "CreateVolume returned an empty volume_id".into(),
-            ));
+            return Err(ProtocolViolation::EmptyVolumeId.into());
         }
-        validate_id("volume_id returned by CreateVolume", &volume.volume_id)
-            .map_err(|e| VolumeError::Protocol(e.to_string()))?;
+        check_id("volume_id returned by CreateVolume", &volume.volume_id)
+            .map_err(ProtocolViolation::BadVolumeId)?;
         let created = CreatedVolume {
             volume_id: volume.volume_id.clone(),
             capacity_bytes: volume.capacity_bytes,
@@ -158,11 +153,12 @@ impl VolumeManager {
         if let Some(record) = &guard.record
             && (!record.claims.is_empty() || record.state != VolumeState::Created)
         {
-            return Err(VolumeError::Conflict(format!(
-                "volume {volume_id:?} is {} with {} claim(s): unpublish it before deleting it",
-                record.state.as_str(),
-                record.claims.len()
-            )));
+            return Err(Conflict::DeleteInUse {
+                volume_id: volume_id.to_owned(),
+                state: record.state.as_str(),
+                claims: record.claims.len(),
+            }
+            .into());
         }
         let request = v1::DeleteVolumeRequest {
             volume_id: volume_id.to_owned(),
@@ -188,9 +184,7 @@ impl VolumeManager {
     ) -> Result<Validation, VolumeError> {
         validate_id("volume_id", volume_id)?;
         if capabilities.is_empty() {
-            return Err(VolumeError::InvalidRequest(
-                "capabilities is empty: give at least one capability to validate".into(),
-            ));
+            return Err(InvalidRequest::NoCapabilities.into());
         }
         self.require_controller()?;
         let _ticket = self.enter(volume_id, "validate", Admission::Request)?;
@@ -219,9 +213,7 @@ impl VolumeManager {
         starting_token: &str,
     ) -> Result<VolumePage, VolumeError> {
         if max_entries < 0 {
-            return Err(VolumeError::InvalidRequest(format!(
-                "max_entries is {max_entries}: give 0 (no limit) or a positive number"
-            )));
+            return Err(InvalidRequest::NegativeMaxEntries(max_entries).into());
         }
         self.require_controller()?;
         let _ticket = self.enter("", "list_volumes", Admission::Request)?;

@@ -18,6 +18,7 @@ pub mod mount_dirs;
 pub mod progress;
 pub mod record;
 pub mod recovery;
+pub mod refusal;
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
@@ -153,10 +154,10 @@ pub struct Published {
 pub enum VolumeError {
     /// The request itself is wrong; nothing was changed.
     #[error("{0}")]
-    InvalidRequest(String),
+    InvalidRequest(#[from] refusal::InvalidRequest),
     /// The request contradicts the volume's current use; nothing was changed.
     #[error("{0}")]
-    Conflict(String),
+    Conflict(#[from] refusal::Conflict),
     /// The plugin answered with a final error (or transient ones until the operation
     /// timeout); the volume is left in its transient state for the reconciler.
     #[error("{0}")]
@@ -170,7 +171,7 @@ pub enum VolumeError {
     NotServed { plugin: String, service: Service },
     /// The plugin answered success but broke a rule of the CSI spec.
     #[error("the plugin broke the CSI spec: {0}")]
-    Protocol(String),
+    Protocol(#[from] refusal::ProtocolViolation),
     #[error("durable state could not be written: {0}")]
     Store(#[from] StoreError),
     /// A stored file the operation needs (a volume's `secrets.json`) could not be read; the
@@ -322,23 +323,26 @@ struct Inner {
 pub const MAX_ID_BYTES: usize = 128;
 
 /// Checks an id from a request (volume id or workload); `what` names the field.
-pub fn validate_id(what: &str, id: &str) -> Result<(), VolumeError> {
+pub fn validate_id(what: &'static str, id: &str) -> Result<(), VolumeError> {
+    Ok(check_id(what, id)?)
+}
+
+/// [`validate_id`], with the reason typed.
+pub fn check_id(field: &'static str, id: &str) -> Result<(), refusal::InvalidRequest> {
+    use refusal::InvalidRequest;
     if id.is_empty() {
-        return Err(VolumeError::InvalidRequest(format!(
-            "{what} is empty: give a non-empty id"
-        )));
+        return Err(InvalidRequest::EmptyId { field });
     }
     if id.len() > MAX_ID_BYTES {
-        return Err(VolumeError::InvalidRequest(format!(
-            "{what} is {} bytes long: at most {MAX_ID_BYTES} bytes are allowed",
-            id.len()
-        )));
+        return Err(InvalidRequest::IdTooLong {
+            field,
+            len: id.len(),
+            max: MAX_ID_BYTES,
+        });
     }
     // Each id becomes one path component; encoding may triple its length.
     if encode_id(id).len() > 255 {
-        return Err(VolumeError::InvalidRequest(format!(
-            "{what} has too many characters outside [A-Za-z0-9_-]: its on-disk name would exceed 255 bytes"
-        )));
+        return Err(InvalidRequest::IdTooLongEncoded { field });
     }
     Ok(())
 }
@@ -566,19 +570,17 @@ impl VolumeManager {
             });
         }
         if !request.readonly && request.capability.access_mode.is_read_only() {
-            return Err(VolumeError::InvalidRequest(format!(
-                "access_mode {} is read-only but readonly is false: set \"readonly\": true or use a writer access mode",
-                access_mode_name(request.capability.access_mode)
-            )));
+            return Err(refusal::InvalidRequest::ReadOnlyAccessMode {
+                access_mode: access_mode_name(request.capability.access_mode),
+            }
+            .into());
         }
         if let Some(bind_to) = &request.bind_to {
             // Refused up front, before any lock, write or RPC (a bad path changes nothing).
             let len = bind_to.as_os_str().len();
             let max = self.inner.claim_limits.max_bind_to_bytes;
             if len > max {
-                return Err(VolumeError::InvalidRequest(format!(
-                    "bind_to is {len} bytes long: this node allows at most {max} (--max-bind-to-bytes); use a shorter path"
-                )));
+                return Err(refusal::InvalidRequest::BindToTooLong { len, max }.into());
             }
             self.inner.binder.check(bind_to)?;
             if matches!(request.capability.access_type, AccessType::Block {}) {
@@ -608,22 +610,22 @@ impl VolumeManager {
             if record.capability.as_ref() != Some(&request.capability)
                 || record.readonly != request.readonly
             {
-                return Err(VolumeError::Conflict(format!(
-                    "volume {:?} is already in use with {}; publish it with the same capability and readonly, or unpublish it first",
-                    request.volume_id,
-                    describe_use(record)
-                )));
+                return Err(refusal::Conflict::InUseOtherwise {
+                    volume_id: request.volume_id.clone(),
+                    in_use: describe_use(record),
+                }
+                .into());
             }
             let recorded_bind = record.bind_mounts.get(&request.workload).map(|b| &b.path);
             if let Some(existing) = recorded_bind
                 && request.bind_to.as_ref() != Some(existing)
             {
-                return Err(VolumeError::Conflict(format!(
-                    "workload {:?} already has volume {:?} bound at {}; unpublish it first to bind elsewhere",
-                    request.workload,
-                    request.volume_id,
-                    existing.display()
-                )));
+                return Err(refusal::Conflict::BoundElsewhere {
+                    workload: request.workload.clone(),
+                    volume_id: request.volume_id.clone(),
+                    bound_at: existing.clone(),
+                }
+                .into());
             }
             if record.claims.contains(&request.workload)
                 && record.state == VolumeState::Published
@@ -650,11 +652,12 @@ impl VolumeManager {
         let max_claims = self.inner.claim_limits.max_claims;
         if !record.claims.contains(&request.workload) && record.claims.len() >= max_claims {
             // Bounds the record, so that it can always be read back (ClaimLimits).
-            return Err(VolumeError::Conflict(format!(
-                "volume {:?} already has {} claims, the most this node allows per volume (--max-claims-per-volume {max_claims}): unpublish it for a workload that no longer needs it, or raise the limit (docs/configuration.md)",
-                request.volume_id,
-                record.claims.len()
-            )));
+            return Err(refusal::Conflict::TooManyClaims {
+                volume_id: request.volume_id.clone(),
+                claims: record.claims.len(),
+                max: max_claims,
+            }
+            .into());
         }
         Ok(None)
     }
@@ -1311,10 +1314,11 @@ impl VolumeManager {
                     })
                     .await?;
                 if mount_dirs::remove(staging)? == mount_dirs::Removed::MountPoint {
-                    return Err(VolumeError::Protocol(format!(
-                        "NodeUnstageVolume succeeded but {} is still mounted",
-                        staging.display()
-                    )));
+                    return Err(refusal::ProtocolViolation::StillMounted {
+                        rpc: "NodeUnstageVolume",
+                        path: staging.to_path_buf(),
+                    }
+                    .into());
                 }
             }
             LifecycleRpc::NodePublish => {
@@ -1346,10 +1350,10 @@ impl VolumeManager {
                     })
                     .await?;
                 if mount_dirs::probe(target)? == mount_dirs::Entry::Missing {
-                    return Err(VolumeError::Protocol(format!(
-                        "NodePublishVolume succeeded but did not create the target path {} (CSI v1: the plugin creates it)",
-                        target.display()
-                    )));
+                    return Err(refusal::ProtocolViolation::TargetNotCreated {
+                        path: target.to_path_buf(),
+                    }
+                    .into());
                 }
             }
             LifecycleRpc::NodeUnpublish => {
@@ -1361,10 +1365,11 @@ impl VolumeManager {
                     .await?;
                 match mount_dirs::remove(target)? {
                     mount_dirs::Removed::MountPoint => {
-                        return Err(VolumeError::Protocol(format!(
-                            "NodeUnpublishVolume succeeded but {} is still mounted",
-                            target.display()
-                        )));
+                        return Err(refusal::ProtocolViolation::StillMounted {
+                            rpc: "NodeUnpublishVolume",
+                            path: target.to_path_buf(),
+                        }
+                        .into());
                     }
                     // v1: "the SP MUST delete the file or directory it created at this path".
                     // A plugin that leaves an empty directory is tolerated (real ones do); the
@@ -1618,9 +1623,7 @@ impl VolumeManager {
                 })
                 .await?;
                 if info.node_id.is_empty() {
-                    return Err(VolumeError::Protocol(
-                        "NodeGetInfo returned an empty node_id".into(),
-                    ));
+                    return Err(refusal::ProtocolViolation::EmptyNodeId.into());
                 }
                 Ok(info.node_id)
             })
