@@ -126,11 +126,11 @@ const DRAIN_PROGRESS_EVERY: Duration = Duration::from_secs(5);
 /// What [`CsiServer::drain`] did.
 #[derive(Debug, Default)]
 pub struct DrainReport {
-    /// `(plugin type, volume id, workload)` of every claim released.
-    pub released: Vec<(String, String, String)>,
+    /// Every claim released.
+    pub released: Vec<DrainedClaim>,
     /// Claims that could not be released, with why (they stay recorded and their plugin
-    /// keeps running, so a later drain can finish them).
-    pub failed: Vec<(String, String, String, String)>,
+    /// keeps running, so a later drain can finish them), and plugins not stopped.
+    pub failed: Vec<DrainFailure>,
     /// Plugin types whose components were stopped.
     pub stopped: Vec<String>,
     /// What of csi-agent's is still on the node after the drain, with why: mounts (from the
@@ -145,6 +145,27 @@ impl DrainReport {
     pub fn is_complete(&self) -> bool {
         self.left.is_empty() && self.failed.is_empty()
     }
+}
+
+/// One workload's claim on one volume, as a drain names it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DrainedClaim {
+    /// The plugin type.
+    pub plugin: String,
+    pub volume_id: String,
+    pub workload: String,
+}
+
+/// A claim the drain could not release or, with empty `volume_id` and `workload`, a plugin
+/// it could not stop.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DrainFailure {
+    /// The plugin type.
+    pub plugin: String,
+    pub volume_id: String,
+    pub workload: String,
+    /// Why, as the error said it.
+    pub error: String,
 }
 
 /// One thing a drain could not take away.
@@ -632,7 +653,7 @@ impl CsiServer {
                 || report
                     .failed
                     .iter()
-                    .any(|(failed_type, ..)| failed_type == plugin_type)
+                    .any(|failure| &failure.plugin == plugin_type)
             {
                 tracing::warn!(plugin = %plugin_type, "drain: plugin kept running: something it serves is left");
                 continue;
@@ -644,12 +665,12 @@ impl CsiServer {
                 Ok(()) => report.stopped.push(plugin_type.clone()),
                 Err(err) => {
                     tracing::error!(plugin = %plugin_type, error = %err, "drain: plugin not stopped cleanly");
-                    report.failed.push((
-                        plugin_type.clone(),
-                        String::new(),
-                        String::new(),
-                        format!("components not stopped: {err}"),
-                    ));
+                    report.failed.push(DrainFailure {
+                        plugin: plugin_type.clone(),
+                        volume_id: String::new(),
+                        workload: String::new(),
+                        error: format!("components not stopped: {err}"),
+                    });
                 }
             }
         }
@@ -1160,23 +1181,24 @@ async fn drain_volume(
     plugin_type: &str,
     volume_id: &str,
     claims: Vec<String>,
-) -> (
-    Vec<(String, String, String)>,
-    Vec<(String, String, String, String)>,
-) {
+) -> (Vec<DrainedClaim>, Vec<DrainFailure>) {
     let mut released = Vec::new();
     let mut failed = Vec::new();
     for workload in claims {
         match volumes.drain_unpublish(volume_id, &workload).await {
-            Ok(()) => released.push((plugin_type.to_owned(), volume_id.to_owned(), workload)),
+            Ok(()) => released.push(DrainedClaim {
+                plugin: plugin_type.to_owned(),
+                volume_id: volume_id.to_owned(),
+                workload,
+            }),
             Err(err) => {
                 tracing::error!(plugin = %plugin_type, volume_id = ?volume_id, workload = ?workload, error = %err, "drain: claim not released");
-                failed.push((
-                    plugin_type.to_owned(),
-                    volume_id.to_owned(),
+                failed.push(DrainFailure {
+                    plugin: plugin_type.to_owned(),
+                    volume_id: volume_id.to_owned(),
                     workload,
-                    err.to_string(),
-                ));
+                    error: err.to_string(),
+                });
             }
         }
     }

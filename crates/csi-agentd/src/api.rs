@@ -435,10 +435,10 @@ async fn drain(State(state): State<AppState>, body: Bytes) -> ApiResult<api::Dra
     };
     let report = state.server.drain(timeout).await;
     let complete = report.is_complete();
-    let claim = |(plugin, volume_id, workload)| api::ClaimRef {
-        plugin,
-        volume_id,
-        workload,
+    let claim = |claim: csi_agent::server::DrainedClaim| api::ClaimRef {
+        plugin: claim.plugin,
+        volume_id: claim.volume_id,
+        workload: claim.workload,
     };
     Ok(Json(api::DrainReport {
         complete,
@@ -446,11 +446,11 @@ async fn drain(State(state): State<AppState>, body: Bytes) -> ApiResult<api::Dra
         failed: report
             .failed
             .into_iter()
-            .map(|(plugin, volume_id, workload, error)| api::DrainFailure {
-                plugin,
-                volume_id,
-                workload,
-                error,
+            .map(|failure| api::DrainFailure {
+                plugin: failure.plugin,
+                volume_id: failure.volume_id,
+                workload: failure.workload,
+                error: failure.error,
             })
             .collect(),
         stopped_plugins: report.stopped,
