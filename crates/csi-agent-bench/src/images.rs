@@ -45,9 +45,9 @@ use crate::daemon::{Daemon, DaemonDirs, unpublish_request};
 use crate::env::{Env, Machine, NODE_ID};
 use crate::stats::Summary;
 
-#[path = "../../csi-agent/tests/registry_support/mod.rs"]
-mod registry_support;
-use registry_support::{Entry, Registry, layer_tar_gz, oci_layout, push, testplugin_image};
+use csi_agent_testkit::registry::{
+    Entry, Registry, layer_tar_gz, oci_layout, push, testplugin_image,
+};
 
 /// The targets of docs/benchmarks.md.
 pub const MAX_COLD_RATIO: f64 = 1.0;

@@ -12,8 +12,6 @@
 // its own, and the lock only keeps the other tests' threads out.
 #![allow(clippy::await_holding_lock)]
 
-mod registry_support;
-
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -23,9 +21,10 @@ use std::time::{Duration, Instant};
 use csi_agent::image::budget::{ImageLimits, disk_usage};
 use csi_agent::image::pull::{PullLimits, Puller};
 use csi_agent::image::reference::ImageRef;
-use csi_agent::image::store::{Composition, ImageStore, ImageStoreError, PreparedRoot, PullPolicy};
+use csi_agent::image::store::{Composition, ImageStore, PreparedRoot, PullPolicy, ImageStoreError};
 use csi_agent::image::unpack::{Compression, LimitKind, Limits, Report, UnpackError, apply_layer};
-use registry_support::*;
+use csi_agent_testkit::dir_names;
+use csi_agent_testkit::registry::*;
 use sha2::Digest as _;
 
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -355,17 +354,6 @@ impl Sampler {
         }
         self.peak.load(Ordering::SeqCst)
     }
-}
-
-/// The names in `dir`, sorted (as csi-agentd's tests/common `dir_names`, which this crate's
-/// tests cannot reach).
-fn dir_names(dir: &Path) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
-    names
 }
 
 fn limit_of(err: &ImageStoreError) -> (LimitKind, u64, String) {

@@ -1,12 +1,10 @@
 //! Issue #23, items 2 and 5, against a hostile registry on loopback
-//! (`registry_support::hostile`): every answer bounded before it is buffered (an endless
+//! (`csi_agent_testkit::registry::hostile`): every answer bounded before it is buffered (an endless
 //! manifest, 404 body, `/v2/` answer or token answer fails the pull at its cap with a final
 //! error), and nothing a failed pull fetched outlives it (20 fresh refused layers leave the
 //! store as it was; a start sweeps what a crash left unindexed); and item 4: a pull trickled
 //! below the throughput floor blocks no other image and fails by the floor.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod registry_support;
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -16,9 +14,9 @@ use std::time::{Duration, Instant};
 use csi_agent::image::blobs::BlobStore;
 use csi_agent::image::pull::{PullError, PullLimits, Puller};
 use csi_agent::image::reference::ImageRef;
-use csi_agent::image::store::{Composition, ImageStore, ImageStoreError, PullPolicy};
-use registry_support::hostile::{HostileRegistry, Hostility, listing};
-use registry_support::*;
+use csi_agent::image::store::{Composition, ImageStore, PullPolicy, ImageStoreError};
+use csi_agent_testkit::registry::hostile::{HostileRegistry, Hostility, listing};
+use csi_agent_testkit::registry::*;
 
 fn good_image(dir: &std::path::Path) -> Image {
     let layer1 = layer_tar_gz(&[
@@ -210,10 +208,7 @@ async fn failed_pulls_of_fresh_hostile_layers_leave_the_store_as_it_was() {
                     .unwrap_err();
                 match hostility {
                     Hostility::FreshEscapingLayer => {
-                        assert!(
-                            matches!(err, ImageStoreError::Unpack { .. }),
-                            "{i}: {err:?}"
-                        );
+                        assert!(matches!(err, ImageStoreError::Unpack { .. }), "{i}: {err:?}");
                     }
                     _ => assert!(
                         matches!(err, ImageStoreError::Pull(PullError::DigestMismatch { .. })),

@@ -5,15 +5,13 @@
 //! file left, nothing written outside the store.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod registry_support;
-
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use csi_agent::image::import::{ImportError, ImportLimits};
 use csi_agent::image::pull::{PullLimits, Puller};
 use csi_agent::image::store::{Composition, ImageStore, PreparedRoot, PullPolicy};
-use registry_support::*;
+use csi_agent_testkit::registry::*;
 
 /// Nothing listens there: a store that tried to pull would fail.
 const NO_REGISTRY: &str = "127.0.0.1:9";

@@ -2,15 +2,13 @@
 //! with `skopeo`): blobs verified and stored once, and each failure typed.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod registry_support;
-
 use std::sync::Arc;
 use std::time::Duration;
 
 use csi_agent::image::blobs::{BlobStore, Digest};
 use csi_agent::image::pull::{PullError, PullLimits, Puller};
 use csi_agent::image::reference::{ImageRef, RegistrySettings};
-use registry_support::*;
+use csi_agent_testkit::registry::*;
 
 fn puller(registry: &Registry) -> Puller {
     let settings = loopback_registry(&registry.host());

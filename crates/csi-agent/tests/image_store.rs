@@ -2,8 +2,6 @@
 //! semantics, crash leftovers cleaned and re-prepared, garbage collection, hostile input.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod registry_support;
-
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -12,8 +10,8 @@ use csi_agent::image::pull::{PullError, PullLimits, Puller};
 use csi_agent::image::reference::{ImageRef, RegistrySettings};
 use std::os::unix::fs::MetadataExt;
 
-use csi_agent::image::store::{Composition, ImageStore, ImageStoreError, PreparedRoot, PullPolicy};
-use registry_support::*;
+use csi_agent::image::store::{Composition, ImageStore, PreparedRoot, PullPolicy, ImageStoreError};
+use csi_agent_testkit::registry::*;
 
 fn puller(registry: &Registry) -> Puller {
     let settings = loopback_registry(&registry.host());
@@ -333,10 +331,7 @@ fn a_hostile_index_is_refused_not_followed() {
         None,
     )
     .unwrap_err();
-    assert!(
-        matches!(err, ImageStoreError::IndexCorrupt { .. }),
-        "{err:?}"
-    );
+    assert!(matches!(err, ImageStoreError::IndexCorrupt { .. }), "{err:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

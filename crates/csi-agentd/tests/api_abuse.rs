@@ -9,19 +9,27 @@ use std::net::TcpStream;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
+
+use csi_agent_testkit::Daemon;
 use std::time::{Duration, Instant};
 
 const TOKEN: &str = "a-test-token-of-32-bytes-long-xx";
 /// How many idle partial-head connections a flood opens.
 const FLOOD: usize = 2000;
 
-/// A daemon started by the test, killed when dropped.
-struct Daemon {
-    dir: PathBuf,
-    socket: PathBuf,
-    child: Child,
+/// A daemon of the test kit started by the test (killed when dropped), with the TCP port it
+/// listens on, if any.
+struct Served {
+    daemon: Daemon,
     port: Option<u16>,
+}
+
+impl std::ops::Deref for Served {
+    type Target = Daemon;
+    fn deref(&self) -> &Daemon {
+        &self.daemon
+    }
 }
 
 fn free_port() -> u16 {
@@ -37,75 +45,37 @@ fn token_file(dir: &Path, token: &str) -> PathBuf {
     path
 }
 
-/// `csi-agentd serve` with its work dir, an empty plugin config dir and the socket root in
-/// `dir`, its stderr appended to `dir/daemon.log`.
+/// The command of `csi-agentd serve` with its work dir, an empty plugin config dir and the
+/// socket root in `dir`, its stderr appended to `dir/daemon.log`: for a start that must fail.
 fn command(dir: &Path, extra: &[&str]) -> Command {
-    command_via(dir, &[], extra)
+    Daemon::new(dir, extra).command()
 }
 
-/// The same, started through `wrapper` (e.g. `prlimit ...`, `sh -c ...`).
-fn command_via(dir: &Path, wrapper: &[&str], extra: &[&str]) -> Command {
-    let configs = dir.join("configs");
-    std::fs::create_dir_all(&configs).unwrap();
-    let binary = env!("CARGO_BIN_EXE_csi-agentd");
-    let mut cmd = match wrapper.split_first() {
-        None => Command::new(binary),
-        Some((program, args)) => {
-            let mut cmd = Command::new(program);
-            cmd.args(args).arg(binary);
-            cmd
-        }
-    };
-    cmd.arg("serve")
-        .arg("--work-dir")
-        .arg(dir.join("work"))
-        .arg("--plugin-config-dir")
-        .arg(&configs)
-        .arg("--socket-root")
-        .arg(dir.join("sockets"))
-        .args(extra)
-        .env("CSI_AGENT_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(dir.join("daemon.log"))
-                .unwrap(),
-        );
-    cmd
+/// The daemon of `dir` with these flags, to be started through `wrapper` (e.g. `prlimit
+/// ...`, `sh -c ...`).
+fn daemon_via(dir: &Path, wrapper: &[&str], extra: &[&str]) -> Daemon {
+    Daemon::builder(dir).wrapper(wrapper).flags(extra).build()
 }
 
-impl Daemon {
+impl Served {
     /// Starts the daemon and waits until it answers `GET /v1/health` on its socket.
-    fn start(dir: &Path, extra: &[&str]) -> Daemon {
-        Self::spawn(dir, command(dir, extra), extra)
+    fn start(dir: &Path, extra: &[&str]) -> Served {
+        Self::spawn(Daemon::new(dir, extra), extra)
     }
 
-    fn spawn(dir: &Path, mut cmd: Command, extra: &[&str]) -> Daemon {
-        let socket = extra
-            .iter()
-            .position(|a| *a == "--api-socket")
-            .map(|i| PathBuf::from(extra[i + 1]))
-            .unwrap_or_else(|| dir.join("work/api.sock"));
+    fn spawn(mut daemon: Daemon, extra: &[&str]) -> Served {
+        if let Some(i) = extra.iter().position(|a| *a == "--api-socket") {
+            daemon.socket = PathBuf::from(extra[i + 1]);
+        }
         let port = extra
             .iter()
             .position(|a| *a == "--listen")
             .map(|i| extra[i + 1].rsplit(':').next().unwrap().parse().unwrap())
             .filter(|p| *p != 0);
-        let child = cmd.spawn().unwrap();
-        let mut daemon = Daemon {
-            dir: dir.to_owned(),
-            socket,
-            child,
-            port,
-        };
+        daemon.start();
+        let daemon = Served { daemon, port };
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
-            if let Some(status) = daemon.child.try_wait().unwrap() {
-                panic!("the daemon exited ({status}): {}", daemon.log());
-            }
             if let Ok(mut s) = UnixStream::connect(&daemon.socket) {
                 s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
                 if s.write_all(&get("/v1/health", None)).is_ok()
@@ -124,11 +94,11 @@ impl Daemon {
     }
 
     fn pid(&self) -> u32 {
-        self.child.id()
+        self.daemon_pid().unwrap()
     }
 
     fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.join("daemon.log")).unwrap_or_default()
+        self.full_log()
     }
 
     fn unix(&self) -> UnixStream {
@@ -152,13 +122,6 @@ impl Daemon {
             .trim()
             .parse()
             .unwrap()
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -375,7 +338,7 @@ fn a_tcp_flood_of_idle_partial_heads_leaves_the_socket_and_existing_clients_serv
         &token,
         &["--max-connections", "64", "--header-timeout-ms", "15000"],
     );
-    let daemon = Daemon::start(dir.path(), &args);
+    let daemon = Served::start(dir.path(), &args);
 
     // A client connected before the flood, with a keep-alive connection.
     let mut existing = daemon.tcp();
@@ -449,7 +412,7 @@ fn a_socket_flood_leaves_the_tcp_listener_served() {
         &token,
         &["--max-connections", "64", "--header-timeout-ms", "8000"],
     );
-    let daemon = Daemon::start(dir.path(), &args);
+    let daemon = Served::start(dir.path(), &args);
     let rss_before = daemon.rss_kib();
     let flood = flood_unix(&daemon.socket);
     let (answer, tcp_time) = timed_health(&mut daemon.tcp(), Some(TOKEN));
@@ -482,7 +445,7 @@ fn authorised_requests_are_served_while_1500_partial_heads_cycle() {
     let dir = tempfile::tempdir().unwrap();
     let token = token_file(dir.path(), TOKEN);
     let listen = format!("127.0.0.1:{}", free_port());
-    let daemon = Daemon::start(dir.path(), &tcp_args(&listen, &token, &[]));
+    let daemon = Served::start(dir.path(), &tcp_args(&listen, &token, &[]));
     let addr = std::net::SocketAddr::from(([127, 0, 0, 1], daemon.port.unwrap()));
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -586,8 +549,8 @@ fn a_daemon_short_of_file_descriptors_lowers_its_cap_and_keeps_serving() {
     let listen = format!("127.0.0.1:{}", free_port());
     // The default cap (1024 per listener) does not fit in 256 descriptors.
     let args = tcp_args(&listen, &token, &[]);
-    let cmd = command_via(dir.path(), &["prlimit", "--nofile=256:256"], &args);
-    let daemon = Daemon::spawn(dir.path(), cmd, &args);
+    let cmd = daemon_via(dir.path(), &["prlimit", "--nofile=256:256"], &args);
+    let daemon = Served::spawn(cmd, &args);
     assert_eq!(proc_status(daemon.pid(), "Name:"), "csi-agentd");
     let flood = flood_tcp(daemon.port.unwrap());
     let (answer, unix_time) = timed_health(&mut daemon.unix(), None);
@@ -609,7 +572,7 @@ fn a_daemon_short_of_file_descriptors_lowers_its_cap_and_keeps_serving() {
 #[test]
 fn a_partial_head_is_closed_after_the_header_timeout() {
     let dir = tempfile::tempdir().unwrap();
-    let daemon = Daemon::start(dir.path(), &["--header-timeout-ms", "500"]);
+    let daemon = Served::start(dir.path(), &["--header-timeout-ms", "500"]);
 
     let mut partial = daemon.unix();
     let started = Instant::now();
@@ -669,7 +632,7 @@ fn a_partial_head_is_closed_after_the_header_timeout() {
 #[test]
 fn an_idle_keep_alive_connection_outlives_the_header_timeout_until_the_idle_timeout() {
     let dir = tempfile::tempdir().unwrap();
-    let daemon = Daemon::start(
+    let daemon = Served::start(
         dir.path(),
         &["--header-timeout-ms", "300", "--idle-timeout-ms", "1500"],
     );
@@ -690,7 +653,7 @@ fn tcp_refuses_a_request_without_the_token_before_its_body_arrives() {
     let token = token_file(dir.path(), TOKEN);
     let listen = format!("127.0.0.1:{}", free_port());
     let args = tcp_args(&listen, &token, &["--body-timeout-ms", "1500"]);
-    let daemon = Daemon::start(dir.path(), &args);
+    let daemon = Served::start(dir.path(), &args);
     let head = |auth: &str| {
         format!(
             "POST /v1/volumes/publish HTTP/1.1\r\nhost: localhost\r\n{auth}\
@@ -740,7 +703,7 @@ fn tcp_refuses_a_request_without_the_token_before_its_body_arrives() {
 #[test]
 fn oversized_heads_get_431() {
     let dir = tempfile::tempdir().unwrap();
-    let daemon = Daemon::start(dir.path(), &[]);
+    let daemon = Served::start(dir.path(), &[]);
     let big = |size: usize| {
         format!(
             "GET /v1/health HTTP/1.1\r\nhost: localhost\r\nx-big: {}\r\n\r\n",
@@ -769,7 +732,7 @@ fn oversized_heads_get_431() {
 #[test]
 fn oversized_bodies_get_413() {
     let dir = tempfile::tempdir().unwrap();
-    let daemon = Daemon::start(dir.path(), &[]);
+    let daemon = Served::start(dir.path(), &[]);
     // Declared too large: refused at once, no body sent.
     let mut conn = daemon.unix();
     let started = Instant::now();
@@ -808,7 +771,7 @@ fn a_refused_body_is_still_read_after_the_413_so_its_sender_sees_no_broken_pipe(
     // a bound, before it closes (a lingering close). A client that writes its whole body
     // before it reads the answer, as hyper's does, thus never writes into a closed socket.
     let dir = tempfile::tempdir().unwrap();
-    let daemon = Daemon::start(dir.path(), &[]);
+    let daemon = Served::start(dir.path(), &[]);
     let body_len = 4 << 20;
     let mut conn = daemon.unix();
     let answer = exchange(
@@ -834,7 +797,7 @@ fn a_client_still_sending_a_refused_body_reads_the_413_not_a_broken_pipe() {
     // On one kept-alive ApiClient, several times: each refusal closes its connection, and the
     // next call must not trip over it.
     let dir = tempfile::tempdir().unwrap();
-    let daemon = Daemon::start(dir.path(), &[]);
+    let daemon = Served::start(dir.path(), &[]);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -858,7 +821,7 @@ fn a_client_still_sending_a_refused_body_reads_the_413_not_a_broken_pipe() {
 #[test]
 fn bodies_that_are_not_json_get_415() {
     let dir = tempfile::tempdir().unwrap();
-    let daemon = Daemon::start(dir.path(), &[]);
+    let daemon = Served::start(dir.path(), &[]);
     for content_type in ["text/plain", "application/x-www-form-urlencoded"] {
         let answer = exchange(
             &mut daemon.unix(),
@@ -971,7 +934,7 @@ fn api_socket_replaces_only_a_stale_socket() {
         UnixStream::connect(&path).unwrap_err().kind(),
         ErrorKind::ConnectionRefused
     );
-    let daemon = Daemon::start(dir.path(), &args);
+    let daemon = Served::start(dir.path(), &args);
     assert!(
         daemon.log().contains("replacing a stale API socket"),
         "{}",
@@ -1001,12 +964,12 @@ fn the_socket_is_created_0600_and_the_umask_restored() {
     )
     .unwrap();
     // The most permissive umask: without the daemon's own, the socket would start 0777.
-    let cmd = command_via(
+    let cmd = daemon_via(
         dir.path(),
         &["sh", "-c", "umask 000; exec \"$0\" \"$@\""],
         &args,
     );
-    let daemon = Daemon::spawn(dir.path(), cmd, &args);
+    let daemon = Served::spawn(cmd, &args);
     let meta = std::fs::symlink_metadata(&socket).unwrap();
     assert!(meta.file_type().is_socket());
     assert_eq!(meta.permissions().mode() & 0o777, 0o600);
@@ -1092,7 +1055,7 @@ fn weak_tokens_and_exposed_listeners_are_refused_before_serving() {
         &token,
         &["--allow-insecure-listen", "--log-format", "json"],
     );
-    let mut daemon = Daemon::start(dir.path(), &args);
+    let mut daemon = Served::start(dir.path(), &args);
     let warning = daemon
         .log()
         .lines()
@@ -1115,10 +1078,10 @@ fn weak_tokens_and_exposed_listeners_are_refused_before_serving() {
 }
 
 /// Starts the daemon with `toml` as its config file (`<dir>/csi-agentd.toml`).
-fn start_with_config(dir: &Path, toml: &str) -> Daemon {
+fn start_with_config(dir: &Path, toml: &str) -> Served {
     let config = dir.join("csi-agentd.toml");
     std::fs::write(&config, toml).unwrap();
-    Daemon::start(dir, &["--config", config.to_str().unwrap()])
+    Served::start(dir, &["--config", config.to_str().unwrap()])
 }
 
 #[test]

@@ -5,10 +5,8 @@
 //! Run as root under `unshare -m --propagation private` like the other daemon tests.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
-use common::*;
 use csi_agent_api::{ErrorCode, VolumeQuery};
+use csi_agent_testkit::*;
 
 /// ListVolumes' `ABORTED` means "starting_token is not valid" (CSI spec): the caller's mistake.
 /// It was answered 503 `unavailable`, as if the plugin were down, telling the caller to retry
@@ -45,7 +43,7 @@ async fn an_empty_filter_of_the_volume_list_is_refused_naming_it() {
     let dir = tempfile::tempdir().unwrap();
     let daemon = setup(dir.path(), &[]);
     let api = daemon.api();
-    api.publish(&publish("vol1", "w1")).await.unwrap();
+    api.publish(&publish_request("vol1", "w1")).await.unwrap();
     for (name, query) in [
         (
             "plugin",
@@ -116,5 +114,7 @@ async fn an_empty_filter_of_the_volume_list_is_refused_naming_it() {
         .await
         .unwrap();
     assert_eq!(list.volumes.len(), 1, "{list:?}");
-    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    api.unpublish(&unpublish_request("vol1", "w1"))
+        .await
+        .unwrap();
 }

@@ -6,13 +6,11 @@
 //! Also: one daemon per work dir. Run under `unshare -m --propagation private`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::*;
+use csi_agent_testkit::*;
 
 /// A daemon with `<dir>/sandboxes` as its bind root, and a victim dir outside it holding a
 /// tmpfs with a marker file (standing in for `/etc`: something a workload must never reach).
@@ -155,7 +153,7 @@ async fn bad_bind_paths_get_a_400_before_anything_happens() {
         (target, "not beneath a --bind-root"),
         (format!("{work}/api.sock"), "not beneath a --bind-root"),
     ] {
-        let mut request = publish("vol1", "w1");
+        let mut request = publish_request("vol1", "w1");
         request.bind_to = Some(path.clone());
         expect_refusal(&scene, &request, 400, wanted).await;
     }
@@ -180,7 +178,7 @@ async fn bad_bind_paths_get_a_400_before_anything_happens() {
 async fn without_a_bind_root_bind_to_is_refused_naming_the_flag() {
     let dir = tempfile::tempdir().unwrap();
     let daemon = setup(dir.path(), &[]);
-    let mut request = publish("vol1", "w1");
+    let mut request = publish_request("vol1", "w1");
     request.bind_to = Some(
         dir.path()
             .join("sandbox/data")
@@ -236,7 +234,9 @@ async fn bind_creates_only_beneath_the_root_and_removes_what_it_created() {
         .unwrap();
     assert_eq!(again.bind_to, published.bind_to);
     assert_eq!(scene.binds(), vec![bind.clone()], "no second mount stacked");
-    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    api.unpublish(&unpublish_request("vol1", "w1"))
+        .await
+        .unwrap();
     assert!(scene.binds().is_empty());
     assert!(
         !scene.root.join("w1/rootfs").exists(),
@@ -263,7 +263,9 @@ async fn a_dir_created_for_one_claim_and_shared_by_another_goes_with_the_last() 
     let mut binds = scene.binds();
     binds.sort();
     assert_eq!(binds, vec![first.clone(), second.clone()]);
-    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    api.unpublish(&unpublish_request("vol1", "w1"))
+        .await
+        .unwrap();
     assert!(
         !scene.root.join("pod/a").exists(),
         "the first claim's own dirs go"
@@ -272,7 +274,9 @@ async fn a_dir_created_for_one_claim_and_shared_by_another_goes_with_the_last() 
         second.is_dir(),
         "the shared parent stays while the second claim uses it"
     );
-    api.unpublish(&unpublish("vol2", "w2")).await.unwrap();
+    api.unpublish(&unpublish_request("vol2", "w2"))
+        .await
+        .unwrap();
     assert!(
         !scene.root.join("pod").exists(),
         "the parent csi-agent created goes with the last claim beneath it"
@@ -298,7 +302,9 @@ async fn a_component_swapped_for_a_symlink_before_unpublish_never_unmounts_the_w
     std::fs::rename(scene.root.join("w1/rootfs"), &moved).unwrap();
     std::fs::create_dir_all(scene.victim.join("data")).unwrap_or(());
     symlink(&scene.victim, &scene.root.join("w1/rootfs"));
-    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    api.unpublish(&unpublish_request("vol1", "w1"))
+        .await
+        .unwrap();
     // Our mount was found by its id where it went (still beneath the root) and unmounted
     // there; the victim's tmpfs was not touched.
     assert!(scene.binds().is_empty(), "{:?}", scene.binds());
@@ -319,7 +325,7 @@ async fn a_bind_moved_outside_the_roots_is_left_alone_and_the_claim_kept() {
     // Moved out of the bind root entirely (the same file system, so rename works).
     let outside = scene.dir.path().join("outside");
     std::fs::rename(scene.root.join("w1/rootfs"), &outside).unwrap();
-    let (status, body) = api_error(api.unpublish(&unpublish("vol1", "w1")).await);
+    let (status, body) = api_error(api.unpublish(&unpublish_request("vol1", "w1")).await);
     assert!(status == 409 || status == 500, "{status}: {}", body.message);
     assert!(
         body.message.contains("outside every --bind-root"),
@@ -332,7 +338,9 @@ async fn a_bind_moved_outside_the_roots_is_left_alone_and_the_claim_kept() {
     assert!(volume.claims.contains(&"w1".to_owned()), "{volume:?}");
     // Moved back, the unpublish completes.
     std::fs::rename(&outside, scene.root.join("w1/rootfs")).unwrap();
-    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    api.unpublish(&unpublish_request("vol1", "w1"))
+        .await
+        .unwrap();
     assert!(scene.binds().is_empty());
     assert!(
         mounts_under(scene.dir.path())
@@ -396,14 +404,18 @@ async fn foreign_mount_points_shared_and_nested_paths_are_refused() {
         "unpublish it first",
     )
     .await;
-    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    api.unpublish(&unpublish_request("vol1", "w1"))
+        .await
+        .unwrap();
     // The foreign mount survived every unpublish.
     assert_eq!(mounts_under(&scene.root), vec![foreign.clone()]);
     // Freed, the path can be used by another claim.
     api.publish(&publish_bound("vol2", "w2", &bind))
         .await
         .unwrap();
-    api.unpublish(&unpublish("vol2", "w2")).await.unwrap();
+    api.unpublish(&unpublish_request("vol2", "w2"))
+        .await
+        .unwrap();
     assert_eq!(mounts_under(&scene.root), vec![foreign]);
     scene.assert_victim_intact();
 }
@@ -416,7 +428,9 @@ async fn a_symlink_swapped_in_between_two_publishes_is_refused() {
     api.publish(&publish_bound("vol1", "w1", &bind))
         .await
         .unwrap();
-    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    api.unpublish(&unpublish_request("vol1", "w1"))
+        .await
+        .unwrap();
     std::fs::create_dir_all(scene.root.join("w1")).unwrap();
     let _ = std::fs::remove_dir_all(scene.root.join("w1/rootfs"));
     symlink(&scene.victim, &scene.root.join("w1/rootfs"));
@@ -458,7 +472,9 @@ async fn a_hand_edited_record_cannot_make_the_daemon_unmount_or_mount_outside() 
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     scene.assert_victim_intact();
-    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    api.unpublish(&unpublish_request("vol1", "w1"))
+        .await
+        .unwrap();
     scene.assert_victim_intact();
     // Our real bind at the old path is not in the record any more: it is left for the
     // operator (never guessed at), and the volume's own target is cleaned.
@@ -502,7 +518,9 @@ async fn a_crash_between_the_bind_and_its_record_is_adopted_not_doubled() {
         vec![bind.clone()],
         "adopted, not mounted twice"
     );
-    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    api.unpublish(&unpublish_request("vol1", "w1"))
+        .await
+        .unwrap();
     assert!(scene.binds().is_empty());
     assert!(mounts_under(&scene.daemon.work).is_empty());
 }
@@ -561,7 +579,9 @@ async fn crash_while_making_bind_dirs(point: &str) {
         .await
         .unwrap();
     assert_eq!(scene.binds(), vec![bind.clone()]);
-    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    api.unpublish(&unpublish_request("vol1", "w1"))
+        .await
+        .unwrap();
     assert!(scene.binds().is_empty());
     assert!(
         !scene.root.join("w1/rootfs").exists(),
@@ -603,7 +623,7 @@ async fn a_published_record_whose_bind_is_missing_is_bound_again() {
     scene
         .daemon
         .api()
-        .unpublish(&unpublish("vol1", "w1"))
+        .unpublish(&unpublish_request("vol1", "w1"))
         .await
         .unwrap();
     assert!(scene.binds().is_empty());
@@ -657,7 +677,7 @@ async fn unbinds_blocked_in_the_kernel_stall_no_read() {
         .map(|i| {
             let api = api.clone();
             tokio::spawn(async move {
-                api.unpublish(&unpublish(&format!("vol{i}"), &format!("w{i}")))
+                api.unpublish(&unpublish_request(&format!("vol{i}"), &format!("w{i}")))
                     .await
             })
         })

@@ -7,14 +7,13 @@
 //! Run as root under `unshare -m --propagation private`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod support;
-
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use csi_agent::mounts::require_private_mount_namespace;
 use csi_agent_api::ApiError;
-use support::*;
+use csi_agent_testkit::node::*;
+use csi_agent_testkit::*;
 
 const LOOKUPS: usize = 100_000;
 /// Lookups made before the baseline is taken, so that what any first request allocates once

@@ -9,15 +9,14 @@
 //! docs/recovery.md, "Crash matrix on the real daemon").
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod support;
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use csi_agent::mounts::require_private_mount_namespace;
+use csi_agent_testkit::node::*;
+use csi_agent_testkit::*;
 use serde_json::json;
-use support::*;
 
 const VOLUME: &str = "vol";
 const WORKLOAD: &str = "w1";
@@ -574,7 +573,7 @@ async fn the_plugin_killed_during_each_rpc_is_restarted_and_the_request_complete
             tokio::spawn(async move {
                 match phase {
                     Phase::Publish => api
-                        .publish(&publish_request(VOLUME, WORKLOAD))
+                        .publish(&publish_with_secrets(VOLUME, WORKLOAD))
                         .await
                         .map(|_| ()),
                     Phase::Unpublish => api
@@ -711,7 +710,7 @@ async fn reach(node: &Node, before: Before) -> (Want, Vec<&'static str>) {
             // Retried until the operation timeout; the reboot cuts it short.
             tokio::spawn(async move {
                 if publishing {
-                    let _ = api.publish(&publish_request(VOLUME, WORKLOAD)).await;
+                    let _ = api.publish(&publish_with_secrets(VOLUME, WORKLOAD)).await;
                 } else {
                     let _ = api.unpublish(&unpublish_request(VOLUME, WORKLOAD)).await;
                 }

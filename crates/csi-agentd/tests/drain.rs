@@ -3,11 +3,9 @@
 //! and the drained daemon publishes nothing more. Run under `unshare -m --propagation private`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::process::Command;
 
-use common::*;
+use csi_agent_testkit::*;
 
 fn plugin_processes(dir: &std::path::Path) -> Vec<String> {
     let out = Command::new("pgrep")
@@ -27,7 +25,9 @@ async fn drain_releases_every_claim_stops_every_plugin_and_refuses_new_work() {
     let daemon = setup(dir.path(), &[]);
     let api = daemon.api();
     for (volume, workload) in [("vol1", "w1"), ("vol1", "w2"), ("vol2", "w3")] {
-        api.publish(&publish(volume, workload)).await.unwrap();
+        api.publish(&publish_request(volume, workload))
+            .await
+            .unwrap();
     }
     assert_eq!(
         mounts_under(&daemon.work).len(),
@@ -68,7 +68,7 @@ async fn drain_releases_every_claim_stops_every_plugin_and_refuses_new_work() {
     );
 
     // Drained: a publish is refused, and starts no plugin again.
-    let (status, body) = api_error(api.publish(&publish("vol1", "w1")).await);
+    let (status, body) = api_error(api.publish(&publish_request("vol1", "w1")).await);
     assert_eq!(status, 503);
     assert!(body.message.contains("drained"), "{}", body.message);
     assert!(plugin_processes(dir.path()).is_empty());

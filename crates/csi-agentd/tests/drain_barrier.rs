@@ -6,16 +6,14 @@
 //! `unshare -m --propagation private`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use common::*;
 use csi_agent_api::{ApiError, DrainReport, DrainRequest};
+use csi_agent_testkit::*;
 
 const CLIENTS: usize = 8;
 const ITERATIONS: usize = 20;
@@ -62,7 +60,7 @@ async fn published_v1(dir: &Path) -> (Daemon, PathBuf, csi_agent_api::ApiClient)
 fn bind_request(binds: &Path, volume: &str, workload: &str) -> csi_agent_api::PublishRequest {
     let path = binds.join(workload).join(volume);
     std::fs::create_dir_all(&path).unwrap();
-    let mut request = publish(volume, workload);
+    let mut request = publish_request(volume, workload);
     request.bind_to = Some(path.to_string_lossy().into_owned());
     request
 }
@@ -170,7 +168,7 @@ async fn drain_under_eight_binding_clients_is_complete_or_says_what_is_left_twen
                     }
                     if round % 2 == 1 {
                         // Every other publish stays, so the drain finds claims to release.
-                        match api.unpublish(&unpublish(volume, &workload)).await {
+                        match api.unpublish(&unpublish_request(volume, &workload)).await {
                             Ok(_) => {}
                             Err(err) if refused_for_draining(&err) => {
                                 refused += 1;
@@ -266,7 +264,7 @@ async fn a_drain_that_times_out_lists_what_is_left_and_a_second_drain_finishes()
         "{listed:?}"
     );
     // Still drained: no new work.
-    let err = api.publish(&publish("v2", "w2")).await.unwrap_err();
+    let err = api.publish(&publish_request("v2", "w2")).await.unwrap_err();
     assert!(refused_for_draining(&err), "{err}");
 
     // The cause fixed, the second drain waits for the unpublish still in flight and finishes.
@@ -322,7 +320,9 @@ async fn a_volume_left_in_a_transient_state_is_driven_down_or_reported_never_ski
         dir.path(),
         r#"{"rules":[{"method":"NodeUnstageVolume","fail":{"code":"INTERNAL"},"times":1}]}"#,
     );
-    api.unpublish(&unpublish("v1", "w1")).await.unwrap_err();
+    api.unpublish(&unpublish_request("v1", "w1"))
+        .await
+        .unwrap_err();
     let record = api.volumes().await.unwrap();
     let v1 = record.volumes.iter().find(|v| v.volume_id == "v1").unwrap();
     assert!(v1.claims.is_empty(), "{v1:?}");

@@ -3,8 +3,6 @@
 //! (and TCP), and `csictl`. Real bind mounts: run under `unshare -m --propagation private`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -14,7 +12,7 @@ use csi_agent::mounts::require_private_mount_namespace;
 use csi_agent_api::{ApiClient, ErrorCode};
 use serde_json::json;
 
-use common::*;
+use csi_agent_testkit::*;
 
 #[tokio::test]
 async fn publish_write_unpublish_through_csictl_leaves_nothing_mounted() {
@@ -87,19 +85,21 @@ async fn bind_to_mounts_for_the_workload_and_readonly_refuses_writes() {
     let daemon = setup(dir.path(), &["--bind-root", sandboxes.to_str().unwrap()]);
     let api = daemon.api();
     let bind = sandboxes.join("container-rootfs/data");
-    let mut request = publish("vol1", "w1");
+    let mut request = publish_request("vol1", "w1");
     request.bind_to = Some(bind.to_string_lossy().into_owned());
     let published = api.publish(&request).await.unwrap();
     assert_eq!(published.bind_to.as_deref(), Some(bind.to_str().unwrap()));
     std::fs::write(bind.join("seen"), b"1").unwrap();
     assert!(dir.path().join("plugin/volumes/vol1/seen").exists());
-    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    api.unpublish(&unpublish_request("vol1", "w1"))
+        .await
+        .unwrap();
     assert!(!mounts_under(dir.path()).contains(&bind));
     assert!(mounts_under(&daemon.work).is_empty());
 
     // Read-only: the target and the workload's bind both refuse writes.
     let ro_bind = sandboxes.join("ro-rootfs/data");
-    let mut request = publish("vol2", "w2");
+    let mut request = publish_request("vol2", "w2");
     request.readonly = true;
     request.bind_to = Some(ro_bind.to_string_lossy().into_owned());
     let published = api.publish(&request).await.unwrap();
@@ -107,11 +107,13 @@ async fn bind_to_mounts_for_the_workload_and_readonly_refuses_writes() {
         let err = std::fs::write(path.join("x"), b"x").unwrap_err();
         assert_eq!(err.raw_os_error(), Some(30), "{}: {err}", path.display());
     }
-    api.unpublish(&unpublish("vol2", "w2")).await.unwrap();
+    api.unpublish(&unpublish_request("vol2", "w2"))
+        .await
+        .unwrap();
     assert!(mounts_under(dir.path()).is_empty());
 
     // A read-write request for a read-only access mode is refused and changes nothing.
-    let mut contradiction = publish("vol2", "w3");
+    let mut contradiction = publish_request("vol2", "w3");
     contradiction.capability.access_mode = "SINGLE_NODE_READER_ONLY".to_owned();
     let (status, body) = api_error(api.publish(&contradiction).await);
     assert_eq!(status, 400);
@@ -123,17 +125,29 @@ async fn bind_to_mounts_for_the_workload_and_readonly_refuses_writes() {
 async fn unpublish_after_the_daemon_was_killed_cleans_everything() {
     let dir = tempfile::tempdir().unwrap();
     let mut daemon = setup(dir.path(), &[]);
-    let published = daemon.api().publish(&publish("vol1", "w1")).await.unwrap();
-    daemon.api().publish(&publish("vol2", "w2")).await.unwrap();
+    let published = daemon
+        .api()
+        .publish(&publish_request("vol1", "w1"))
+        .await
+        .unwrap();
+    daemon
+        .api()
+        .publish(&publish_request("vol2", "w2"))
+        .await
+        .unwrap();
     daemon.kill9();
     // Workloads keep their volumes while the daemon is down.
     assert!(mounts_under(&daemon.work).contains(&PathBuf::from(&published.target_path)));
     daemon.start();
     let api = daemon.api();
     // Mesos's UnpublishAfterAgentFailover.
-    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    api.unpublish(&unpublish_request("vol1", "w1"))
+        .await
+        .unwrap();
     // A workload that ended while the daemon was down: the agent unpublishes it now.
-    api.unpublish(&unpublish("vol2", "w2")).await.unwrap();
+    api.unpublish(&unpublish_request("vol2", "w2"))
+        .await
+        .unwrap();
     assert!(mounts_under(&daemon.work).is_empty());
     assert!(api.volumes().await.unwrap().volumes.is_empty());
     // The plugin was adopted, not relaunched.
@@ -145,7 +159,11 @@ async fn unpublish_after_the_daemon_was_killed_cleans_everything() {
 async fn on_request_start_holds_requests_and_launches_nothing_until_start() {
     let dir = tempfile::tempdir().unwrap();
     let mut daemon = setup(dir.path(), &[]);
-    daemon.api().publish(&publish("vol1", "w1")).await.unwrap();
+    daemon
+        .api()
+        .publish(&publish_request("vol1", "w1"))
+        .await
+        .unwrap();
     daemon.kill9();
     // Stop the plugin too, so that "not launched before start" can be observed.
     let _ = Command::new("pkill")
@@ -161,7 +179,7 @@ async fn on_request_start_holds_requests_and_launches_nothing_until_start() {
     let calls_before = std::fs::read_to_string(dir.path().join("plugin/calls.jsonl")).unwrap();
     let waiting = {
         let api = api.clone();
-        tokio::spawn(async move { api.unpublish(&unpublish("vol1", "w1")).await })
+        tokio::spawn(async move { api.unpublish(&unpublish_request("vol1", "w1")).await })
     };
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(
@@ -216,11 +234,11 @@ async fn a_config_added_at_run_time_and_an_unmanaged_plugin_work() {
             {"csi_service": "CONTROLLER_SERVICE", "endpoint": unmanaged_socket}
         ]}),
     );
-    let mut request = publish("u1", "w1");
+    let mut request = publish_request("u1", "w1");
     request.plugin = "org.example.unmanaged".to_owned();
     let published = api.publish(&request).await.unwrap();
     assert!(mounts_under(&daemon.work).contains(&PathBuf::from(&published.target_path)));
-    let mut undo = unpublish("u1", "w1");
+    let mut undo = unpublish_request("u1", "w1");
     undo.plugin = "org.example.unmanaged".to_owned();
     api.unpublish(&undo).await.unwrap();
     let info = api.plugin("org.example.unmanaged").await.unwrap();
@@ -294,11 +312,11 @@ async fn bad_requests_get_clear_4xx_errors_and_change_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let daemon = setup(dir.path(), &[]);
     let api = daemon.api();
-    api.publish(&publish("vol1", "w1")).await.unwrap();
+    api.publish(&publish_request("vol1", "w1")).await.unwrap();
     let before = api.volumes().await.unwrap();
     let records_before = csi_agent::store::db::dump(&daemon.work).unwrap().len();
 
-    let mut unknown = publish("vol2", "w1");
+    let mut unknown = publish_request("vol2", "w1");
     unknown.plugin = "org.example.nope".to_owned();
     let (status, body) = api_error(api.publish(&unknown).await);
     assert_eq!((status, body.code), (404, ErrorCode::NotFound));
@@ -308,7 +326,7 @@ async fn bad_requests_get_clear_4xx_errors_and_change_nothing() {
         body.message
     );
 
-    let mut empty = publish("", "w1");
+    let mut empty = publish_request("", "w1");
     let (status, body) = api_error(api.publish(&empty).await);
     assert_eq!(status, 400);
     assert!(
@@ -325,18 +343,18 @@ async fn bad_requests_get_clear_4xx_errors_and_change_nothing() {
         body.message
     );
 
-    let mut bad_mode = publish("vol2", "w1");
+    let mut bad_mode = publish_request("vol2", "w1");
     bad_mode.capability.access_mode = "WRITE_MANY".to_owned();
     let (status, body) = api_error(api.publish(&bad_mode).await);
     assert_eq!(status, 400);
     assert!(body.message.contains("WRITE_MANY"));
 
-    let mut both = publish("vol2", "w1");
+    let mut both = publish_request("vol2", "w1");
     both.capability.block = Some(Default::default());
     let (status, _) = api_error(api.publish(&both).await);
     assert_eq!(status, 400);
 
-    let mut conflict = publish("vol1", "w2");
+    let mut conflict = publish_request("vol1", "w2");
     conflict.readonly = true;
     let (status, body) = api_error(api.publish(&conflict).await);
     assert_eq!((status, body.code), (409, ErrorCode::Conflict));
@@ -383,7 +401,9 @@ async fn bad_requests_get_clear_4xx_errors_and_change_nothing() {
     assert_eq!(api.volumes().await.unwrap(), before);
     let records_after = csi_agent::store::db::dump(&daemon.work).unwrap().len();
     assert_eq!(records_after, records_before);
-    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    api.unpublish(&unpublish_request("vol1", "w1"))
+        .await
+        .unwrap();
 }
 
 #[tokio::test]
@@ -461,7 +481,7 @@ async fn sigterm_leaves_plugins_and_mounts_in_place_and_sighup_reloads() {
     let dir = tempfile::tempdir().unwrap();
     let mut daemon = setup(dir.path(), &[]);
     let api = daemon.api();
-    let published = api.publish(&publish("vol1", "w1")).await.unwrap();
+    let published = api.publish(&publish_request("vol1", "w1")).await.unwrap();
     let plugin = api.plugin(PLUGIN).await.unwrap();
     let pid = plugin.components[0].pid.unwrap();
 
@@ -510,7 +530,9 @@ async fn sigterm_leaves_plugins_and_mounts_in_place_and_sighup_reloads() {
 
     daemon.start();
     let api = daemon.api();
-    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    api.unpublish(&unpublish_request("vol1", "w1"))
+        .await
+        .unwrap();
     assert_eq!(
         api.plugin(PLUGIN).await.unwrap().components[0].pid,
         Some(pid),
@@ -524,14 +546,16 @@ async fn a_removed_plugin_outlives_its_published_volumes() {
     let dir = tempfile::tempdir().unwrap();
     let daemon = setup(dir.path(), &[]);
     let api = daemon.api();
-    api.publish(&publish("vol1", "w1")).await.unwrap();
+    api.publish(&publish_request("vol1", "w1")).await.unwrap();
     let pid = api.plugin(PLUGIN).await.unwrap().components[0].pid.unwrap();
     std::fs::remove_file(daemon.configs.join("test.json")).unwrap();
     let report = api.reload().await.unwrap();
     assert_eq!(report.removed, vec![PLUGIN.to_owned()]);
     // Still in use: kept, and the unpublish works.
     assert!(pid_alive(pid));
-    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    api.unpublish(&unpublish_request("vol1", "w1"))
+        .await
+        .unwrap();
     assert!(mounts_under(&daemon.work).is_empty());
     // Nothing in use any more: the next reload stops it.
     api.reload().await.unwrap();
@@ -562,7 +586,7 @@ async fn a_plugin_whose_initialization_failed_is_retried_on_the_next_request() {
     std::fs::write(&volumes, b"not a directory").unwrap();
     daemon.start();
     let api = daemon.api();
-    let (status, body) = api_error(api.publish(&publish("vol1", "w1")).await);
+    let (status, body) = api_error(api.publish(&publish_request("vol1", "w1")).await);
     assert_eq!(status, 503, "{body:?}");
     assert!(
         body.message.contains("org.example.test"),
@@ -573,8 +597,10 @@ async fn a_plugin_whose_initialization_failed_is_retried_on_the_next_request() {
     assert_eq!(info.state, "failed");
     // Repaired: the next request initializes it.
     std::fs::remove_file(&volumes).unwrap();
-    api.publish(&publish("vol1", "w1")).await.unwrap();
-    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    api.publish(&publish_request("vol1", "w1")).await.unwrap();
+    api.unpublish(&unpublish_request("vol1", "w1"))
+        .await
+        .unwrap();
     assert!(mounts_under(&daemon.work).is_empty());
 }
 
@@ -592,7 +618,7 @@ async fn secrets_reach_the_plugin_but_no_log_record_or_response() {
     daemon.extra = vec!["--log-format".into(), "json".into()];
     daemon.start();
     let api = daemon.api();
-    let mut request = publish("vol1", "w1");
+    let mut request = publish_request("vol1", "w1");
     request.secrets = Some(csi_agent_api::SecretsSpec {
         node_stage: [("user".to_owned(), "stage-t0psecret".to_owned())].into(),
         node_publish: [("key".to_owned(), "publish-t0psecret".to_owned())].into(),
@@ -605,7 +631,9 @@ async fn secrets_reach_the_plugin_but_no_log_record_or_response() {
     assert!(shown.contains("\"has_secrets\":true"));
     let listed = serde_json::to_string(&api.volumes().await.unwrap()).unwrap();
     assert!(!listed.contains("t0psecret"));
-    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    api.unpublish(&unpublish_request("vol1", "w1"))
+        .await
+        .unwrap();
     let log = std::fs::read_to_string(dir.path().join("daemon.log")).unwrap();
     assert!(!log.is_empty());
     assert!(
@@ -648,7 +676,7 @@ async fn a_publish_waits_no_longer_than_the_startup_timeout_and_says_so() {
     }
     daemon.api().reload().await.unwrap();
     for plugin_type in ["org.example.silent", "org.example.crashing"] {
-        let mut request = publish("vol1", "w1");
+        let mut request = publish_request("vol1", "w1");
         request.plugin = plugin_type.to_owned();
         let started = Instant::now();
         let (status, body) = api_error(daemon.api().publish(&request).await);
@@ -665,10 +693,14 @@ async fn a_publish_waits_no_longer_than_the_startup_timeout_and_says_so() {
         assert!(took < Duration::from_secs(10), "{plugin_type}: {took:?}");
     }
     // The working plugin was never held up.
-    daemon.api().publish(&publish("vol1", "w1")).await.unwrap();
     daemon
         .api()
-        .unpublish(&unpublish("vol1", "w1"))
+        .publish(&publish_request("vol1", "w1"))
+        .await
+        .unwrap();
+    daemon
+        .api()
+        .unpublish(&unpublish_request("vol1", "w1"))
         .await
         .unwrap();
 }

@@ -5,12 +5,10 @@
 //! The real daemon and the real test plugin; run under `unshare -m --propagation private`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::path::Path;
 use std::process::Command;
 
-use common::*;
+use csi_agent_testkit::*;
 use serde_json::json;
 
 /// The final gRPC codes (`csi_agent::client::classify`): repeating the call will not help, so

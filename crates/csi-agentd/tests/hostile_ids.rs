@@ -6,8 +6,6 @@
 //! Run under `unshare -m --propagation private`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod support;
-
 use std::collections::BTreeSet;
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
@@ -16,8 +14,9 @@ use std::time::Duration;
 
 use csi_agent::mounts::require_private_mount_namespace;
 use csi_agent_api::ApiError;
+use csi_agent_testkit::node::*;
+use csi_agent_testkit::*;
 use serde_json::Value;
-use support::*;
 
 /// Every path under `dir` (not following symlinks).
 fn tree(dir: &Path) -> BTreeSet<PathBuf> {
@@ -120,7 +119,7 @@ fn refusal<T: std::fmt::Debug>(result: Result<T, ApiError>) -> (u16, String, Str
 async fn started_node() -> Node {
     require_private_mount_namespace();
     let mut node = Node::new("vol1:1M");
-    node.log_format = "human";
+    node.log_format = Some("human");
     node.start(None).await;
     node.wait_recovered().await;
     node
@@ -162,7 +161,7 @@ async fn empty_and_oversized_ids_in_a_publish_are_refused_naming_the_field() {
         ),
     ];
     for (field, value, status, wanted) in cases {
-        let mut request = publish_request("vol1", "w1");
+        let mut request = publish_with_secrets("vol1", "w1");
         match field {
             "volume_id" => request.volume_id = value.clone(),
             "workload" => request.workload = value.clone(),
@@ -316,7 +315,7 @@ async fn urls_that_are_not_utf8_and_bodies_over_the_limit_get_the_error_shape() 
     );
 
     // A publish body over the 1 MiB limit: 413 in the error shape, nothing done.
-    let mut big = publish_request("vol1", "w2");
+    let mut big = publish_with_secrets("vol1", "w2");
     big.volume_context = Some([("pad".to_owned(), "x".repeat(2 << 20))].into());
     let body = serde_json::to_vec(&big).unwrap();
     let mut request = format!(

@@ -6,14 +6,13 @@
 //! state. Run under `unshare -m --propagation private`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod support;
-
 use std::time::{Duration, Instant};
 
 use csi_agent::mounts::require_private_mount_namespace;
 use csi_agent_api::{ApiError, CreateVolumeRequest};
+use csi_agent_testkit::node::*;
+use csi_agent_testkit::*;
 use serde_json::{Value, json};
-use support::*;
 
 const OTHER: &str = "org.example.other";
 
@@ -112,7 +111,7 @@ async fn a_hung_rpc_is_answered_within_the_deadline_and_other_plugins_and_reads_
     let started = Instant::now();
     let hung = tokio::spawn({
         let api = node.api();
-        async move { api.publish(&publish_request("vol1", "w1")).await }
+        async move { api.publish(&publish_with_secrets("vol1", "w1")).await }
     });
     // While NodeStage hangs: health, the plugin list and the other plugin answer promptly.
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -128,7 +127,7 @@ async fn a_hung_rpc_is_answered_within_the_deadline_and_other_plugins_and_reads_
             asked.elapsed()
         );
     }
-    let mut request = publish_request("vol1", "w2");
+    let mut request = publish_with_secrets("vol1", "w2");
     request.plugin = OTHER.to_owned();
     api.publish(&request).await.unwrap();
     assert!(!hung.is_finished(), "the hung publish answered too early");
@@ -285,7 +284,7 @@ async fn a_wrong_volume_id_is_refused_and_duplicates_are_listed_once() {
         plugin: PLUGIN.to_owned(),
         name: name.to_owned(),
         capacity_bytes: 1 << 20,
-        capability: publish_request("x", "y").capability,
+        capability: publish_with_secrets("x", "y").capability,
         parameters: Default::default(),
     };
     for (answer, wanted) in [

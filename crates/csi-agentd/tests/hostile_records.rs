@@ -9,8 +9,6 @@
 //! Run under `unshare -m --propagation private`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod support;
-
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -18,8 +16,9 @@ use std::time::{Duration, Instant};
 
 use csi_agent::layout::encode_id;
 use csi_agent::mounts::{MountTable, require_private_mount_namespace};
+use csi_agent_testkit::node::*;
+use csi_agent_testkit::*;
 use serde_json::{Value, json};
-use support::*;
 
 const VOLUMES: &str = "vol1:1M,vol2:1M,vol3:1M,vol4:1M";
 
@@ -51,7 +50,7 @@ impl Scene {
         assert!(status.success());
         std::fs::write(victim.join("passwd"), "root:x:0:0").unwrap();
         let mut node = Node::new(VOLUMES);
-        node.extra_args = vec![
+        node.extra = vec![
             "--bind-root".to_owned(),
             sandboxes.to_str().unwrap().to_owned(),
         ];

@@ -6,19 +6,14 @@
 //! `unshare -m --propagation private`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-mod image_support;
-#[path = "../../csi-agent/tests/registry_support/mod.rs"]
-mod registry_support;
-
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-use common::*;
-use image_support::*;
-use registry_support::*;
+use csi_agent_testkit::image::*;
+use csi_agent_testkit::registry::*;
+use csi_agent_testkit::*;
 
 const SECOND: &str = "org.example.second";
 const BROKEN: &str = "org.example.broken";
@@ -85,7 +80,7 @@ async fn a_mesos_config_naming_an_image_runs_the_plugin_from_the_registry() {
     daemon.start();
     let api = daemon.api();
 
-    let published = api.publish(&publish("vol1", "w1")).await.unwrap();
+    let published = api.publish(&publish_request("vol1", "w1")).await.unwrap();
     let target = PathBuf::from(&published.target_path);
     assert!(
         is_mounted(&target),
@@ -182,7 +177,7 @@ async fn a_mesos_config_naming_an_image_runs_the_plugin_from_the_registry() {
         }),
     );
     api.reload().await.unwrap();
-    let mut request = publish("v9", "w9");
+    let mut request = publish_request("v9", "w9");
     request.plugin = SECOND.to_owned();
     let second = api.publish(&request).await.unwrap();
     assert!(is_mounted(Path::new(&second.target_path)));
@@ -217,7 +212,7 @@ async fn a_mesos_config_naming_an_image_runs_the_plugin_from_the_registry() {
         "a write reached the shared layer"
     );
 
-    let mut request = publish("vol1", "w1");
+    let mut request = publish_request("vol1", "w1");
     request.plugin = BROKEN.to_owned();
     let api_broken = daemon.api();
     let attempt = tokio::spawn(async move { api_broken.publish(&request).await });
@@ -231,7 +226,9 @@ async fn a_mesos_config_naming_an_image_runs_the_plugin_from_the_registry() {
     assert!(ready_pid(&info).is_none());
     attempt.abort();
     // The first plugin still serves.
-    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    api.unpublish(&unpublish_request("vol1", "w1"))
+        .await
+        .unwrap();
     assert!(!is_mounted(&target));
     let info = api.plugin(PLUGIN).await.unwrap();
     assert_eq!(ready_pid(&info), Some(pid), "{info:?}");
@@ -282,7 +279,7 @@ async fn a_mesos_config_naming_an_image_runs_the_plugin_from_the_registry() {
         std::fs::remove_file(daemon.configs.join(file)).unwrap();
     }
     api.unpublish(&{
-        let mut request = unpublish("v9", "w9");
+        let mut request = unpublish_request("v9", "w9");
         request.plugin = SECOND.to_owned();
         request
     })
@@ -368,7 +365,7 @@ async fn a_daemon_killed_mid_pull_finishes_on_restart_and_keeps_no_partial_blob(
     // A publish makes the plugin start, which pulls; the daemon is SIGKILLed as soon as a
     // blob is being written or a layer being unpacked.
     let api = daemon.api();
-    let attempt = tokio::spawn(async move { api.publish(&publish("vol1", "w1")).await });
+    let attempt = tokio::spawn(async move { api.publish(&publish_request("vol1", "w1")).await });
     let deadline = Instant::now() + Duration::from_secs(60);
     let caught = loop {
         let (b, r) = (temp_names(&blobs), temp_names(&rootfs));
@@ -390,7 +387,7 @@ async fn a_daemon_killed_mid_pull_finishes_on_restart_and_keeps_no_partial_blob(
     // all there by then, or being finished).
     daemon.start();
     let api = daemon.api();
-    let attempt = tokio::spawn(async move { api.publish(&publish("vol1", "w1")).await });
+    let attempt = tokio::spawn(async move { api.publish(&publish_request("vol1", "w1")).await });
     let deadline = Instant::now() + Duration::from_secs(60);
     while temp_names(&rootfs).is_empty() {
         // Only a complete rootfs (a name not starting with `.tmp-`) means it was missed.
@@ -415,7 +412,11 @@ async fn a_daemon_killed_mid_pull_finishes_on_restart_and_keeps_no_partial_blob(
     // Restarted: the leftovers are removed before anything uses the store, the pull
     // finishes, the plugin runs from the image.
     daemon.start();
-    let published = daemon.api().publish(&publish("vol1", "w1")).await.unwrap();
+    let published = daemon
+        .api()
+        .publish(&publish_request("vol1", "w1"))
+        .await
+        .unwrap();
     assert!(is_mounted(Path::new(&published.target_path)));
     assert_eq!(temp_names(&blobs), Vec::<String>::new());
     assert_eq!(temp_names(&rootfs), Vec::<String>::new());
@@ -440,7 +441,9 @@ async fn a_daemon_killed_mid_pull_finishes_on_restart_and_keeps_no_partial_blob(
     assert!(Path::new(&format!("/proc/{pid}/root/bin/csi-testplugin")).is_file());
 
     let api = daemon.api();
-    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    api.unpublish(&unpublish_request("vol1", "w1"))
+        .await
+        .unwrap();
     std::fs::remove_file(daemon.configs.join("test.json")).unwrap();
     api.reload().await.unwrap();
     containers.wait_gone().await;
@@ -491,7 +494,7 @@ async fn a_registry_down_is_reported_on_the_plugin_and_the_pull_retried_once_it_
     );
     daemon.start();
     let api = daemon.api();
-    let attempt = tokio::spawn(async move { api.publish(&publish("vol1", "w1")).await });
+    let attempt = tokio::spawn(async move { api.publish(&publish_request("vol1", "w1")).await });
     let info = wait_plugin(&daemon, PLUGIN, "the registry reported unreachable", |i| {
         i.components
             .first()
@@ -517,11 +520,17 @@ async fn a_registry_down_is_reported_on_the_plugin_and_the_pull_retried_once_it_
     .await;
     assert!(info.components[0].restarts >= 2, "{info:?}");
     attempt.abort();
-    let published = daemon.api().publish(&publish("vol1", "w1")).await.unwrap();
+    let published = daemon
+        .api()
+        .publish(&publish_request("vol1", "w1"))
+        .await
+        .unwrap();
     assert!(is_mounted(Path::new(&published.target_path)));
 
     let api = daemon.api();
-    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    api.unpublish(&unpublish_request("vol1", "w1"))
+        .await
+        .unwrap();
     std::fs::remove_file(daemon.configs.join("test.json")).unwrap();
     api.reload().await.unwrap();
     containers.wait_gone().await;
@@ -591,7 +600,7 @@ async fn a_daemon_killed_while_starting_a_container_from_an_image_leaves_one_and
             format!("{point}=exit"),
         ));
         daemon.start();
-        let failed = daemon.api().publish(&publish("vol1", "w1")).await;
+        let failed = daemon.api().publish(&publish_request("vol1", "w1")).await;
         assert!(failed.is_err(), "{point}: the publish succeeded");
         daemon.wait_exit();
         // What the kill left: the overlay mounted, and a container from the second point on.
@@ -600,7 +609,7 @@ async fn a_daemon_killed_while_starting_a_container_from_an_image_leaves_one_and
         daemon.env.clear();
         daemon.start();
         let api = daemon.api();
-        let published = api.publish(&publish("vol1", "w1")).await.unwrap();
+        let published = api.publish(&publish_request("vol1", "w1")).await.unwrap();
         assert!(is_mounted(Path::new(&published.target_path)), "{point}");
         let info = wait_plugin(&daemon, PLUGIN, "the plugin ready", |i| {
             ready_pid(i).is_some()
@@ -622,7 +631,9 @@ async fn a_daemon_killed_while_starting_a_container_from_an_image_leaves_one_and
             overlays_under(&run)
         );
 
-        api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+        api.unpublish(&unpublish_request("vol1", "w1"))
+            .await
+            .unwrap();
         std::fs::remove_file(daemon.configs.join("test.json")).unwrap();
         api.reload().await.unwrap();
         let deadline = Instant::now() + Duration::from_secs(20);

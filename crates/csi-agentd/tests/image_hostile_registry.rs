@@ -1,5 +1,5 @@
 //! Issue #23, item 2, through the real daemon: a hostile registry on loopback
-//! (`registry_support::hostile`) sending an endless manifest, or a 404 with an endless body,
+//! (`csi_agent_testkit::registry::hostile`) sending an endless manifest, or a 404 with an endless body,
 //! to `csi-agentd` pulling for a plugin config and for `POST /v1/images/pull`. The pull fails
 //! at the cap with a 400 naming the registry, the reference and the cap; the daemon's RSS
 //! (`VmRSS`) stays under 64 MiB above its idle RSS; `GET /v1/health` and `GET /v1/plugins`
@@ -8,19 +8,14 @@
 //! Run under `unshare -m --propagation private`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-mod image_support;
-#[path = "../../csi-agent/tests/registry_support/mod.rs"]
-mod registry_support;
-
 use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-use common::*;
-use image_support::*;
-use registry_support::hostile::{HostileRegistry, Hostility};
-use registry_support::*;
+use csi_agent_testkit::image::*;
+use csi_agent_testkit::registry::hostile::{HostileRegistry, Hostility};
+use csi_agent_testkit::registry::*;
+use csi_agent_testkit::*;
 
 const PLUGIN: &str = "org.example.hostile";
 

@@ -6,18 +6,13 @@
 //! leaving the store as it was. Real mounts: run under `unshare -m --propagation private`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-mod image_support;
-#[path = "../../csi-agent/tests/registry_support/mod.rs"]
-mod registry_support;
-
 use std::path::{Path, PathBuf};
 
 use serde_json::json;
 
-use common::*;
-use image_support::*;
-use registry_support::*;
+use csi_agent_testkit::image::*;
+use csi_agent_testkit::registry::*;
+use csi_agent_testkit::*;
 
 const DOCKER_PLUGIN: &str = "org.example.docker";
 
@@ -154,7 +149,7 @@ async fn archives_imported_through_the_daemon_run_the_plugin_without_a_registry(
     daemon.add_config("docker.json", &docker);
     api.reload().await.unwrap();
 
-    let published = api.publish(&publish("vol1", "w1")).await.unwrap();
+    let published = api.publish(&publish_request("vol1", "w1")).await.unwrap();
     let target = PathBuf::from(&published.target_path);
     assert!(is_mounted(&target), "{}", target.display());
     std::fs::write(target.join("file"), b"imported").unwrap();
@@ -162,7 +157,7 @@ async fn archives_imported_through_the_daemon_run_the_plugin_without_a_registry(
         std::fs::read(plugin_dir.join("volumes/vol1/file")).unwrap(),
         b"imported"
     );
-    let mut request = publish("d1", "w2");
+    let mut request = publish_request("d1", "w2");
     request.plugin = DOCKER_PLUGIN.to_owned();
     let second = api.publish(&request).await.unwrap();
     assert!(is_mounted(Path::new(&second.target_path)));
@@ -261,8 +256,10 @@ async fn archives_imported_through_the_daemon_run_the_plugin_without_a_registry(
     );
 
     // Clean up: the plugins and their containers.
-    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
-    let mut request = unpublish("d1", "w2");
+    api.unpublish(&unpublish_request("vol1", "w1"))
+        .await
+        .unwrap();
+    let mut request = unpublish_request("d1", "w2");
     request.plugin = DOCKER_PLUGIN.to_owned();
     api.unpublish(&request).await.unwrap();
     for file in ["oci.json", "docker.json"] {

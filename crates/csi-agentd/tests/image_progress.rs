@@ -6,11 +6,6 @@
 //! `unshare -m --propagation private`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-mod image_support;
-#[path = "../../csi-agent/tests/registry_support/mod.rs"]
-mod registry_support;
-
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::Arc;
@@ -19,9 +14,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-use common::*;
-use image_support::*;
-use registry_support::*;
+use csi_agent_testkit::image::*;
+use csi_agent_testkit::registry::*;
+use csi_agent_testkit::*;
 
 /// Forwards 127.0.0.1:<port> to `upstream`, the answers at about 6.5 MB/s (64 KiB every
 /// 10 ms), so that a pull of a few MB lasts long enough to be watched. Stops with `stop`.
@@ -172,8 +167,10 @@ async fn a_pull_in_flight_shows_its_bytes_on_the_api_and_on_the_waiting_plugin()
     .await;
     assert!(info.image_pulls.is_empty(), "{info:?}");
     assert!(api.image_pulls().await.unwrap().pulls.is_empty());
-    let published = api.publish(&publish("vol1", "w1")).await.unwrap();
+    let published = api.publish(&publish_request("vol1", "w1")).await.unwrap();
     assert!(is_mounted(std::path::Path::new(&published.target_path)));
-    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    api.unpublish(&unpublish_request("vol1", "w1"))
+        .await
+        .unwrap();
     stop.store(true, Ordering::Relaxed);
 }

@@ -4,18 +4,13 @@
 //! `unshare -m --propagation private`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-mod image_support;
-#[path = "../../csi-agent/tests/registry_support/mod.rs"]
-mod registry_support;
-
 use std::path::{Path, PathBuf};
 
 use serde_json::{Value, json};
 
-use common::*;
-use image_support::*;
-use registry_support::*;
+use csi_agent_testkit::image::*;
+use csi_agent_testkit::registry::*;
+use csi_agent_testkit::*;
 
 const SECOND: &str = "org.example.second";
 
@@ -181,7 +176,7 @@ async fn an_image_with_an_entrypoint_and_no_env_finds_mount_on_the_default_path(
     let api = daemon.api();
 
     // A publish that really mounts: the plugin started, so its shell found `mount`.
-    let published = api.publish(&publish("vol1", "w1")).await.unwrap();
+    let published = api.publish(&publish_request("vol1", "w1")).await.unwrap();
     let target = PathBuf::from(&published.target_path);
     assert!(is_mounted(&target), "{} is not mounted", target.display());
     let info = wait_plugin(&daemon, PLUGIN, "the plugin ready", |i| {
@@ -219,7 +214,9 @@ async fn an_image_with_an_entrypoint_and_no_env_finds_mount_on_the_default_path(
     // The daemon's (cargo's, here) stays outside.
     assert!(!env.iter().any(|v| v.starts_with("CARGO")), "{env:?}");
 
-    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    api.unpublish(&unpublish_request("vol1", "w1"))
+        .await
+        .unwrap();
     assert!(!is_mounted(&target));
     remove_all_plugins(&daemon, &containers).await;
     drop(daemon);
@@ -306,9 +303,9 @@ async fn an_image_symlink_at_a_mount_point_and_a_proc_working_dir_are_refused() 
     let api = daemon.api();
     let attempt = tokio::spawn({
         let api = daemon.api();
-        async move { api.publish(&publish("vol1", "w1")).await }
+        async move { api.publish(&publish_request("vol1", "w1")).await }
     });
-    let mut request = publish("vol1", "w2");
+    let mut request = publish_request("vol1", "w2");
     request.plugin = SECOND.to_owned();
     let second_attempt = tokio::spawn({
         let api = daemon.api();

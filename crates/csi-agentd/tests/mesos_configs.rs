@@ -25,8 +25,6 @@
 //! Real bind mounts: run under `unshare -m --propagation private`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -35,7 +33,7 @@ use csi_agent::mounts::require_private_mount_namespace;
 use csi_agent_api::PluginInfo;
 use serde_json::json;
 
-use common::*;
+use csi_agent_testkit::*;
 
 const DAEMON_NODE_ID: &str = "agent-7f3e";
 const OTHER: &str = "org.example.other";
@@ -165,9 +163,9 @@ async fn any_file_name_loads_and_the_plugin_gets_the_agents_variables() {
     assert!(!text.contains(".nfs.conf.swp"), "csictl plugins: {text}");
 
     // Both serve: a publish goes through ControllerPublish with the node id NodeGetInfo gave.
-    let published = api.publish(&publish("vol1", "w1")).await.unwrap();
+    let published = api.publish(&publish_request("vol1", "w1")).await.unwrap();
     assert!(Path::new(&published.target_path).is_dir());
-    let mut other = publish("o1", "w1");
+    let mut other = publish_request("o1", "w1");
     other.plugin = OTHER.to_owned();
     api.publish(&other).await.unwrap();
 
@@ -198,8 +196,10 @@ async fn any_file_name_loads_and_the_plugin_gets_the_agents_variables() {
     );
     assert!(cwd.starts_with(&daemon.work), "{cwd:?}");
 
-    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
-    let mut other = unpublish("o1", "w1");
+    api.unpublish(&unpublish_request("vol1", "w1"))
+        .await
+        .unwrap();
+    let mut other = unpublish_request("o1", "w1");
     other.plugin = OTHER.to_owned();
     api.unpublish(&other).await.unwrap();
     assert_eq!(mounts_under(dir.path()), Vec::<PathBuf>::new());
@@ -264,7 +264,7 @@ async fn a_secret_variable_reaches_the_plugin_and_nothing_else() {
     daemon.add_config("reference.json", &reference);
     daemon.start();
     let api = daemon.api();
-    api.publish(&publish("vol1", "w1")).await.unwrap();
+    api.publish(&publish_request("vol1", "w1")).await.unwrap();
     let info = ready_plugin(&daemon, PLUGIN).await;
 
     // The plugin has them.
@@ -340,7 +340,9 @@ async fn a_secret_variable_reaches_the_plugin_and_nothing_else() {
         Some(rotated)
     );
 
-    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    api.unpublish(&unpublish_request("vol1", "w1"))
+        .await
+        .unwrap();
     assert_eq!(mounts_under(dir.path()), Vec::<PathBuf>::new());
 }
 
@@ -498,7 +500,7 @@ async fn a_plugin_runs_as_its_command_user() {
     // It serves a publish (staging and target made by csi-agent, checked by the plugin as
     // nobody). Its unpublish is not asked: this plugin removes the target itself, which
     // nobody cannot do in a dir of root's (docs/configuration.md, `user`).
-    let published = api.publish(&publish("vol1", "w1")).await.unwrap();
+    let published = api.publish(&publish_request("vol1", "w1")).await.unwrap();
     assert!(
         published
             .target_path

@@ -17,8 +17,6 @@
 //! Real bind mounts: run under `unshare -m --propagation private`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream};
@@ -31,7 +29,7 @@ use csi_agent::mounts::require_private_mount_namespace;
 use csi_agent_api::{CreateVolumeRequest, PluginInfo};
 use serde_json::{Value, json};
 
-use common::*;
+use csi_agent_testkit::*;
 
 const SAMPLE_TYPE: &str = "org.apache.mesos.csi.test";
 const SAMPLE_PATH: &str = "/PATH/TO/test-csi-plugin";
@@ -260,11 +258,11 @@ async fn publish_through_the_daemon(daemon: &Daemon, plugin_type: &str) {
         })
         .await
         .unwrap();
-    let mut request = publish(&created.volume_id, "w1");
+    let mut request = publish_request(&created.volume_id, "w1");
     request.plugin = plugin_type.to_owned();
     let published = api.publish(&request).await.unwrap();
     assert!(Path::new(&published.target_path).is_dir());
-    let mut request = unpublish(&created.volume_id, "w1");
+    let mut request = unpublish_request(&created.volume_id, "w1");
     request.plugin = plugin_type.to_owned();
     api.unpublish(&request).await.unwrap();
 }

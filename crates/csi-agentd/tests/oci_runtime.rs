@@ -12,8 +12,6 @@
 //! that crun sees (and is tested on) the host's cgroup v1 hierarchies.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
@@ -23,7 +21,7 @@ use csi_agent::mounts::MountTable;
 use csi_agent_api::PluginInfo;
 use serde_json::{Value, json};
 
-use common::*;
+use csi_agent_testkit::*;
 
 const ID: &str = "csi-agent-org-example-test-default--CONTROLLER_SERVICE-NODE_SERVICE";
 
@@ -178,7 +176,7 @@ async fn publish_until_launch_fails(
 ) {
     let publishing = {
         let api = daemon.api();
-        tokio::spawn(async move { api.publish(&publish("vol1", "w1")).await })
+        tokio::spawn(async move { api.publish(&publish_request("vol1", "w1")).await })
     };
     let info = wait_plugin(daemon, what, Duration::from_secs(20), |i| {
         i.error.as_deref().is_some_and(&mut failed)
@@ -222,7 +220,7 @@ async fn the_plugin_runs_in_a_container_and_its_mounts_reach_the_host() {
 
     // A volume published through csi-agent is mounted by the plugin inside its container
     // and is the volume on the host.
-    let published = api.publish(&publish("vol1", "w1")).await.unwrap();
+    let published = api.publish(&publish_request("vol1", "w1")).await.unwrap();
     let target = PathBuf::from(&published.target_path);
     assert!(
         is_mounted(&target),
@@ -285,12 +283,14 @@ async fn the_plugin_runs_in_a_container_and_its_mounts_reach_the_host() {
     assert!(plugin_dir.join("probe").exists());
 
     // Unpublish: the plugin's unmount inside the container removes the mount on the host.
-    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    api.unpublish(&unpublish_request("vol1", "w1"))
+        .await
+        .unwrap();
     assert!(!is_mounted(&target), "still mounted after unpublish");
     assert!(!target.exists(), "the target is left behind");
 
     // The container killed → restarted (a new init), and it serves again.
-    api.publish(&publish("vol2", "w2")).await.unwrap();
+    api.publish(&publish_request("vol2", "w2")).await.unwrap();
     common_kill9(pid);
     let info = wait_plugin(
         &daemon,
@@ -302,7 +302,7 @@ async fn the_plugin_runs_in_a_container_and_its_mounts_reach_the_host() {
     let restarted = ready_pid(&info).unwrap();
     assert!(info.components[0].restarts >= 1, "{info:?}");
     assert_eq!(runc_list(&daemon.socket_root).len(), 1);
-    let again = api.publish(&publish("vol1", "w1")).await.unwrap();
+    let again = api.publish(&publish_request("vol1", "w1")).await.unwrap();
     assert!(is_mounted(Path::new(&again.target_path)));
 
     // The daemon SIGKILLed → the container adopted (same init), and volumes keep working.
@@ -310,7 +310,9 @@ async fn the_plugin_runs_in_a_container_and_its_mounts_reach_the_host() {
     assert!(Path::new(&format!("/proc/{restarted}")).exists());
     daemon.start();
     let api = daemon.api();
-    api.unpublish(&unpublish("vol2", "w2")).await.unwrap();
+    api.unpublish(&unpublish_request("vol2", "w2"))
+        .await
+        .unwrap();
     let info = wait_plugin(
         &daemon,
         "the adopted plugin",
@@ -320,7 +322,9 @@ async fn the_plugin_runs_in_a_container_and_its_mounts_reach_the_host() {
     .await;
     assert_eq!(ready_pid(&info), Some(restarted), "relaunched, not adopted");
     assert_eq!(info.components[0].restarts, 0, "{info:?}");
-    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    api.unpublish(&unpublish_request("vol1", "w1"))
+        .await
+        .unwrap();
     assert!(
         mounts_under(&daemon.work)
             .iter()
@@ -502,7 +506,11 @@ async fn a_container_stopped_while_the_daemon_was_down_is_replaced_and_a_changed
         &oci_config(&plugin_dir, json!({"kind": "oci"})),
     );
     daemon.start();
-    daemon.api().publish(&publish("vol1", "w1")).await.unwrap();
+    daemon
+        .api()
+        .publish(&publish_request("vol1", "w1"))
+        .await
+        .unwrap();
     let first = ready_pid(
         &wait_plugin(&daemon, "the plugin ready", Duration::from_secs(20), |i| {
             ready_pid(i).is_some()
@@ -529,7 +537,7 @@ async fn a_container_stopped_while_the_daemon_was_down_is_replaced_and_a_changed
     // Back: the stopped container is deleted and a new one serves.
     daemon.start();
     let api = daemon.api();
-    let published = api.publish(&publish("vol2", "w2")).await.unwrap();
+    let published = api.publish(&publish_request("vol2", "w2")).await.unwrap();
     assert!(is_mounted(Path::new(&published.target_path)));
     let info = wait_plugin(&daemon, "a new container", Duration::from_secs(20), |i| {
         ready_pid(i).is_some()
@@ -605,8 +613,12 @@ async fn a_container_stopped_while_the_daemon_was_down_is_replaced_and_a_changed
     assert_eq!(listed[0]["pid"], third);
 
     // The volumes published through the older containers are unpublished by the new one.
-    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
-    api.unpublish(&unpublish("vol2", "w2")).await.unwrap();
+    api.unpublish(&unpublish_request("vol1", "w1"))
+        .await
+        .unwrap();
+    api.unpublish(&unpublish_request("vol2", "w2"))
+        .await
+        .unwrap();
     std::fs::remove_file(daemon.configs.join("test.json")).unwrap();
     api.reload().await.unwrap();
     assert_eq!(runc_list(&daemon.socket_root), Vec::<Value>::new());
@@ -658,7 +670,7 @@ async fn a_daemon_killed_while_starting_a_container_leaves_exactly_one_after_res
             format!("{point}=exit"),
         ));
         daemon.start();
-        let failed = daemon.api().publish(&publish("vol1", "w1")).await;
+        let failed = daemon.api().publish(&publish_request("vol1", "w1")).await;
         assert!(failed.is_err(), "{point}: the publish succeeded");
         daemon.wait_exit_within(Duration::from_secs(60));
         // The container is left behind, created or running, with no record of it.
@@ -668,7 +680,7 @@ async fn a_daemon_killed_while_starting_a_container_leaves_exactly_one_after_res
         daemon.env.clear();
         daemon.start();
         let api = daemon.api();
-        let published = api.publish(&publish("vol1", "w1")).await.unwrap();
+        let published = api.publish(&publish_request("vol1", "w1")).await.unwrap();
         assert!(is_mounted(Path::new(&published.target_path)), "{point}");
         let info = wait_plugin(&daemon, "the plugin ready", Duration::from_secs(20), |i| {
             ready_pid(i).is_some()
@@ -681,7 +693,9 @@ async fn a_daemon_killed_while_starting_a_container_leaves_exactly_one_after_res
         assert_eq!(listed[0]["pid"], pid, "{point}");
         assert_eq!(plugin_processes(&plugin_dir), vec![pid], "{point}");
 
-        api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+        api.unpublish(&unpublish_request("vol1", "w1"))
+            .await
+            .unwrap();
         std::fs::remove_file(daemon.configs.join("test.json")).unwrap();
         api.reload().await.unwrap();
         assert_eq!(
@@ -814,7 +828,7 @@ async fn only_bidirectional_volumes_carry_mounts_made_inside_out_to_the_host() {
     daemon.add_config("test.json", &config);
     daemon.start();
     let api = daemon.api();
-    api.publish(&publish("vol1", "w1")).await.unwrap();
+    api.publish(&publish_request("vol1", "w1")).await.unwrap();
     let info = wait_plugin(&daemon, "the plugin ready", Duration::from_secs(20), |i| {
         ready_pid(i).is_some()
     })
@@ -894,7 +908,9 @@ async fn only_bidirectional_volumes_carry_mounts_made_inside_out_to_the_host() {
         "unmounted inside, still mounted on the host"
     );
 
-    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    api.unpublish(&unpublish_request("vol1", "w1"))
+        .await
+        .unwrap();
     std::fs::remove_file(daemon.configs.join("test.json")).unwrap();
     api.reload().await.unwrap();
     assert_eq!(runc_list(&daemon.socket_root), Vec::<Value>::new());
@@ -944,7 +960,9 @@ async fn a_bidirectional_volume_on_a_mount_that_is_not_shared_is_refused_naming_
         ready_pid(i).is_some()
     })
     .await;
-    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    api.unpublish(&unpublish_request("vol1", "w1"))
+        .await
+        .unwrap();
     std::fs::remove_file(daemon.configs.join("test.json")).unwrap();
     api.reload().await.unwrap();
     assert_eq!(runc_list(&daemon.socket_root), Vec::<Value>::new());

@@ -3,11 +3,9 @@
 //! The real daemon and the real test plugin; run under `unshare -m --propagation private`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::*;
+use csi_agent_testkit::*;
 
 fn plugin_running(dir: &std::path::Path) -> bool {
     std::process::Command::new("pgrep")
@@ -43,10 +41,12 @@ async fn a_lazily_started_plugin_is_shown_idle_and_starts_on_first_use() {
         text.contains("idle (starts on first use)"),
         "csictl explains the idle plugin: {text}"
     );
-    api.publish(&publish("vol1", "w1")).await.unwrap();
+    api.publish(&publish_request("vol1", "w1")).await.unwrap();
     assert!(plugin_running(dir.path()));
     assert_eq!(api.plugin(PLUGIN).await.unwrap().state, "ready");
-    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    api.unpublish(&unpublish_request("vol1", "w1"))
+        .await
+        .unwrap();
 }
 
 #[tokio::test]

@@ -6,14 +6,13 @@
 //! Real bind mounts: run as root under `unshare -m --propagation private`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod support;
-
 use std::time::{Duration, Instant};
 
 use csi_agent::mounts::require_private_mount_namespace;
 use csi_agent_api::{ApiError, VolumeQuery};
+use csi_agent_testkit::node::*;
+use csi_agent_testkit::*;
 use serde_json::{Value, json};
-use support::*;
 
 /// A read that must not wait: an upper bound far above what a read takes (a few ms, printed),
 /// and far below the plugin delays the tests inject.
@@ -199,7 +198,7 @@ async fn reads_answer_while_a_publish_is_stuck_in_the_plugin() {
     let api = node.api();
     let stuck = tokio::spawn({
         let api = api.clone();
-        async move { api.publish(&publish_request("slow", "w2")).await }
+        async move { api.publish(&publish_with_secrets("slow", "w2")).await }
     });
     eventually(
         "the stuck NodeStageVolume to be in the plugin",
@@ -278,7 +277,7 @@ async fn reads_answer_while_a_plugin_starts_after_a_restart() {
     std::fs::write(&config_file, serde_json::to_vec(&config).unwrap()).unwrap();
 
     // First with the start gate closed: the list answers at once and says it may grow.
-    node.extra_args = vec!["--start".into(), "on-request".into()];
+    node.extra = vec!["--start".into(), "on-request".into()];
     node.start(None).await;
     let api = node.api();
     let gated = timed("GET /v1/volumes before the start", api.volumes())
@@ -354,7 +353,7 @@ async fn a_publish_in_a_retry_loop_shows_its_attempts_and_logs_each_at_info() {
     let api = node.api();
     let publishing = tokio::spawn({
         let api = api.clone();
-        async move { api.publish(&publish_request("busy", "w2")).await }
+        async move { api.publish(&publish_with_secrets("busy", "w2")).await }
     });
     let deadline = Instant::now() + Duration::from_secs(10);
     let op = loop {

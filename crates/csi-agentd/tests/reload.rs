@@ -4,11 +4,9 @@
 //! `unshare -m --propagation private`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::*;
+use csi_agent_testkit::*;
 
 const OTHER: &str = "org.example.other";
 /// How long the changed plugin's old process keeps serving after SIGTERM.
@@ -32,8 +30,8 @@ async fn a_reload_waiting_for_a_slow_stop_blocks_no_read_and_no_other_plugin() {
     csi_agent::mounts::require_private_mount_namespace();
     daemon.start();
     let api = daemon.api();
-    api.publish(&publish("vol1", "w1")).await.unwrap();
-    let mut other = publish("v", "w1");
+    api.publish(&publish_request("vol1", "w1")).await.unwrap();
+    let mut other = publish_request("v", "w1");
     other.plugin = OTHER.to_owned();
     api.publish(&other).await.unwrap();
 
@@ -83,6 +81,8 @@ async fn a_reload_waiting_for_a_slow_stop_blocks_no_read_and_no_other_plugin() {
          something real"
     );
     // The replaced plugin keeps its volume and serves on its new component.
-    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    api.unpublish(&unpublish_request("vol1", "w1"))
+        .await
+        .unwrap();
     assert!(mounts_under(&daemon.work).is_empty());
 }

@@ -5,13 +5,11 @@
 //! volume converges. Run under `unshare -m --propagation private`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use common::*;
+use csi_agent_testkit::*;
 
 const CLIENTS: usize = 6;
 const RELOADS: usize = 50;
@@ -60,8 +58,8 @@ async fn fifty_reloads_under_six_publishing_clients_send_no_publish_without_stag
     daemon.start();
     let api = daemon.api();
     // The plugin initialized (the gate open) before the first reload, so that it changes it.
-    api.publish(&publish("v0", "w0")).await.unwrap();
-    api.unpublish(&unpublish("v0", "w0")).await.unwrap();
+    api.publish(&publish_request("v0", "w0")).await.unwrap();
+    api.unpublish(&unpublish_request("v0", "w0")).await.unwrap();
 
     let stop = Arc::new(AtomicBool::new(false));
     let _stop_on_panic = StopOnDrop(stop.clone());
@@ -76,11 +74,11 @@ async fn fifty_reloads_under_six_publishing_clients_send_no_publish_without_stag
             while !stop.load(Ordering::Acquire) {
                 // Errors are allowed (a plugin restarting may outlast a request); they are
                 // counted, and the end state is checked below.
-                match api.publish(&publish(&volume, &workload)).await {
+                match api.publish(&publish_request(&volume, &workload)).await {
                     Ok(_) => done.fetch_add(1, Ordering::Relaxed),
                     Err(_) => failed.fetch_add(1, Ordering::Relaxed),
                 };
-                match api.unpublish(&unpublish(&volume, &workload)).await {
+                match api.unpublish(&unpublish_request(&volume, &workload)).await {
                     Ok(_) => done.fetch_add(1, Ordering::Relaxed),
                     Err(_) => failed.fetch_add(1, Ordering::Relaxed),
                 };
@@ -160,9 +158,12 @@ async fn fifty_reloads_under_six_publishing_clients_send_no_publish_without_stag
     }
     // Final cleanup leaves nothing mounted.
     for client in 0..CLIENTS {
-        api.unpublish(&unpublish(&format!("v{client}"), &format!("w{client}")))
-            .await
-            .unwrap();
+        api.unpublish(&unpublish_request(
+            &format!("v{client}"),
+            &format!("w{client}"),
+        ))
+        .await
+        .unwrap();
     }
     assert!(
         mounts_under(&daemon.work).is_empty(),

@@ -4,11 +4,9 @@
 //! `unshare -m --propagation private`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::path::{Path, PathBuf};
 
-use common::*;
+use csi_agent_testkit::*;
 
 /// A daemon with `<dir>/sandboxes` as its bind root, and a victim dir outside it.
 struct Scene {
@@ -72,7 +70,9 @@ async fn a_workload_that_swaps_its_bind_dir_for_a_symlink_blocks_only_itself() {
 
     // B unpublishes and publishes again, and a third workload joins: none of them is
     // answered with A's problem.
-    api.unpublish(&unpublish("vol1", "w2")).await.unwrap();
+    api.unpublish(&unpublish_request("vol1", "w2"))
+        .await
+        .unwrap();
     assert!(!scene.binds().contains(&b_bind), "{:?}", scene.binds());
     api.publish(&publish_bound("vol1", "w2", &b_bind))
         .await
@@ -96,7 +96,7 @@ async fn a_workload_that_swaps_its_bind_dir_for_a_symlink_blocks_only_itself() {
 
     // Everyone unpublishes; A's bind is found where it was moved and taken down there.
     for w in ["w2", "w3", "w1"] {
-        api.unpublish(&unpublish("vol1", w)).await.unwrap();
+        api.unpublish(&unpublish_request("vol1", w)).await.unwrap();
     }
     assert!(scene.binds().is_empty(), "{:?}", scene.binds());
     let volumes = api.volumes().await.unwrap().volumes;
@@ -138,14 +138,18 @@ async fn a_bind_to_inside_another_workloads_moved_bind_is_refused() {
     assert_eq!(scene.binds(), vec![moved.clone()]);
 
     // A's unpublish is not blocked by anything mounted in its bind.
-    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    api.unpublish(&unpublish_request("vol1", "w1"))
+        .await
+        .unwrap();
     assert!(scene.binds().is_empty(), "{:?}", scene.binds());
     // Once A's bind is gone, the same place is a plain dir that B may use.
     api.publish(&publish_bound("vol1", "w2", &moved))
         .await
         .unwrap();
     assert_eq!(scene.binds(), vec![moved.clone()]);
-    api.unpublish(&unpublish("vol1", "w2")).await.unwrap();
+    api.unpublish(&unpublish_request("vol1", "w2"))
+        .await
+        .unwrap();
     assert!(scene.binds().is_empty());
     scene.assert_victim_untouched();
 }
@@ -268,7 +272,7 @@ async fn a_volume_at_its_claim_limits_publishes_in_time_linear_in_its_own_claims
     // The restarted daemon serves the volume: a few claims go (all 768 would take minutes
     // in a debug build, each write of the 2.4 MB record costing what its size costs).
     for i in CLAIMS - 8..CLAIMS {
-        api.unpublish(&unpublish("vol1", &long_workload(i)))
+        api.unpublish(&unpublish_request("vol1", &long_workload(i)))
             .await
             .unwrap();
         assert!(

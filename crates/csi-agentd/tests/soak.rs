@@ -10,8 +10,6 @@
 //! `unshare -m --propagation private`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod support;
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -19,7 +17,8 @@ use std::time::{Duration, Instant};
 
 use csi_agent::mounts::{MountTable, require_private_mount_namespace};
 use csi_agent_api::ApiClient;
-use support::*;
+use csi_agent_testkit::node::*;
+use csi_agent_testkit::*;
 
 const CLIENTS: usize = 16;
 const VOLUMES: usize = 8;
@@ -103,7 +102,7 @@ async fn client(
         let publish = rng.below(2) == 0;
         let started = Instant::now();
         let outcome = if publish {
-            let mut request = publish_request(volume, workload);
+            let mut request = publish_with_secrets(volume, workload);
             request.bind_to =
                 bind_path(&bind_root, volume, workload).map(|p| p.to_string_lossy().into_owned());
             api.publish(&request).await.map(|_| Belief::Claimed)
@@ -195,7 +194,7 @@ async fn sixteen_clients_under_plugin_and_daemon_kills_converge() {
         .tempdir_in("/tmp")
         .unwrap();
     let bind_root = bind_dir.path().to_path_buf();
-    node.extra_args = vec!["--bind-root".into(), bind_root.to_string_lossy().into()];
+    node.extra = vec!["--bind-root".into(), bind_root.to_string_lossy().into()];
     node.start(None).await;
     node.wait_recovered().await;
 
@@ -385,17 +384,16 @@ async fn sixteen_clients_under_plugin_and_daemon_kills_converge() {
         "directories created for bind_to are removed with their last claim"
     );
 
-    for start in 1..=node.starts {
-        let log = std::fs::read_to_string(node.root.path().join(format!("daemon-{start}.log")))
-            .unwrap_or_default();
-        assert!(
-            !log.contains("panicked"),
-            "daemon start {start} panicked: {log}"
-        );
-        // The node-stage secret every publish carries (`publish_request`) never reaches a log.
-        assert!(
-            !log.contains(SECRET),
-            "daemon start {start} logged the secret"
-        );
-    }
+    // Every daemon start appended to the one log: read them all at once.
+    let starts = node.starts;
+    let log = node.full_log();
+    assert!(
+        !log.contains("panicked"),
+        "a daemon start (of {starts}) panicked: {log}"
+    );
+    // The node-stage secret every publish carries (`publish_with_secrets`) never reaches a log.
+    assert!(
+        !log.contains(SECRET),
+        "a daemon start (of {starts}) logged the secret"
+    );
 }

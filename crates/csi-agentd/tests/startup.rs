@@ -5,14 +5,12 @@
 //! bind mounts: run as root under `unshare -m --propagation private`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::io::{Read, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::*;
+use csi_agent_testkit::*;
 
 /// How many kill -9 / restart rounds the restart test runs.
 const RESTARTS: usize = 50;
@@ -46,7 +44,11 @@ async fn a_daemon_started_at_once_after_kill_9_serves_fifty_times_in_a_row() {
     // A plugin with a published volume: the dying daemon has threads, sockets and a store
     // to let go of, as on a real node.
     let mut daemon = setup(dir.path(), &[]);
-    daemon.api().publish(&publish("vol1", "w1")).await.unwrap();
+    daemon
+        .api()
+        .publish(&publish_request("vol1", "w1"))
+        .await
+        .unwrap();
     wait_serving(&mut daemon).await;
     let started = Instant::now();
     let mut slowest = Duration::ZERO;
@@ -79,7 +81,7 @@ async fn a_daemon_started_at_once_after_kill_9_serves_fifty_times_in_a_row() {
     assert_eq!(volume.claims.len(), 1, "{volume:?}");
     daemon
         .api()
-        .unpublish(&unpublish("vol1", "w1"))
+        .unpublish(&unpublish_request("vol1", "w1"))
         .await
         .unwrap();
 }
@@ -212,11 +214,15 @@ async fn a_plugin_added_by_a_reload_is_not_said_to_wait_for_an_open_gate() {
     assert!(!text.contains("the start gate is closed"), "{text}");
     assert!(text.contains("idle (starts on first use)"), "{text}");
     // And it does start on first use.
-    daemon.api().publish(&publish("vol1", "w1")).await.unwrap();
+    daemon
+        .api()
+        .publish(&publish_request("vol1", "w1"))
+        .await
+        .unwrap();
     assert_eq!(daemon.api().plugin(PLUGIN).await.unwrap().state, "ready");
     daemon
         .api()
-        .unpublish(&unpublish("vol1", "w1"))
+        .unpublish(&unpublish_request("vol1", "w1"))
         .await
         .unwrap();
 }
@@ -276,7 +282,7 @@ async fn wait_recovered(daemon: &Daemon) -> csi_agent_api::VolumeList {
 }
 
 fn with_secrets(volume: &str, workload: &str) -> csi_agent_api::PublishRequest {
-    let mut request = publish(volume, workload);
+    let mut request = publish_request(volume, workload);
     request.secrets = Some(csi_agent_api::SecretsSpec {
         node_stage: [("user".to_owned(), format!("secret-of-{volume}"))].into(),
         node_publish: Default::default(),
@@ -355,7 +361,7 @@ async fn a_vanished_state_db_is_refused_restored_or_reinitialized_and_nothing_is
     );
     daemon
         .api()
-        .unpublish(&unpublish("vol1", "w1"))
+        .unpublish(&unpublish_request("vol1", "w1"))
         .await
         .unwrap();
     assert!(

@@ -4,8 +4,8 @@
 //!
 //! One source, included by `#[path]` wherever it is needed, so that the demo and the tests
 //! build the same image: the `csi-testplugin-image` binary (`./scripts/demo --oci` and
-//! `--image`), the image tests' registry support (`csi-agent/tests/registry_support`, which
-//! csi-agentd's tests and the bench include in turn). It therefore uses only crates all of them
+//! `--image`), the test kit's registry support (`csi-agent-testkit/src/registry`, which
+//! the image tests and the bench use in turn). It therefore uses only crates all of them
 //! have (`anyhow`, `tar`, `sha2`, `serde_json`) and the standard library.
 //!
 //! Must not: start or talk to anything (registries, skopeo, the daemon), compress (a plain tar

@@ -1,29 +1,25 @@
-//! A node for the crash matrix: the real `csi-agentd` with the real `csi-testplugin` it
-//! launches, each in a temp dir of its own (work dir, plugin configs, socket root, plugin
-//! state), and everything that can be observed of it from outside: `/proc/self/mountinfo`,
-//! the API, the plugin's state dir and call log, the work dir's files and the process table.
+//! A node for the crash matrix and the other observed-node tests: a [`Daemon`] with the
+//! test plugin in a temp dir of its own (work dir, plugin configs, socket root, plugin state),
+//! and everything that can be observed of it from outside: `/proc/self/mountinfo`, the API, the
+//! plugin's state dir and call log, the work dir's files and the process table.
 //!
-//! Nothing here knows a failpoint: `crash_matrix.rs` decides what to break and what to expect.
-
-#![allow(dead_code)]
+//! Nothing here knows a failpoint: the tests decide what to break and what to expect.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::ops::{Deref, DerefMut};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use csi_agent::layout::{Layout, encode_id};
-use csi_agent::mounts::{HostMounter, MountTable, Mounter};
-use csi_agent_api::{
-    ApiClient, ApiError, CapabilitySpec, MountSpec, PublishRequest, PublishResponse, SecretsSpec,
-    UnpublishRequest,
-};
-use serde_json::{Value, json};
+use csi_agent::mounts::{HostMounter, Mounter};
+use csi_agent_api::{ApiError, PublishResponse};
+use serde_json::Value;
 
-pub const PLUGIN: &str = "org.example.test";
-/// The node id the test plugin answers and accepts in ControllerPublish.
-pub const NODE_ID: &str = "node-1";
+use crate::{
+    Daemon, NODE_ID, PLUGIN, eventually, kill9_pid, mounts_under, pid_alive, pids_with_arg,
+    publish_with_secrets, unpublish_request,
+};
 
 /// Volume id → the workloads that must hold a claim on it. A volume absent from the map must
 /// be absent everywhere (no claim, no record, no mount, nothing in the plugin).
@@ -39,66 +35,6 @@ pub fn want(entries: &[(&str, &[&str])]) -> Want {
             )
         })
         .collect()
-}
-
-pub fn binary(name: &str) -> PathBuf {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../target/debug")
-        .join(name);
-    assert!(
-        path.exists(),
-        "{} is missing: cargo build -p csi-agentd -p csi-testplugin -p csictl",
-        path.display()
-    );
-    path
-}
-
-pub fn publish_request(volume: &str, workload: &str) -> PublishRequest {
-    PublishRequest {
-        plugin: PLUGIN.to_owned(),
-        volume_id: volume.to_owned(),
-        workload: workload.to_owned(),
-        capability: CapabilitySpec {
-            mount: Some(MountSpec::default()),
-            block: None,
-            access_mode: "SINGLE_NODE_WRITER".to_owned(),
-        },
-        readonly: false,
-        volume_context: None,
-        // Secrets make the publish write the secrets file first (one more durable write).
-        secrets: Some(SecretsSpec {
-            node_stage: [("user".to_owned(), "crash-matrix".to_owned())].into(),
-            node_publish: BTreeMap::new(),
-        }),
-        bind_to: None,
-    }
-}
-
-pub fn unpublish_request(volume: &str, workload: &str) -> UnpublishRequest {
-    UnpublishRequest {
-        plugin: PLUGIN.to_owned(),
-        volume_id: volume.to_owned(),
-        workload: workload.to_owned(),
-    }
-}
-
-/// Polls `check` until it returns `Ok`, or panics with its last error.
-pub async fn eventually<F, Fut>(what: &str, timeout: Duration, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<(), String>>,
-{
-    let deadline = Instant::now() + timeout;
-    loop {
-        match check().await {
-            Ok(()) => return,
-            Err(err) if Instant::now() < deadline => {
-                let _ = err;
-                tokio::time::sleep(Duration::from_millis(25)).await;
-            }
-            Err(err) => panic!("timed out after {timeout:?} waiting for {what}: {err}"),
-        }
-    }
 }
 
 /// What a volume's record on disk says, read while the daemon is dead.
@@ -142,67 +78,44 @@ pub fn level(state: &str) -> u8 {
     }
 }
 
+/// A [`Daemon`] (reached through `Deref`: `node.api()`, `node.work`, `node.kill9()`, ...)
+/// with the test plugin's state dir, in a temp dir of its own removed on drop.
+#[derive(Debug)]
 pub struct Node {
+    /// Dropped first: kills what runs and detaches the mounts before `root` goes.
+    pub daemon: Daemon,
     pub root: tempfile::TempDir,
-    pub work: PathBuf,
-    pub configs: PathBuf,
-    pub socket: PathBuf,
-    pub socket_root: PathBuf,
     pub plugin_dir: PathBuf,
-    /// Passed as `--boot-id-file` when set.
-    pub boot_id_file: Option<PathBuf>,
-    /// More arguments of `csi-agentd serve` (such as `--bind-root DIR`).
-    pub extra_args: Vec<String>,
-    /// `--log-format` (`json` unless changed; [`Node::log_events`] reads only JSON).
-    pub log_format: &'static str,
-    child: Option<Child>,
-    log: PathBuf,
-    /// Daemon processes started so far.
-    pub starts: u32,
+}
+
+impl Deref for Node {
+    type Target = Daemon;
+    fn deref(&self) -> &Daemon {
+        &self.daemon
+    }
+}
+
+impl DerefMut for Node {
+    fn deref_mut(&mut self) -> &mut Daemon {
+        &mut self.daemon
+    }
 }
 
 impl Node {
-    /// A node whose managed test plugin pre-provisions `volumes` (`name:size,...`).
+    /// A node whose managed test plugin pre-provisions `volumes` (`name:size,...`); the daemon
+    /// logs JSON ([`Daemon::log_events`] reads only that).
     pub fn new(volumes: &str) -> Self {
         let root = tempfile::Builder::new()
             .prefix("csi-crash-")
             .tempdir_in("/tmp")
             .unwrap();
-        let configs = root.path().join("configs");
-        std::fs::create_dir_all(&configs).unwrap();
-        let work = root.path().join("work");
-        let plugin_dir = root.path().join("plugin");
-        let config = json!({
-            "type": PLUGIN,
-            "containers": [{
-                "services": ["CONTROLLER_SERVICE", "NODE_SERVICE"],
-                "command": {
-                    "shell": false,
-                    "value": binary("csi-testplugin"),
-                    "arguments": ["csi-testplugin", "--endpoint", "$CSI_ENDPOINT",
-                                  "--work-dir", plugin_dir, "--volumes", volumes,
-                                  "--node-id", NODE_ID]
-                }
-            }],
-            "startup_timeout_ms": 20000
-        });
-        std::fs::write(
-            configs.join("test.json"),
-            serde_json::to_vec_pretty(&config).unwrap(),
-        )
-        .unwrap();
+        let daemon = Daemon::builder(root.path())
+            .test_plugin(volumes)
+            .log_format("json")
+            .build();
         Self {
-            socket: work.join("api.sock"),
-            socket_root: root.path().join("sockets"),
-            log: root.path().join("daemon-0.log"),
-            work,
-            configs,
-            plugin_dir,
-            boot_id_file: None,
-            extra_args: Vec::new(),
-            log_format: "json",
-            child: None,
-            starts: 0,
+            daemon,
+            plugin_dir: root.path().join("plugin"),
             root,
         }
     }
@@ -211,69 +124,10 @@ impl Node {
     /// waits until its API answers.
     pub async fn start(&mut self, failpoints: Option<&str>) {
         assert!(self.child.is_none(), "the daemon is already running");
-        self.starts += 1;
-        self.log = self.root.path().join(format!("daemon-{}.log", self.starts));
-        let _ = std::fs::remove_file(&self.socket);
-        let mut command = Command::new(env!("CARGO_BIN_EXE_csi-agentd"));
-        command
-            .arg("serve")
-            .arg("--work-dir")
-            .arg(&self.work)
-            .arg("--plugin-config-dir")
-            .arg(&self.configs)
-            .arg("--socket-root")
-            .arg(&self.socket_root)
-            .args(["--log-format", self.log_format])
-            .env("CSI_AGENT_LOG", "info")
-            .env_remove(csi_agent::failpoint::ENV_VAR)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&self.log).unwrap());
-        if let Some(file) = &self.boot_id_file {
-            command.arg("--boot-id-file").arg(file);
-        }
-        command.args(&self.extra_args);
-        if let Some(spec) = failpoints {
-            command.env(csi_agent::failpoint::ENV_VAR, spec);
-        }
-        self.child = Some(command.spawn().unwrap());
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if self.socket.exists() && self.api().health().await.is_ok() {
-                return;
-            }
-            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
-                panic!(
-                    "the daemon exited at start ({status:?}) with {failpoints:?}: {}",
-                    self.log_text()
-                );
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the daemon never answered: {}",
-                self.log_text()
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    }
-
-    /// The running daemon's pid.
-    pub fn daemon_pid(&self) -> Option<u32> {
-        self.child.as_ref().map(Child::id)
-    }
-
-    pub fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// The fields of the current daemon's JSON log lines with this message.
-    pub fn log_events(&self, message: &str) -> Vec<Value> {
-        self.log_text()
-            .lines()
-            .filter_map(|line| serde_json::from_str::<Value>(line).ok())
-            .filter(|event| event["fields"]["message"] == message)
-            .map(|event| event["fields"].clone())
-            .collect()
+        self.daemon
+            .set_env(csi_agent::failpoint::ENV_VAR, failpoints);
+        self.daemon.start();
+        self.daemon.wait_healthy().await;
     }
 
     /// What the plugin wrote on stderr (the daemon appends it to its component dir).
@@ -289,37 +143,10 @@ impl Node {
             .unwrap_or_default()
     }
 
-    pub fn api(&self) -> ApiClient {
-        ApiClient::unix(&self.socket).with_timeout(Some(Duration::from_secs(60)))
-    }
-
-    pub fn daemon_alive(&mut self) -> bool {
-        match self.child.as_mut() {
-            None => false,
-            Some(child) => child.try_wait().unwrap().is_none(),
-        }
-    }
-
-    /// Waits for the daemon to end and returns how.
-    pub async fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let child = self.child.as_mut()?;
-            if let Some(status) = child.try_wait().unwrap() {
-                self.child = None;
-                return Some(status);
-            }
-            if Instant::now() >= deadline {
-                return None;
-            }
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    }
-
     /// After a request failed: the daemon must have died by SIGKILL, sent by the failpoint
     /// `point` (its last words are on stderr).
     pub async fn expect_failpoint_kill(&mut self, point: &str, request_error: &ApiError) {
-        let status = self.wait_exit(Duration::from_secs(15)).await;
+        let status = self.exit_status(Duration::from_secs(15)).await;
         let log = self.log_text();
         let Some(status) = status else {
             panic!(
@@ -346,7 +173,7 @@ impl Node {
     /// Whether the daemon died at `point` by itself within `timeout` (a failpoint hit after
     /// the answer, such as a commit of progress notes). Checks it died of SIGKILL there.
     pub async fn died_at_failpoint(&mut self, point: &str, timeout: Duration) -> bool {
-        let Some(status) = self.wait_exit(timeout).await else {
+        let Some(status) = self.exit_status(timeout).await else {
             return false;
         };
         let log = self.log_text();
@@ -364,41 +191,13 @@ impl Node {
         true
     }
 
-    /// SIGKILL from outside.
-    pub fn kill9(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            child.wait().unwrap();
-        }
-    }
-
     // ---- plugin processes ----
 
     /// Every live process whose command line has this node's plugin dir as an argument: the
     /// test plugin instances working on its state (the launch passes `--work-dir <dir>`).
     pub fn plugin_pids(&self) -> BTreeSet<i32> {
         let wanted = self.plugin_dir.as_os_str().as_encoded_bytes().to_vec();
-        let mut pids = BTreeSet::new();
-        for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-            let Some(pid) = entry
-                .file_name()
-                .to_str()
-                .and_then(|s| s.parse::<i32>().ok())
-            else {
-                continue;
-            };
-            let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
-                continue;
-            };
-            if cmdline
-                .split(|b| *b == 0)
-                .any(|arg| arg == wanted.as_slice())
-                && !is_zombie(pid)
-            {
-                pids.insert(pid);
-            }
-        }
-        pids
+        pids_with_arg(|arg| arg == wanted.as_slice())
     }
 
     /// The pid the daemon recorded for its component (`containers/<id>/component.json`).
@@ -468,12 +267,7 @@ impl Node {
     /// Every mount point under this node's temp dir (work dir, plugin dir, socket root), in
     /// mount table order, repeated if stacked.
     pub fn mounts(&self) -> Vec<PathBuf> {
-        MountTable::read()
-            .unwrap()
-            .mounts_under(self.root.path())
-            .into_iter()
-            .map(|m| m.mount_point.clone())
-            .collect()
+        mounts_under(self.root.path())
     }
 
     /// Unmounts everything under the temp dir, innermost first (what a reboot does).
@@ -787,7 +581,9 @@ impl Node {
     }
 
     pub async fn publish(&self, volume: &str, workload: &str) -> Result<PublishResponse, ApiError> {
-        self.api().publish(&publish_request(volume, workload)).await
+        self.api()
+            .publish(&publish_with_secrets(volume, workload))
+            .await
     }
 
     pub async fn unpublish(&self, volume: &str, workload: &str) -> Result<(), ApiError> {
@@ -798,27 +594,6 @@ impl Node {
     }
 }
 
-impl Drop for Node {
-    fn drop(&mut self) {
-        self.kill9();
-        // The daemon leaves its plugins running on purpose; the test does not. By pid: only
-        // the processes working on this node's plugin dir.
-        for pid in self.plugin_pids() {
-            kill9_pid(pid);
-        }
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while !self.plugin_pids().is_empty() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        // Never let the temp dir's removal run through a mount.
-        let mut mounts = self.mounts();
-        mounts.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
-        for mount in mounts {
-            let _ = HostMounter.unmount(&mount);
-        }
-    }
-}
-
 fn find_key<'a>(value: &'a Value, key: &str) -> Option<&'a Value> {
     match value {
         Value::Object(map) => map
@@ -826,23 +601,4 @@ fn find_key<'a>(value: &'a Value, key: &str) -> Option<&'a Value> {
             .or_else(|| map.values().find_map(|v| find_key(v, key))),
         _ => None,
     }
-}
-
-pub fn kill9_pid(pid: i32) {
-    if let Some(pid) = rustix::process::Pid::from_raw(pid) {
-        let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
-    }
-}
-
-fn is_zombie(pid: i32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .map(|stat| {
-            stat.rsplit_once(')')
-                .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'))
-        })
-        .unwrap_or(true)
-}
-
-pub fn pid_alive(pid: i32) -> bool {
-    Path::new(&format!("/proc/{pid}")).exists() && !is_zombie(pid)
 }

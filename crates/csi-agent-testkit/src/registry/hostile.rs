@@ -4,7 +4,6 @@
 //! hostile one, `csi/bad:v1`, as its [`Hostility`] says: endless answers (manifest, 404 body,
 //! `/v2/`, token), a fresh refused layer per manifest request, or a layer trickled one byte
 //! at a time. It counts what it sent.
-#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
@@ -40,6 +39,7 @@ pub enum Hostility {
 }
 
 /// The registry; stopped (its listener closed, endless answers cut) on drop.
+#[derive(Debug)]
 pub struct HostileRegistry {
     pub port: u16,
     /// Bytes written in endless answers so far (all connections).

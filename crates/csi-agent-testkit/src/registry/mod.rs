@@ -1,8 +1,7 @@
 //! Test support: a real `docker-registry` (Debian's distribution 2.8) on a free loopback port
 //! with its storage in a temp dir, and real OCI images built by the test and pushed there with
-//! `skopeo`. Shared by csi-agent's and csi-agentd's image tests (included with `#[path]`); the
-//! images' files are written by `testplugin_image` (csi-testplugin's `src/image.rs`).
-#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+//! `skopeo`. Used by csi-agent's and csi-agentd's image tests and the bench; the images' files
+//! are written by `testplugin_image` (csi-testplugin's `src/image.rs`).
 
 pub mod hostile;
 /// The test plugin's layer and image, and OCI layouts of any layers: the code
@@ -10,8 +9,6 @@ pub mod hostile;
 #[path = "../../../csi-testplugin/src/image.rs"]
 pub mod testplugin_image;
 
-// Each test binary uses some of them.
-#[allow(unused_imports)]
 pub use testplugin_image::{Image, oci_layout, oci_layout_with_diff_ids, sha256_hex};
 
 use std::io::Write;
@@ -25,6 +22,7 @@ use flate2::Compression as GzLevel;
 use flate2::write::GzEncoder;
 
 /// A running registry; killed on drop.
+#[derive(Debug)]
 pub struct Registry {
     pub port: u16,
     pub dir: PathBuf,
@@ -164,6 +162,7 @@ pub fn http_get_status(port: u16, path: &str) -> anyhow::Result<u16> {
 }
 
 /// One file of a layer.
+#[derive(Debug)]
 pub enum Entry<'a> {
     File {
         path: &'a str,
@@ -285,6 +284,7 @@ pub fn name_layout(layout: &Path, name: &str) -> anyhow::Result<()> {
 }
 
 /// An archive entry, for hand-made (and hostile) image archives.
+#[derive(Debug)]
 pub enum ArchiveEntry<'a> {
     /// A regular file; the name is written into the header as it is (`../x` too).
     File {

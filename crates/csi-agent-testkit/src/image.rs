@@ -1,19 +1,16 @@
-//! Test support for the image tests of csi-agentd (`image_e2e.rs`, `image_import_e2e.rs`): an
+//! The image tests' plugin images and containers (csi-agentd's `image_*` tests): an
 //! image layer of the real `csi-testplugin` (the binary with the libraries and loader `ldd`
 //! lists), the plugin config pieces naming an image, waiting for a plugin, and the runc
 //! containers a test leaves, removed when it ends.
-#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use csi_agent::mounts::MountTable;
 use csi_agent_api::PluginInfo;
 use serde_json::{Value, json};
 
-use crate::common::{Daemon, binary};
-use crate::registry_support::testplugin_image;
+use crate::registry::testplugin_image;
+use crate::{Daemon, binary};
 
 /// The files a dynamically linked binary needs, as `ldd` lists them.
 pub fn shared_libraries(binary: &Path) -> Vec<PathBuf> {
@@ -28,7 +25,7 @@ pub fn plugin_layer() -> Vec<u8> {
 
 /// The test plugin's image, written as an OCI layout at `layout`: [`plugin_layer`], run by
 /// its `Entrypoint` with one 1 MiB volume `vol1`, its state in `plugin_dir` (from its `Env`).
-pub fn plugin_image(layout: &Path, plugin_dir: &Path) -> crate::registry_support::Image {
+pub fn plugin_image(layout: &Path, plugin_dir: &Path) -> crate::registry::Image {
     let cmd = ["--volumes", "vol1:1M", "--node-id", "node-1"].map(str::to_owned);
     let env = [format!("CSI_TESTPLUGIN_WORK_DIR={}", plugin_dir.display())];
     testplugin_image::plugin_image(layout, &binary("csi-testplugin"), &cmd, &env).unwrap()
@@ -40,10 +37,7 @@ pub fn component(services: &[&str], container: Value) -> Value {
 
 /// A daemon (not started) in `dir` pulling from the registry at `host` over plain HTTP.
 pub fn registry_daemon(dir: &Path, host: &str) -> Daemon {
-    Daemon::new(
-        dir,
-        &["--docker-registry", host, "--insecure-registry", host],
-    )
+    Daemon::builder(dir).registry(host).build()
 }
 
 /// A plugin config of `plugin_type` whose one component (both services) runs `image`, named
@@ -88,8 +82,7 @@ pub async fn wait_plugin(
         assert!(
             Instant::now() < deadline,
             "timed out waiting for {what}: {info:?}\n{}",
-            std::fs::read_to_string(daemon.work.parent().unwrap().join("daemon.log"))
-                .unwrap_or_default()
+            daemon.full_log()
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -105,6 +98,7 @@ pub fn ready_pid(info: &PluginInfo) -> Option<u32> {
 /// Force-deletes every container of the test's runc root when dropped (also on a failed
 /// assertion): the daemon leaves its plugins running on purpose, and a plugin run from an
 /// image has no test path in its command line for `Daemon`'s own cleanup to find.
+#[derive(Debug)]
 pub struct Containers(pub PathBuf);
 
 impl Containers {
@@ -147,21 +141,4 @@ impl Drop for Containers {
                 .status();
         }
     }
-}
-
-pub fn is_mounted(path: &Path) -> bool {
-    MountTable::read().unwrap().is_mount_point(path)
-}
-
-/// Names in `dir` starting with `.tmp-` (what a pull or a preparation in progress has).
-pub fn temp_names(dir: &Path) -> Vec<String> {
-    std::fs::read_dir(dir)
-        .map(|entries| {
-            entries
-                .flatten()
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| n.starts_with(".tmp-"))
-                .collect()
-        })
-        .unwrap_or_default()
 }
