@@ -258,6 +258,13 @@ pub fn pids_using_dir(dir: &Path) -> std::collections::BTreeSet<i32> {
     pids
 }
 
+/// Live test plugin processes working on `plugin_dir` (launched with `--work-dir
+/// <plugin_dir>`, as [`managed_config`] does).
+pub fn plugin_pids(plugin_dir: &Path) -> std::collections::BTreeSet<i32> {
+    let wanted = plugin_dir.as_os_str().as_encoded_bytes().to_vec();
+    pids_with_arg(|arg| arg == wanted.as_slice())
+}
+
 pub fn kill9_pid(pid: i32) {
     if let Some(pid) = rustix::process::Pid::from_raw(pid) {
         let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);

@@ -17,8 +17,8 @@ use csi_agent_api::{ApiError, PublishResponse};
 use serde_json::Value;
 
 use crate::{
-    Daemon, NODE_ID, PLUGIN, eventually, kill9_pid, mounts_under, pid_alive, pids_with_arg,
-    publish_with_secrets, unpublish_request,
+    Daemon, NODE_ID, PLUGIN, eventually, kill9_pid, mounts_under, pid_alive, publish_with_secrets,
+    unpublish_request,
 };
 
 /// Volume id → the workloads that must hold a claim on it. A volume absent from the map must
@@ -196,8 +196,7 @@ impl Node {
     /// Every live process whose command line has this node's plugin dir as an argument: the
     /// test plugin instances working on its state (the launch passes `--work-dir <dir>`).
     pub fn plugin_pids(&self) -> BTreeSet<i32> {
-        let wanted = self.plugin_dir.as_os_str().as_encoded_bytes().to_vec();
-        pids_with_arg(|arg| arg == wanted.as_slice())
+        crate::plugin_pids(&self.plugin_dir)
     }
 
     /// The pid the daemon recorded for its component (`containers/<id>/component.json`).

@@ -3,20 +3,11 @@
 //! and the drained daemon publishes nothing more. Run under `unshare -m --propagation private`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::process::Command;
-
 use csi_agent_testkit::*;
 
-fn plugin_processes(dir: &std::path::Path) -> Vec<String> {
-    let out = Command::new("pgrep")
-        .arg("-f")
-        .arg(format!("csi-testplugin .*{}", dir.join("plugin").display()))
-        .output()
-        .unwrap();
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(str::to_owned)
-        .collect()
+/// The test plugin processes of the daemon in `dir`.
+fn plugin_processes(dir: &std::path::Path) -> std::collections::BTreeSet<i32> {
+    plugin_pids(&dir.join("plugin"))
 }
 
 #[tokio::test]

@@ -29,24 +29,8 @@ struct Reaper(std::path::PathBuf);
 
 impl Drop for Reaper {
     fn drop(&mut self) {
-        let wanted = self.0.as_os_str().as_encoded_bytes().to_vec();
-        for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-            let Some(pid) = entry
-                .file_name()
-                .to_str()
-                .and_then(|s| s.parse::<i32>().ok())
-            else {
-                continue;
-            };
-            let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
-                continue;
-            };
-            if cmdline
-                .split(|b| *b == 0)
-                .any(|arg| arg == wanted.as_slice())
-            {
-                kill9_pid(pid);
-            }
+        for pid in plugin_pids(&self.0) {
+            kill9_pid(pid);
         }
     }
 }

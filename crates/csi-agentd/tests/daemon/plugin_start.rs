@@ -8,12 +8,7 @@ use std::time::{Duration, Instant};
 use csi_agent_testkit::*;
 
 fn plugin_running(dir: &std::path::Path) -> bool {
-    std::process::Command::new("pgrep")
-        .arg("-f")
-        .arg(format!("csi-testplugin .*{}", dir.join("plugin").display()))
-        .status()
-        .unwrap()
-        .success()
+    !plugin_pids(&dir.join("plugin")).is_empty()
 }
 
 #[tokio::test]

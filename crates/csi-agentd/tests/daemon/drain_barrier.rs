@@ -7,7 +7,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -19,13 +18,9 @@ const CLIENTS: usize = 8;
 const ITERATIONS: usize = 20;
 const VOLUMES: [&str; 4] = ["v0", "v1", "v2", "v3"];
 
+/// How many test plugin processes the daemon in `dir` runs.
 fn plugin_processes(dir: &Path) -> usize {
-    let out = Command::new("pgrep")
-        .arg("-f")
-        .arg(format!("csi-testplugin .*{}", dir.join("plugin").display()))
-        .output()
-        .unwrap();
-    String::from_utf8_lossy(&out.stdout).lines().count()
+    plugin_pids(&dir.join("plugin")).len()
 }
 
 fn start(dir: &Path) -> (Daemon, PathBuf) {
