@@ -72,10 +72,15 @@ impl Served {
             .position(|a| *a == "--listen")
             .map(|i| extra[i + 1].rsplit(':').next().unwrap().parse().unwrap())
             .filter(|p| *p != 0);
-        daemon.start();
-        let daemon = Served { daemon, port };
+        // Not `start`: that removes what is at the socket path, and a test here checks what
+        // the daemon does with it.
+        daemon.spawn();
+        let mut daemon = Served { daemon, port };
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
+            if let Some(status) = daemon.daemon.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!("the daemon exited ({status}): {}", daemon.log());
+            }
             if let Ok(mut s) = UnixStream::connect(&daemon.socket) {
                 s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
                 if s.write_all(&get("/v1/health", None)).is_ok()

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use csi_agent::mounts::{MountTable, require_private_mount_namespace};
+use csi_agent::mounts::require_private_mount_namespace;
 use csi_agent_api::ApiClient;
 use csi_agent_testkit::node::*;
 use csi_agent_testkit::*;
@@ -136,16 +136,6 @@ async fn client(
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
-}
-
-/// Mount points under `dir`.
-fn mounts_under(dir: &Path) -> Vec<PathBuf> {
-    MountTable::read()
-        .unwrap()
-        .mounts_under(dir)
-        .into_iter()
-        .map(|m| m.mount_point.clone())
-        .collect()
 }
 
 /// Every directory and file under `dir`, relative.
