@@ -44,7 +44,11 @@ pub enum MountError {
         source: io::Error,
     },
     #[error("mountinfo line {line}: {reason}")]
-    Parse { line: usize, reason: String },
+    Parse {
+        line: usize,
+        #[source]
+        reason: LineError,
+    },
     #[error("bind mount {} on {}: {source}", src.display(), dst.display())]
     Bind {
         src: PathBuf,
@@ -201,35 +205,49 @@ impl MountTable {
     }
 }
 
-fn parse_line(line: &[u8]) -> Result<MountInfo, String> {
+/// Why one line of mountinfo does not parse (proc(5)'s format; [`MountError::Parse`]).
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum LineError {
+    #[error("expected at least 10 fields, found {found}")]
+    TooFewFields { found: usize },
+    #[error("no ` - ` separator")]
+    NoSeparator,
+    #[error("expected file system type, source and super options after ` - `")]
+    NothingAfterSeparator,
+    #[error("bad {what}")]
+    BadNumber { what: &'static str },
+    #[error("bad major:minor")]
+    BadDevice,
+}
+
+fn parse_line(line: &[u8]) -> Result<MountInfo, LineError> {
     let fields: Vec<&[u8]> = line.split(|&b| b == b' ').collect();
     // The separator comes after the six fixed fields and the optional ones; searching from
     // there means no earlier field can be mistaken for it.
     if fields.len() < 6 {
-        return Err(format!(
-            "expected at least 10 fields, found {}",
-            fields.len()
-        ));
+        return Err(LineError::TooFewFields {
+            found: fields.len(),
+        });
     }
     let separator = fields[6..]
         .iter()
         .position(|field| *field == b"-")
         .map(|offset| offset + 6)
-        .ok_or("no ` - ` separator")?;
+        .ok_or(LineError::NoSeparator)?;
     if fields.len() < separator + 4 {
-        return Err("expected file system type, source and super options after ` - `".into());
+        return Err(LineError::NothingAfterSeparator);
     }
-    let number = |index: usize, what: &str| -> Result<u64, String> {
+    let number = |index: usize, what: &'static str| -> Result<u64, LineError> {
         std::str::from_utf8(fields[index])
             .ok()
             .and_then(|text| text.parse().ok())
-            .ok_or_else(|| format!("bad {what}"))
+            .ok_or(LineError::BadNumber { what })
     };
     let (major, minor) = std::str::from_utf8(fields[2])
         .ok()
         .and_then(|text| text.split_once(':'))
         .and_then(|(major, minor)| Some((major.parse().ok()?, minor.parse().ok()?)))
-        .ok_or("bad major:minor")?;
+        .ok_or(LineError::BadDevice)?;
     Ok(MountInfo {
         mount_id: number(0, "mount id")?,
         parent_id: number(1, "parent id")?,
