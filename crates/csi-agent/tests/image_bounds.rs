@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use csi_agent::image::budget::{ImageLimits, disk_usage};
 use csi_agent::image::pull::{PullLimits, Puller};
 use csi_agent::image::reference::ImageRef;
-use csi_agent::image::store::{Composition, ImageStore, PreparedRoot, PullPolicy, ImageStoreError};
+use csi_agent::image::store::{Composition, ImageStore, ImageStoreError, PreparedRoot, PullPolicy};
 use csi_agent::image::unpack::{Compression, LimitKind, Limits, Report, UnpackError, apply_layer};
 use csi_agent_testkit::dir_names;
 use csi_agent_testkit::registry::*;

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use csi_agent::image::blobs::BlobStore;
 use csi_agent::image::pull::{PullError, PullLimits, Puller};
 use csi_agent::image::reference::ImageRef;
-use csi_agent::image::store::{Composition, ImageStore, PullPolicy, ImageStoreError};
+use csi_agent::image::store::{Composition, ImageStore, ImageStoreError, PullPolicy};
 use csi_agent_testkit::registry::hostile::{HostileRegistry, Hostility, listing};
 use csi_agent_testkit::registry::*;
 
@@ -208,7 +208,10 @@ async fn failed_pulls_of_fresh_hostile_layers_leave_the_store_as_it_was() {
                     .unwrap_err();
                 match hostility {
                     Hostility::FreshEscapingLayer => {
-                        assert!(matches!(err, ImageStoreError::Unpack { .. }), "{i}: {err:?}");
+                        assert!(
+                            matches!(err, ImageStoreError::Unpack { .. }),
+                            "{i}: {err:?}"
+                        );
                     }
                     _ => assert!(
                         matches!(err, ImageStoreError::Pull(PullError::DigestMismatch { .. })),

@@ -10,7 +10,7 @@ use csi_agent::image::pull::{PullError, PullLimits, Puller};
 use csi_agent::image::reference::{ImageRef, RegistrySettings};
 use std::os::unix::fs::MetadataExt;
 
-use csi_agent::image::store::{Composition, ImageStore, PreparedRoot, PullPolicy, ImageStoreError};
+use csi_agent::image::store::{Composition, ImageStore, ImageStoreError, PreparedRoot, PullPolicy};
 use csi_agent_testkit::registry::*;
 
 fn puller(registry: &Registry) -> Puller {
@@ -331,7 +331,10 @@ fn a_hostile_index_is_refused_not_followed() {
         None,
     )
     .unwrap_err();
-    assert!(matches!(err, ImageStoreError::IndexCorrupt { .. }), "{err:?}");
+    assert!(
+        matches!(err, ImageStoreError::IndexCorrupt { .. }),
+        "{err:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

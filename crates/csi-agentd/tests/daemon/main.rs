@@ -24,6 +24,7 @@ mod hostile_plugin;
 mod hostile_records;
 mod mesos_configs;
 mod mesos_fetcher;
+mod mesos_isolation;
 mod plugin_start;
 mod probe;
 mod readme;

@@ -14,11 +14,7 @@
 //! - an invalid capability name, a negative cpus and an unknown rlimit type are refused when
 //!   the file loads, naming the field, under either runtime.
 //!
-//! Self-contained (only `common`'s daemon harness), so it can move to another harness.
 //! Real mounts and containers: run under `unshare -m --propagation private`.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod common;
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -27,7 +23,7 @@ use csi_agent::mounts::require_private_mount_namespace;
 use csi_agent_api::PluginInfo;
 use serde_json::{Value, json};
 
-use common::*;
+use csi_agent_testkit::*;
 
 /// A temp dir under /tmp (the container gets a /tmp of its own: anything of the test's it
 /// sees there is bound in).
@@ -250,9 +246,11 @@ async fn an_image_less_config_asking_for_isolation_runs_confined_as_asked() {
     );
     // And it works: a publish through the daemon.
     let api = daemon.api();
-    let published = api.publish(&publish("vol1", "w1")).await.unwrap();
+    let published = api.publish(&publish_request("vol1", "w1")).await.unwrap();
     assert!(Path::new(&published.target_path).is_dir());
-    api.unpublish(&unpublish("vol1", "w1")).await.unwrap();
+    api.unpublish(&unpublish_request("vol1", "w1"))
+        .await
+        .unwrap();
     std::fs::remove_file(daemon.configs.join("iso.json")).unwrap();
     api.reload().await.unwrap();
     daemon.kill9();

@@ -1189,12 +1189,11 @@ fn image_process(
     root: &Path,
     vars: &[(&str, &str)],
 ) -> Result<Started, OciError> {
-    let args = image_argv(&spec.command, &prepared.config, vars).map_err(|source| {
-        OciError::ImageUse {
+    let args =
+        image_argv(&spec.command, &prepared.config, vars).map_err(|source| OciError::ImageUse {
             name: image.name.clone(),
             source,
-        }
-    })?;
+        })?;
     // `command.user` wins over the image's `User`, and is a name or uid of the image's own
     // /etc/passwd (read beneath its root), as Mesos resolves it in the container.
     let user = match &spec.command.user {
