@@ -264,19 +264,7 @@ const MAX_WORKER_THREADS: usize = 64;
 pub const DEFAULT_IMAGE_IMPORT_MAX_BYTES: u64 = 8 << 30;
 
 pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
-    let file = match &args.config {
-        None => FileSettings::default(),
-        Some(path) => {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("cannot read the config file {}", path.display()))?;
-            toml::from_str(&text).with_context(|| {
-                format!(
-                    "config file {} is not valid TOML for csi-agentd",
-                    path.display()
-                )
-            })?
-        }
-    };
+    let file = config_file(args.config.as_deref())?;
     let work_dir = args
         .work_dir
         .or(file.work_dir)
@@ -318,74 +306,30 @@ pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
     } else {
         args.insecure_registries
     };
-    let registry = RegistrySettings {
-        default_registry: normalize_registry(
-            args.docker_registry
-                .or(file.docker_registry)
-                .as_deref()
-                .unwrap_or(DOCKER_HUB),
-        ),
-        insecure: insecure.iter().map(|r| normalize_registry(r)).collect(),
-        credentials: match args.docker_config.or(file.docker_config) {
-            Some(path) => Credentials::from_docker_config(&path)?,
-            None => Credentials::default(),
-        },
-    };
-    let mut pull_limits = PullLimits::default();
-    if let Some(floor) = args
-        .image_pull_min_bytes_per_sec
-        .or(file.image_pull_min_bytes_per_sec)
-    {
-        pull_limits.min_bytes_per_sec = floor;
-    }
-    if let Some(window) = args
-        .image_pull_floor_window_secs
-        .or(file.image_pull_floor_window_secs)
-    {
-        pull_limits.throughput_window = std::time::Duration::from_secs(window.get());
-    }
-    let mut store = StoreOptions::default();
-    if let Some(delay) = args.commit_delay_us.or(file.commit_delay_us) {
-        if delay > MAX_COMMIT_DELAY_US {
-            bail!(
-                "--commit-delay-us {delay} is too long: give 0 to {MAX_COMMIT_DELAY_US} \
-                 (microseconds; 0 commits at once)"
-            );
-        }
-        store.commit_delay = std::time::Duration::from_micros(delay);
-    }
-    let worker_threads = args
-        .worker_threads
-        .or(file.worker_threads)
-        .unwrap_or(NonZeroUsize::MIN);
-    if worker_threads.get() > MAX_WORKER_THREADS {
-        bail!(
-            "--worker-threads {worker_threads} is too many: give 1 to {MAX_WORKER_THREADS} \
-             (docs/configuration.md says when more than 1 helps)"
-        );
-    }
-    let defaults = ImageLimits::default();
-    let image_limits = ImageLimits {
-        max_unpacked_bytes: args
-            .image_max_unpacked_bytes
-            .or(file.image_max_unpacked_bytes)
-            .map_or(defaults.max_unpacked_bytes, NonZeroU64::get),
-        max_inodes: args
-            .image_max_inodes
-            .or(file.image_max_inodes)
-            .map_or(defaults.max_inodes, NonZeroU64::get),
-        store_max_bytes: args
-            .image_store_max_bytes
-            .or(file.image_store_max_bytes)
-            .map_or(defaults.store_max_bytes, NonZeroU64::get),
-    };
-    let mut fetch = csi_agent::fetch::FetchOptions::new(&work_dir);
-    if let Some(max) = args.fetch_max_bytes.or(file.fetch_max_bytes) {
-        fetch.max_bytes = max.get();
-    }
-    if let Some(secs) = args.fetch_timeout_secs.or(file.fetch_timeout_secs) {
-        fetch.timeout = std::time::Duration::from_secs(secs.get());
-    }
+    let registry = registry_settings(
+        args.docker_registry.or(file.docker_registry),
+        &insecure,
+        args.docker_config.or(file.docker_config),
+    )?;
+    let pull_limits = pull_limits(
+        args.image_pull_min_bytes_per_sec
+            .or(file.image_pull_min_bytes_per_sec),
+        args.image_pull_floor_window_secs
+            .or(file.image_pull_floor_window_secs),
+    );
+    let store = store_options(args.commit_delay_us.or(file.commit_delay_us))?;
+    let worker_threads = worker_threads(args.worker_threads.or(file.worker_threads))?;
+    let image_limits = image_limits(
+        args.image_max_unpacked_bytes
+            .or(file.image_max_unpacked_bytes),
+        args.image_max_inodes.or(file.image_max_inodes),
+        args.image_store_max_bytes.or(file.image_store_max_bytes),
+    );
+    let fetch = fetch_options(
+        &work_dir,
+        args.fetch_max_bytes.or(file.fetch_max_bytes),
+        args.fetch_timeout_secs.or(file.fetch_timeout_secs),
+    );
     let claim_limits = ClaimLimits::new(
         args.max_claims_per_volume.or(file.max_claims_per_volume),
         args.max_bind_to_bytes.or(file.max_bind_to_bytes),
@@ -450,6 +394,112 @@ pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
             .boot_id_file
             .unwrap_or_else(|| PathBuf::from(csi_agent::bootid::BOOT_ID_PATH)),
     })
+}
+
+/// The TOML file of `--config`, or every setting unset when there is none.
+fn config_file(path: Option<&Path>) -> anyhow::Result<FileSettings> {
+    Ok(match path {
+        None => FileSettings::default(),
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("cannot read the config file {}", path.display()))?;
+            toml::from_str(&text).with_context(|| {
+                format!(
+                    "config file {} is not valid TOML for csi-agentd",
+                    path.display()
+                )
+            })?
+        }
+    })
+}
+
+/// The registries: the default one (Docker Hub unless given), the insecure ones and the
+/// credentials of `--docker-config`, each registry name normalized as references use it.
+fn registry_settings(
+    docker_registry: Option<String>,
+    insecure: &[String],
+    docker_config: Option<PathBuf>,
+) -> anyhow::Result<RegistrySettings> {
+    Ok(RegistrySettings {
+        default_registry: normalize_registry(docker_registry.as_deref().unwrap_or(DOCKER_HUB)),
+        insecure: insecure.iter().map(|r| normalize_registry(r)).collect(),
+        credentials: match docker_config {
+            Some(path) => Credentials::from_docker_config(&path)?,
+            None => Credentials::default(),
+        },
+    })
+}
+
+/// The pull's throughput floor from its flags; the other bounds keep their defaults.
+fn pull_limits(
+    min_bytes_per_sec: Option<u64>,
+    floor_window_secs: Option<NonZeroU64>,
+) -> PullLimits {
+    let mut pull_limits = PullLimits::default();
+    if let Some(floor) = min_bytes_per_sec {
+        pull_limits.min_bytes_per_sec = floor;
+    }
+    if let Some(window) = floor_window_secs {
+        pull_limits.throughput_window = std::time::Duration::from_secs(window.get());
+    }
+    pull_limits
+}
+
+/// The store's options: `--commit-delay-us`, refused over [`MAX_COMMIT_DELAY_US`].
+fn store_options(commit_delay_us: Option<u64>) -> anyhow::Result<StoreOptions> {
+    let mut store = StoreOptions::default();
+    if let Some(delay) = commit_delay_us {
+        if delay > MAX_COMMIT_DELAY_US {
+            bail!(
+                "--commit-delay-us {delay} is too long: give 0 to {MAX_COMMIT_DELAY_US} \
+                 (microseconds; 0 commits at once)"
+            );
+        }
+        store.commit_delay = std::time::Duration::from_micros(delay);
+    }
+    Ok(store)
+}
+
+/// `--worker-threads`, 1 unless given, refused over [`MAX_WORKER_THREADS`].
+fn worker_threads(worker_threads: Option<NonZeroUsize>) -> anyhow::Result<NonZeroUsize> {
+    let worker_threads = worker_threads.unwrap_or(NonZeroUsize::MIN);
+    if worker_threads.get() > MAX_WORKER_THREADS {
+        bail!(
+            "--worker-threads {worker_threads} is too many: give 1 to {MAX_WORKER_THREADS} \
+             (docs/configuration.md says when more than 1 helps)"
+        );
+    }
+    Ok(worker_threads)
+}
+
+/// The image bounds given, each other one at its default.
+fn image_limits(
+    max_unpacked_bytes: Option<NonZeroU64>,
+    max_inodes: Option<NonZeroU64>,
+    store_max_bytes: Option<NonZeroU64>,
+) -> ImageLimits {
+    let defaults = ImageLimits::default();
+    ImageLimits {
+        max_unpacked_bytes: max_unpacked_bytes.map_or(defaults.max_unpacked_bytes, NonZeroU64::get),
+        max_inodes: max_inodes.map_or(defaults.max_inodes, NonZeroU64::get),
+        store_max_bytes: store_max_bytes.map_or(defaults.store_max_bytes, NonZeroU64::get),
+    }
+}
+
+/// The fetcher's options: its cache in the work dir, the bounds given, the rest defaults.
+fn fetch_options(
+    work_dir: &Path,
+    max_bytes: Option<NonZeroU64>,
+    timeout_secs: Option<NonZeroU64>,
+) -> csi_agent::fetch::FetchOptions {
+    let mut fetch = csi_agent::fetch::FetchOptions::new(work_dir);
+    if let Some(max) = max_bytes {
+        fetch.max_bytes = max.get();
+    }
+    if let Some(secs) = timeout_secs {
+        fetch.timeout = std::time::Duration::from_secs(secs.get());
+    }
+    fetch
 }
 
 /// A `--bind-root` must be an existing dir, is used canonical (the operator's symlinks are
