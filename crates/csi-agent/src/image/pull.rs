@@ -752,43 +752,11 @@ impl Puller {
                 .await
                 .map_err(|_| stalled("the answer", 0))?
                 .map_err(|err| self.classify(reference, err))?;
-            if let Some(length) = response.content_length()
-                && length != blob.size
-            {
-                return Err(PullError::BlobRefused {
-                    reference: name.clone(),
-                    source: if length > blob.size {
-                        BlobError::TooLarge {
-                            digest: blob.digest.clone(),
-                            expected: blob.size,
-                        }
-                    } else {
-                        BlobError::SizeMismatch {
-                            digest: blob.digest.clone(),
-                            expected: blob.size,
-                            actual: length,
-                        }
-                    },
-                });
-            }
+            check_blob_length(&name, &blob, response.content_length())?;
             // The store is synchronous (it fsyncs): it runs on a blocking thread reading the
             // chunks this task receives, at most 16 chunks ahead.
             let (tx, rx) = tokio::sync::mpsc::channel::<io::Result<bytes::Bytes>>(16);
-            let store = Arc::clone(blobs);
-            let (digest, size) = (blob.digest.clone(), blob.size);
-            let noted = Arc::clone(fetched);
-            let running = fetched.writer_running();
-            let writer = tokio::task::spawn_blocking(move || {
-                let _running = running;
-                let put = store.put(ChannelReader::new(rx), &digest, size);
-                if matches!(put, Ok(Put::Stored)) && !noted.note_stored(&digest) {
-                    // The pull failed (or was dropped) while this blob was being renamed in.
-                    if let Err(err) = store.remove(&digest) {
-                        tracing::warn!(blob = %digest, error = %err, "cannot remove a blob stored after its pull failed; the next start removes it");
-                    }
-                }
-                put
-            });
+            let writer = spawn_blob_writer(blobs, fetched, &blob, rx);
             let mut sent: u64 = 0;
             let started = std::time::Instant::now();
             let mut next_report = started + PROGRESS_EVERY;
@@ -864,23 +832,7 @@ impl Puller {
                 // Only now: the writer has removed its temp file.
                 return Err(stall);
             }
-            match written {
-                Ok(Ok(Put::Stored)) => {
-                    progress.complete();
-                    tracing::info!(image = %name, blob = %blob.digest, bytes = blob.size,
-                        elapsed_ms = started.elapsed().as_millis() as u64, "blob downloaded and verified");
-                    Ok(Some(blob.digest.clone()))
-                }
-                Ok(Ok(Put::AlreadyPresent)) => {
-                    progress.complete();
-                    Ok(None)
-                }
-                Ok(Err(err)) => Err(self.classify_blob(reference, err)),
-                Err(err) => Err(PullError::Task {
-                    reference: name.clone(),
-                    reason: err.to_string(),
-                }),
-            }
+            self.blob_written(reference, &name, &blob, &progress, started, written)
         };
         match tokio::time::timeout(self.limits.blob_timeout, work).await {
             Ok(result) => result,
@@ -888,6 +840,36 @@ impl Puller {
                 reference: name.clone(),
                 what: "downloading a blob",
                 after: self.limits.blob_timeout,
+            }),
+        }
+    }
+
+    /// What the writer's end says of the blob: its digest when it stored it, `None` when it
+    /// found the blob there already, else the store's refusal or the writer's crash.
+    fn blob_written(
+        &self,
+        reference: &ImageRef,
+        name: &str,
+        blob: &BlobRef,
+        progress: &BlobProgress,
+        started: std::time::Instant,
+        written: Result<Result<Put, BlobError>, tokio::task::JoinError>,
+    ) -> Result<Option<Digest>, PullError> {
+        match written {
+            Ok(Ok(Put::Stored)) => {
+                progress.complete();
+                tracing::info!(image = %name, blob = %blob.digest, bytes = blob.size,
+                    elapsed_ms = started.elapsed().as_millis() as u64, "blob downloaded and verified");
+                Ok(Some(blob.digest.clone()))
+            }
+            Ok(Ok(Put::AlreadyPresent)) => {
+                progress.complete();
+                Ok(None)
+            }
+            Ok(Err(err)) => Err(self.classify_blob(reference, err)),
+            Err(err) => Err(PullError::Task {
+                reference: name.to_owned(),
+                reason: err.to_string(),
             }),
         }
     }
@@ -1011,6 +993,56 @@ impl<T> Drop for AbortOnDrop<T> {
     fn drop(&mut self) {
         self.0.abort();
     }
+}
+
+/// Refuses a blob whose `Content-Length` is not the size its manifest gives, before a byte
+/// of it is read: more would overrun the store's bound, less cannot hash to the digest.
+fn check_blob_length(name: &str, blob: &BlobRef, length: Option<u64>) -> Result<(), PullError> {
+    if let Some(length) = length
+        && length != blob.size
+    {
+        return Err(PullError::BlobRefused {
+            reference: name.to_owned(),
+            source: if length > blob.size {
+                BlobError::TooLarge {
+                    digest: blob.digest.clone(),
+                    expected: blob.size,
+                }
+            } else {
+                BlobError::SizeMismatch {
+                    digest: blob.digest.clone(),
+                    expected: blob.size,
+                    actual: length,
+                }
+            },
+        });
+    }
+    Ok(())
+}
+
+/// Starts the blocking thread that stores `blob` from the chunks `rx` receives. A blob it
+/// stored after the pull failed is removed at once (the pull's cleanup has run already).
+fn spawn_blob_writer(
+    blobs: &Arc<BlobStore>,
+    fetched: &Arc<Fetched>,
+    blob: &BlobRef,
+    rx: tokio::sync::mpsc::Receiver<io::Result<bytes::Bytes>>,
+) -> tokio::task::JoinHandle<Result<Put, BlobError>> {
+    let store = Arc::clone(blobs);
+    let (digest, size) = (blob.digest.clone(), blob.size);
+    let noted = Arc::clone(fetched);
+    let running = fetched.writer_running();
+    tokio::task::spawn_blocking(move || {
+        let _running = running;
+        let put = store.put(ChannelReader::new(rx), &digest, size);
+        if matches!(put, Ok(Put::Stored)) && !noted.note_stored(&digest) {
+            // The pull failed (or was dropped) while this blob was being renamed in.
+            if let Err(err) = store.remove(&digest) {
+                tracing::warn!(blob = %digest, error = %err, "cannot remove a blob stored after its pull failed; the next start removes it");
+            }
+        }
+        put
+    })
 }
 
 /// One blob body's throughput floor ([`PullLimits::min_bytes_per_sec`] over consecutive
