@@ -26,6 +26,7 @@ use crate::mounts::MountTable;
 use crate::service_manager::{ComponentStatus, ManagerOptions, ServiceManager};
 use crate::store::{Store, StoreError};
 use crate::volume::bind::Binder;
+use crate::volume::gate::InFlight;
 use crate::volume::recovery::RecoveryReport;
 use crate::volume::{
     NodeContext, PluginEndpoints, VolumeConfig, VolumeError, VolumeManager, VolumeState,
@@ -540,6 +541,33 @@ impl CsiServer {
         self.wait_started().await;
         let mut report = DrainReport::default();
 
+        let busy = self.wait_in_flight(timeout).await;
+        let plugins = self.plugins_to_drain().await;
+        // Every workload bind of every record, before the claims (and their entries) go: the
+        // mount table is checked at these paths afterwards.
+        let (binds, tasks) = start_volume_drains(&plugins, &busy);
+        collect_volume_drains(tasks, timeout, &mut report).await;
+
+        report.left = match self.left_after_drain(&plugins, &binds).await {
+            Ok(left) => left,
+            Err(err) => vec![DrainLeft {
+                plugin: String::new(),
+                volume_id: String::new(),
+                path: None,
+                reason: format!(
+                    "the mount table could not be read, so nothing is confirmed unmounted: {err}"
+                ),
+            }],
+        };
+
+        self.stop_drained_plugins(&plugins, &mut report).await;
+        log_drain_report(&report);
+        report
+    }
+
+    /// Drain step 2: waits up to `timeout` for the operations in flight to end. Returns
+    /// those still running then (their volumes are left for a later drain).
+    async fn wait_in_flight(&self, timeout: Duration) -> Vec<InFlight> {
         let waiting = Instant::now();
         let busy = self
             .inner
@@ -561,7 +589,11 @@ impl CsiServer {
                 "drain: operations still in flight at the timeout; the volumes they hold are left for a later drain"
             );
         }
+        busy
+    }
 
+    /// The plugins the drain reaches: every configured one that is initialized.
+    async fn plugins_to_drain(&self) -> Vec<(String, Arc<Plugin>)> {
         let types: Vec<String> = {
             let table = self.inner.table.lock().await;
             table.configs.plugins.keys().cloned().collect()
@@ -576,79 +608,17 @@ impl CsiServer {
                 }
             }
         }
+        plugins
+    }
 
-        // Every workload bind of every record, before the claims (and their entries) go: the
-        // mount table is checked at these paths afterwards.
-        let mut binds: Vec<(String, String, PathBuf)> = Vec::new();
-        let mut tasks = futures::stream::FuturesUnordered::new();
-        for (plugin_type, plugin) in &plugins {
-            for record in plugin.volumes.list_snapshot() {
-                for bind in record.bind_mounts.values() {
-                    binds.push((
-                        plugin_type.clone(),
-                        record.volume_id.clone(),
-                        bind.path.clone(),
-                    ));
-                }
-                if at_rest(&record) {
-                    continue;
-                }
-                if busy
-                    .iter()
-                    .any(|op| &op.plugin == plugin_type && op.volume_id == record.volume_id)
-                {
-                    // Its operation holds the volume's lock: reported below, not waited for.
-                    continue;
-                }
-                let volumes = plugin.volumes.clone();
-                let plugin_type = plugin_type.clone();
-                let claims: Vec<String> = record.claims.iter().cloned().collect();
-                let volume_id = record.volume_id.clone();
-                // Its own task: one that outlives the timeout keeps running (and counted on
-                // the gate) instead of being cut off between an RPC and its record.
-                tasks.push(tokio::spawn(async move {
-                    drain_volume(&volumes, &plugin_type, &volume_id, claims).await
-                }));
-            }
-        }
-        let unpublishing = Instant::now() + timeout;
-        loop {
-            match tokio::time::timeout_at(unpublishing.into(), futures::StreamExt::next(&mut tasks))
-                .await
-            {
-                Ok(Some(Ok((released, failed)))) => {
-                    report.released.extend(released);
-                    report.failed.extend(failed);
-                }
-                Ok(Some(Err(join))) => {
-                    tracing::error!(error = %join, "drain: a volume's unpublish task failed");
-                }
-                Ok(None) => break,
-                Err(_) => {
-                    tracing::warn!(
-                        running = tasks.len(),
-                        "drain: unpublishes still running at the timeout; a later drain waits for them"
-                    );
-                    break;
-                }
-            }
-        }
-        // Dropping the handles detaches the tasks still running: they finish on their own.
-        drop(tasks);
-
-        report.left = match self.left_after_drain(&plugins, &binds).await {
-            Ok(left) => left,
-            Err(err) => vec![DrainLeft {
-                plugin: String::new(),
-                volume_id: String::new(),
-                path: None,
-                reason: format!(
-                    "the mount table could not be read, so nothing is confirmed unmounted: {err}"
-                ),
-            }],
-        };
-
-        for (plugin_type, plugin) in &plugins {
+    /// Drain step 5: stops each plugin that nothing is left of, once per daemon; a plugin
+    /// that does not stop cleanly is a failure in `report`.
+    async fn stop_drained_plugins(
+        &self,
+        plugins: &[(String, Arc<Plugin>)],
+        report: &mut DrainReport,
+    ) {
+        for (plugin_type, plugin) in plugins {
             if report.left.iter().any(|l| &l.plugin == plugin_type)
                 || report
                     .failed
@@ -674,24 +644,6 @@ impl CsiServer {
                 }
             }
         }
-        if report.is_complete() {
-            tracing::info!(
-                released = report.released.len(),
-                stopped = report.stopped.len(),
-                "node drained: nothing of csi-agent's is mounted"
-            );
-        } else {
-            for left in &report.left {
-                tracing::warn!(plugin = %left.plugin, volume_id = ?left.volume_id, path = ?left.path, reason = %left.reason, "drain: left on the node");
-            }
-            tracing::warn!(
-                released = report.released.len(),
-                failed = report.failed.len(),
-                left = report.left.len(),
-                "drain incomplete: drain again once the causes are fixed"
-            );
-        }
-        report
     }
 
     /// What of csi-agent's is still on the node: operations in flight, records not at rest,
@@ -1170,6 +1122,107 @@ impl CsiServer {
         table.configs = report.set;
         table.config_errors = errors.iter().map(|(_, m)| m.clone()).collect();
         table.config_error_files = errors;
+    }
+}
+
+/// The drain's unpublish tasks, one per volume: what each released and what failed.
+type VolumeDrains = futures::stream::FuturesUnordered<
+    tokio::task::JoinHandle<(Vec<DrainedClaim>, Vec<DrainFailure>)>,
+>;
+
+/// Drain step 3, begun: one task per volume not at rest and not held by an operation still
+/// in flight, unpublishing its claims. Returns every workload bind of every record (the
+/// mount table is checked at these paths afterwards) and the tasks.
+fn start_volume_drains(
+    plugins: &[(String, Arc<Plugin>)],
+    busy: &[InFlight],
+) -> (Vec<(String, String, PathBuf)>, VolumeDrains) {
+    let mut binds: Vec<(String, String, PathBuf)> = Vec::new();
+    let tasks = futures::stream::FuturesUnordered::new();
+    for (plugin_type, plugin) in plugins {
+        for record in plugin.volumes.list_snapshot() {
+            for bind in record.bind_mounts.values() {
+                binds.push((
+                    plugin_type.clone(),
+                    record.volume_id.clone(),
+                    bind.path.clone(),
+                ));
+            }
+            if at_rest(&record) {
+                continue;
+            }
+            if busy
+                .iter()
+                .any(|op| &op.plugin == plugin_type && op.volume_id == record.volume_id)
+            {
+                // Its operation holds the volume's lock: reported below, not waited for.
+                continue;
+            }
+            let volumes = plugin.volumes.clone();
+            let plugin_type = plugin_type.clone();
+            let claims: Vec<String> = record.claims.iter().cloned().collect();
+            let volume_id = record.volume_id.clone();
+            // Its own task: one that outlives the timeout keeps running (and counted on
+            // the gate) instead of being cut off between an RPC and its record.
+            tasks.push(tokio::spawn(async move {
+                drain_volume(&volumes, &plugin_type, &volume_id, claims).await
+            }));
+        }
+    }
+    (binds, tasks)
+}
+
+/// Drain step 3, ended: gathers what the volumes' tasks released and failed into `report`,
+/// waiting up to `timeout`. Dropping the handles detaches the tasks still running then: they
+/// finish on their own (and stay counted on the gate).
+async fn collect_volume_drains(
+    mut tasks: VolumeDrains,
+    timeout: Duration,
+    report: &mut DrainReport,
+) {
+    let unpublishing = Instant::now() + timeout;
+    loop {
+        match tokio::time::timeout_at(unpublishing.into(), futures::StreamExt::next(&mut tasks))
+            .await
+        {
+            Ok(Some(Ok((released, failed)))) => {
+                report.released.extend(released);
+                report.failed.extend(failed);
+            }
+            Ok(Some(Err(join))) => {
+                tracing::error!(error = %join, "drain: a volume's unpublish task failed");
+            }
+            Ok(None) => break,
+            Err(_) => {
+                tracing::warn!(
+                    running = tasks.len(),
+                    "drain: unpublishes still running at the timeout; a later drain waits for them"
+                );
+                break;
+            }
+        }
+    }
+    drop(tasks);
+}
+
+/// The drain's last word in the log: drained, or what is left and why.
+fn log_drain_report(report: &DrainReport) {
+    if report.is_complete() {
+        tracing::info!(
+            released = report.released.len(),
+            stopped = report.stopped.len(),
+            "node drained: nothing of csi-agent's is mounted"
+        );
+    } else {
+        for left in &report.left {
+            tracing::warn!(plugin = %left.plugin, volume_id = ?left.volume_id, path = ?left.path, reason = %left.reason, "drain: left on the node");
+        }
+        tracing::warn!(
+            released = report.released.len(),
+            failed = report.failed.len(),
+            left = report.left.len(),
+            "drain incomplete: drain again once the causes are fixed"
+        );
     }
 }
 
