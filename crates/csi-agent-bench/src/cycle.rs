@@ -486,6 +486,87 @@ impl Contenders<'_> {
     }
 }
 
+impl<'a> Contenders<'a> {
+    /// Launches the variant's plugin through the daemon, then opens every contender on its
+    /// socket, each with its own work dir in `scratch`.
+    async fn start(
+        scratch: &Scratch,
+        daemon: &'a Daemon,
+        variant: Variant,
+        plugin_type: &str,
+    ) -> anyhow::Result<Self> {
+        // The first request launches the plugin (lazily); then its socket is known.
+        daemon.publish(plugin_type, DAEMON_VOLUME, WORKLOAD).await?;
+        daemon
+            .unpublish(plugin_type, DAEMON_VOLUME, WORKLOAD)
+            .await?;
+        let (socket, _) = daemon.plugin_socket(plugin_type).await?;
+        let raw = Raw::connect(
+            &socket,
+            scratch.join(&format!("raw-co-{}", variant.tag)),
+            plugin_type,
+        )
+        .await?;
+        let engine = Engine::new(
+            &scratch.join(&format!("engine-work-{}", variant.tag)),
+            &socket,
+            plugin_type,
+        )?;
+        let write_path = scratch.join(&format!("write-probe-{}/volume.json", variant.tag));
+        std::fs::create_dir_all(write_path.parent().unwrap_or(scratch.path()))?;
+        let raw_durable = Raw::connect(
+            &socket,
+            scratch.join(&format!("raw-co-{}", variant.tag)),
+            plugin_type,
+        )
+        .await?
+        .with_durable_writes(&scratch.join(&format!("raw-durable-{}", variant.tag)))?;
+        let daemon_socket = daemon
+            .api
+            .socket()
+            .context("the daemon client has no unix socket")?
+            .to_path_buf();
+        Ok(Contenders {
+            raw,
+            raw_durable,
+            engine,
+            daemon,
+            daemon_socket,
+            plugin_type: plugin_type.to_owned(),
+            write_path,
+            write_payload: sample_record()?,
+            store: Store::open(
+                Layout::new(scratch.join(&format!("store-probe-{}", variant.tag))),
+                None,
+            )?,
+            store_record: published_record(STORE_VOLUME),
+            store_saves: variant.rpcs() + 1,
+        })
+    }
+}
+
+/// The daemon's durable writes per publish and per unpublish, summed over `cycles`
+/// unmeasured cycles (the metrics count writes, not which operation made them).
+async fn daemon_write_split(
+    daemon: &Daemon,
+    plugin_type: &str,
+    cycles: usize,
+) -> anyhow::Result<(f64, f64)> {
+    let (mut daemon_pub_writes, mut daemon_unpub_writes) = (0.0, 0.0);
+    for _ in 0..cycles {
+        let c0 = daemon.checkpoint_counters().await?;
+        daemon.publish(plugin_type, DAEMON_VOLUME, WORKLOAD).await?;
+        let c1 = daemon.checkpoint_counters().await?;
+        daemon
+            .unpublish(plugin_type, DAEMON_VOLUME, WORKLOAD)
+            .await?;
+        let c2 = daemon.checkpoint_counters().await?;
+        daemon_pub_writes += c1.since(&c0).writes;
+        daemon_unpub_writes += c2.since(&c1).writes;
+    }
+    Ok((daemon_pub_writes, daemon_unpub_writes))
+}
+
 async fn run_variant(
     scratch: &Scratch,
     daemon: &Daemon,
@@ -493,55 +574,7 @@ async fn run_variant(
     args: &CycleArgs,
 ) -> anyhow::Result<VariantReport> {
     let plugin_type = variant.plugin_type();
-    // The first request launches the plugin (lazily); then its socket is known.
-    daemon
-        .publish(&plugin_type, DAEMON_VOLUME, WORKLOAD)
-        .await?;
-    daemon
-        .unpublish(&plugin_type, DAEMON_VOLUME, WORKLOAD)
-        .await?;
-    let (socket, _) = daemon.plugin_socket(&plugin_type).await?;
-    let raw = Raw::connect(
-        &socket,
-        scratch.join(&format!("raw-co-{}", variant.tag)),
-        &plugin_type,
-    )
-    .await?;
-    let engine = Engine::new(
-        &scratch.join(&format!("engine-work-{}", variant.tag)),
-        &socket,
-        &plugin_type,
-    )?;
-    let write_path = scratch.join(&format!("write-probe-{}/volume.json", variant.tag));
-    std::fs::create_dir_all(write_path.parent().unwrap_or(scratch.path()))?;
-    let raw_durable = Raw::connect(
-        &socket,
-        scratch.join(&format!("raw-co-{}", variant.tag)),
-        &plugin_type,
-    )
-    .await?
-    .with_durable_writes(&scratch.join(&format!("raw-durable-{}", variant.tag)))?;
-    let daemon_socket = daemon
-        .api
-        .socket()
-        .context("the daemon client has no unix socket")?
-        .to_path_buf();
-    let contenders = Contenders {
-        raw,
-        raw_durable,
-        engine,
-        daemon,
-        daemon_socket,
-        plugin_type: plugin_type.clone(),
-        write_path,
-        write_payload: sample_record()?,
-        store: Store::open(
-            Layout::new(scratch.join(&format!("store-probe-{}", variant.tag))),
-            None,
-        )?,
-        store_record: published_record(STORE_VOLUME),
-        store_saves: variant.rpcs() + 1,
-    };
+    let contenders = Contenders::start(scratch, daemon, variant, &plugin_type).await?;
 
     let selected =
         |who: Contender| args.only.is_empty() || args.only.iter().any(|o| o == who.name());
@@ -622,20 +655,8 @@ async fn run_variant(
         Checkpoints::parse(&contenders.engine.metrics.encode()).since(&engine_before);
 
     // Split the daemon's writes between publish and unpublish (unmeasured cycles).
-    let (mut daemon_pub_writes, mut daemon_unpub_writes) = (0.0, 0.0);
-    for _ in 0..args.count_cycles {
-        let c0 = daemon.checkpoint_counters().await?;
-        daemon
-            .publish(&plugin_type, DAEMON_VOLUME, WORKLOAD)
-            .await?;
-        let c1 = daemon.checkpoint_counters().await?;
-        daemon
-            .unpublish(&plugin_type, DAEMON_VOLUME, WORKLOAD)
-            .await?;
-        let c2 = daemon.checkpoint_counters().await?;
-        daemon_pub_writes += c1.since(&c0).writes;
-        daemon_unpub_writes += c2.since(&c1).writes;
-    }
+    let (daemon_pub_writes, daemon_unpub_writes) =
+        daemon_write_split(daemon, &plugin_type, args.count_cycles).await?;
     let count = args.count_cycles.max(1) as f64;
     let n = args.iterations as f64;
     let writes_summary = Summary::of(&writes);
