@@ -29,7 +29,7 @@ use serde::Serialize;
 
 use crate::daemon::PluginSpec;
 use crate::env::{Env, Machine, NODE_ID, PLUGIN_TYPE};
-use crate::procs::{ChildGuard, signal};
+use crate::procs::{ChildGuard, Scratch, signal};
 use crate::stats::{Summary, metric};
 
 /// the targets of docs/benchmarks.md.
@@ -101,29 +101,7 @@ pub async fn run(env: &Env, args: &SupervisionArgs) -> anyhow::Result<Supervisio
     let machine = Machine::describe(scratch.path());
     let flags = ["--mount-mode", "none", "--no-controller-publish"];
 
-    eprintln!(
-        "supervision: plugin's own start time, {} runs...",
-        args.runs
-    );
-    let own_work = scratch.join("own-plugin");
-    std::fs::create_dir_all(&own_work)?;
-    let own_socket = scratch.join("own.sock");
-    let mut own = Vec::new();
-    for _ in 0..args.runs + 1 {
-        own.push(
-            own_start(
-                &env.plugin_bin,
-                &own_work,
-                &own_socket,
-                &flags,
-                scratch.path(),
-            )
-            .await?,
-        );
-    }
-    // The first run creates the plugin's state; later ones start like a restart does.
-    own.remove(0);
-    let own_start = Summary::of(&own);
+    let own_start = own_start_times(env, &scratch, &flags, args.runs).await?;
 
     eprintln!(
         "supervision: kill -9 → ready again through the service manager, {} runs...",
@@ -176,40 +154,7 @@ pub async fn run(env: &Env, args: &SupervisionArgs) -> anyhow::Result<Supervisio
         .status()
         .is_ok_and(|s| s.success());
     let oci = if runc_installed {
-        eprintln!(
-            "supervision: the same with the plugin in a runc container, {} runs...",
-            args.runs
-        );
-        // The container's root is the host's, read-only: the plugin's state dir is bound.
-        spec.extra
-            .insert("runtime".to_owned(), serde_json::json!({"kind": "oci"}));
-        let mut json = spec.config_json(&env.plugin_bin);
-        json["containers"][0]["container"] = serde_json::json!({"volumes": [{
-            "container_path": spec.work_dir, "host_path": spec.work_dir, "mode": "RW"}]});
-        let text = serde_json::to_string(&json)?;
-        let config = parse_config(&config_file, &text).map_err(|e| anyhow::anyhow!("{e}"))?;
-        let manager = Arc::new(
-            ServiceManager::new(
-                config,
-                ManagerOptions {
-                    layout: Layout::new(scratch.join("sm-oci-work")),
-                    node_id: NODE_ID.to_owned(),
-                    socket_root: scratch.join("sm-oci-s"),
-                    metrics: Arc::new(Metrics::new()),
-                    oci_runtime: "runc".into(),
-                    images: None,
-                    fetch: csi_agent::fetch::FetchOptions::new(&scratch.join("sm-oci-work")),
-                    secret_dir: None,
-                },
-            )
-            .await
-            .map_err(|e| anyhow::anyhow!("{e}"))?,
-        );
-        let result = supervise(&manager, args.runs).await;
-        let stopped = manager.stop().await;
-        let (oci_first, _, oci_kill) = result?;
-        stopped.map_err(|e| anyhow::anyhow!("stopping the plugin's container: {e}"))?;
-        Some((oci_first, oci_kill))
+        Some(oci_kill_to_ready(env, &scratch, spec, &config_file, args.runs).await?)
     } else {
         eprintln!("supervision: runc is not installed; the oci runtime is not measured");
         None
@@ -247,6 +192,78 @@ pub async fn run(env: &Env, args: &SupervisionArgs) -> anyhow::Result<Supervisio
         kill_to_ready,
         own_start,
     })
+}
+
+/// The plugin's own start time (exec → socket), `runs` times, by hand: what a restart by
+/// the service manager is compared with.
+async fn own_start_times(
+    env: &Env,
+    scratch: &Scratch,
+    flags: &[&str],
+    runs: usize,
+) -> anyhow::Result<Summary> {
+    eprintln!("supervision: plugin's own start time, {runs} runs...");
+    let own_work = scratch.join("own-plugin");
+    std::fs::create_dir_all(&own_work)?;
+    let own_socket = scratch.join("own.sock");
+    let mut own = Vec::new();
+    for _ in 0..runs + 1 {
+        own.push(
+            own_start(
+                &env.plugin_bin,
+                &own_work,
+                &own_socket,
+                flags,
+                scratch.path(),
+            )
+            .await?,
+        );
+    }
+    // The first run creates the plugin's state; later ones start like a restart does.
+    own.remove(0);
+    Ok(Summary::of(&own))
+}
+
+/// The same kill → ready runs with the plugin in a runc container. Returns the first launch
+/// and each kill → ready.
+async fn oci_kill_to_ready(
+    env: &Env,
+    scratch: &Scratch,
+    mut spec: PluginSpec,
+    config_file: &Path,
+    runs: usize,
+) -> anyhow::Result<(Duration, Vec<Duration>)> {
+    eprintln!("supervision: the same with the plugin in a runc container, {runs} runs...");
+    // The container's root is the host's, read-only: the plugin's state dir is bound.
+    spec.extra
+        .insert("runtime".to_owned(), serde_json::json!({"kind": "oci"}));
+    let mut json = spec.config_json(&env.plugin_bin);
+    json["containers"][0]["container"] = serde_json::json!({"volumes": [{
+        "container_path": spec.work_dir, "host_path": spec.work_dir, "mode": "RW"}]});
+    let text = serde_json::to_string(&json)?;
+    let config = parse_config(config_file, &text).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let manager = Arc::new(
+        ServiceManager::new(
+            config,
+            ManagerOptions {
+                layout: Layout::new(scratch.join("sm-oci-work")),
+                node_id: NODE_ID.to_owned(),
+                socket_root: scratch.join("sm-oci-s"),
+                metrics: Arc::new(Metrics::new()),
+                oci_runtime: "runc".into(),
+                images: None,
+                fetch: csi_agent::fetch::FetchOptions::new(&scratch.join("sm-oci-work")),
+                secret_dir: None,
+            },
+        )
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?,
+    );
+    let result = supervise(&manager, runs).await;
+    let stopped = manager.stop().await;
+    let (oci_first, _, oci_kill) = result?;
+    stopped.map_err(|e| anyhow::anyhow!("stopping the plugin's container: {e}"))?;
+    Ok((oci_first, oci_kill))
 }
 
 /// exec → socket appears, for one start of the plugin by hand; killed 150 ms later.
