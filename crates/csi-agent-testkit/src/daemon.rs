@@ -373,6 +373,32 @@ impl Daemon {
         text
     }
 
+    /// Polls `GET /v1/plugins/{plugin}` until `check` accepts the answer, failing the test
+    /// with the last answer and the daemon's log after `timeout`.
+    pub async fn wait_plugin(
+        &self,
+        plugin: &str,
+        what: &str,
+        timeout: Duration,
+        mut check: impl FnMut(&csi_agent_api::PluginInfo) -> bool,
+    ) -> csi_agent_api::PluginInfo {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let info = self.api().plugin(plugin).await;
+            if let Ok(info) = &info
+                && check(info)
+            {
+                return info.clone();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "timed out waiting for {what}: {info:?}\n{}",
+                self.full_log()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// What every daemon process started here wrote to the log.
     pub fn full_log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()

@@ -69,23 +69,11 @@ pub async fn wait_plugin(
     daemon: &Daemon,
     plugin: &str,
     what: &str,
-    mut check: impl FnMut(&PluginInfo) -> bool,
+    check: impl FnMut(&PluginInfo) -> bool,
 ) -> PluginInfo {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let info = daemon.api().plugin(plugin).await;
-        if let Ok(info) = &info
-            && check(info)
-        {
-            return info.clone();
-        }
-        assert!(
-            Instant::now() < deadline,
-            "timed out waiting for {what}: {info:?}\n{}",
-            daemon.full_log()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    daemon
+        .wait_plugin(plugin, what, Duration::from_secs(60), check)
+        .await
 }
 
 pub fn ready_pid(info: &PluginInfo) -> Option<u32> {

@@ -140,29 +140,6 @@ fn runc_list(socket_root: &Path) -> Vec<Value> {
         .unwrap_or_default()
 }
 
-async fn wait_plugin(
-    daemon: &Daemon,
-    what: &str,
-    timeout: Duration,
-    mut check: impl FnMut(&PluginInfo) -> bool,
-) -> PluginInfo {
-    let deadline = Instant::now() + timeout;
-    loop {
-        let info = daemon.api().plugin(PLUGIN).await;
-        if let Ok(info) = &info
-            && check(info)
-        {
-            return info.clone();
-        }
-        assert!(
-            Instant::now() < deadline,
-            "timed out waiting for {what}: {info:?}\n{}",
-            daemon_log(daemon)
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 /// A publish of vol1 for w1 started in the background (it waits for the plugin) and the
 /// plugin's state once its launch has failed with an error `failed` accepts. The publish is
 /// handed back to be aborted, or awaited once the cause is fixed.
@@ -178,15 +155,12 @@ async fn publish_until_launch_fails(
         let api = daemon.api();
         tokio::spawn(async move { api.publish(&publish_request("vol1", "w1")).await })
     };
-    let info = wait_plugin(daemon, what, Duration::from_secs(20), |i| {
-        i.error.as_deref().is_some_and(&mut failed)
-    })
-    .await;
+    let info = daemon
+        .wait_plugin(PLUGIN, what, Duration::from_secs(20), |i| {
+            i.error.as_deref().is_some_and(&mut failed)
+        })
+        .await;
     (info, publishing)
-}
-
-fn daemon_log(daemon: &Daemon) -> String {
-    std::fs::read_to_string(daemon.work.parent().unwrap().join("daemon.log")).unwrap_or_default()
 }
 
 fn ready_pid(info: &PluginInfo) -> Option<u32> {
@@ -234,10 +208,11 @@ async fn the_plugin_runs_in_a_container_and_its_mounts_reach_the_host() {
     );
 
     // It runs in a container of its own: its own mount namespace, known to runc.
-    let info = wait_plugin(&daemon, "the plugin ready", Duration::from_secs(20), |i| {
-        ready_pid(i).is_some()
-    })
-    .await;
+    let info = daemon
+        .wait_plugin(PLUGIN, "the plugin ready", Duration::from_secs(20), |i| {
+            ready_pid(i).is_some()
+        })
+        .await;
     let pid = ready_pid(&info).unwrap();
     let daemon_pid = daemon.child.as_ref().unwrap().id();
     assert_ne!(
@@ -292,13 +267,14 @@ async fn the_plugin_runs_in_a_container_and_its_mounts_reach_the_host() {
     // The container killed → restarted (a new init), and it serves again.
     api.publish(&publish_request("vol2", "w2")).await.unwrap();
     common_kill9(pid);
-    let info = wait_plugin(
-        &daemon,
-        "a restarted container",
-        Duration::from_secs(20),
-        |i| ready_pid(i).is_some_and(|p| p != pid),
-    )
-    .await;
+    let info = daemon
+        .wait_plugin(
+            PLUGIN,
+            "a restarted container",
+            Duration::from_secs(20),
+            |i| ready_pid(i).is_some_and(|p| p != pid),
+        )
+        .await;
     let restarted = ready_pid(&info).unwrap();
     assert!(info.components[0].restarts >= 1, "{info:?}");
     assert_eq!(runc_list(&daemon.socket_root).len(), 1);
@@ -313,13 +289,11 @@ async fn the_plugin_runs_in_a_container_and_its_mounts_reach_the_host() {
     api.unpublish(&unpublish_request("vol2", "w2"))
         .await
         .unwrap();
-    let info = wait_plugin(
-        &daemon,
-        "the adopted plugin",
-        Duration::from_secs(20),
-        |i| ready_pid(i).is_some(),
-    )
-    .await;
+    let info = daemon
+        .wait_plugin(PLUGIN, "the adopted plugin", Duration::from_secs(20), |i| {
+            ready_pid(i).is_some()
+        })
+        .await;
     assert_eq!(ready_pid(&info), Some(restarted), "relaunched, not adopted");
     assert_eq!(info.components[0].restarts, 0, "{info:?}");
     api.unpublish(&unpublish_request("vol1", "w1"))
@@ -512,10 +486,11 @@ async fn a_container_stopped_while_the_daemon_was_down_is_replaced_and_a_changed
         .await
         .unwrap();
     let first = ready_pid(
-        &wait_plugin(&daemon, "the plugin ready", Duration::from_secs(20), |i| {
-            ready_pid(i).is_some()
-        })
-        .await,
+        &daemon
+            .wait_plugin(PLUGIN, "the plugin ready", Duration::from_secs(20), |i| {
+                ready_pid(i).is_some()
+            })
+            .await,
     )
     .unwrap();
 
@@ -539,10 +514,11 @@ async fn a_container_stopped_while_the_daemon_was_down_is_replaced_and_a_changed
     let api = daemon.api();
     let published = api.publish(&publish_request("vol2", "w2")).await.unwrap();
     assert!(is_mounted(Path::new(&published.target_path)));
-    let info = wait_plugin(&daemon, "a new container", Duration::from_secs(20), |i| {
-        ready_pid(i).is_some()
-    })
-    .await;
+    let info = daemon
+        .wait_plugin(PLUGIN, "a new container", Duration::from_secs(20), |i| {
+            ready_pid(i).is_some()
+        })
+        .await;
     let second = ready_pid(&info).unwrap();
     assert_ne!(second, first);
     let listed = runc_list(&daemon.socket_root);
@@ -566,13 +542,14 @@ async fn a_container_stopped_while_the_daemon_was_down_is_replaced_and_a_changed
     daemon.add_config("test.json", &changed);
     let report = api.reload().await.unwrap();
     assert_eq!(report.changed, vec![PLUGIN.to_owned()], "{report:?}");
-    let info = wait_plugin(
-        &daemon,
-        "the replaced container",
-        Duration::from_secs(20),
-        |i| ready_pid(i).is_some_and(|p| p != second),
-    )
-    .await;
+    let info = daemon
+        .wait_plugin(
+            PLUGIN,
+            "the replaced container",
+            Duration::from_secs(20),
+            |i| ready_pid(i).is_some_and(|p| p != second),
+        )
+        .await;
     let third = ready_pid(&info).unwrap();
     let environ = std::fs::read(format!("/proc/{third}/environ")).unwrap();
     assert!(
@@ -682,10 +659,11 @@ async fn a_daemon_killed_while_starting_a_container_leaves_exactly_one_after_res
         let api = daemon.api();
         let published = api.publish(&publish_request("vol1", "w1")).await.unwrap();
         assert!(is_mounted(Path::new(&published.target_path)), "{point}");
-        let info = wait_plugin(&daemon, "the plugin ready", Duration::from_secs(20), |i| {
-            ready_pid(i).is_some()
-        })
-        .await;
+        let info = daemon
+            .wait_plugin(PLUGIN, "the plugin ready", Duration::from_secs(20), |i| {
+                ready_pid(i).is_some()
+            })
+            .await;
         let pid = ready_pid(&info).unwrap();
         let listed = runc_list(&daemon.socket_root);
         assert_eq!(listed.len(), 1, "{point}: {listed:?}");
@@ -829,10 +807,11 @@ async fn only_bidirectional_volumes_carry_mounts_made_inside_out_to_the_host() {
     daemon.start();
     let api = daemon.api();
     api.publish(&publish_request("vol1", "w1")).await.unwrap();
-    let info = wait_plugin(&daemon, "the plugin ready", Duration::from_secs(20), |i| {
-        ready_pid(i).is_some()
-    })
-    .await;
+    let info = daemon
+        .wait_plugin(PLUGIN, "the plugin ready", Duration::from_secs(20), |i| {
+            ready_pid(i).is_some()
+        })
+        .await;
     let pid = ready_pid(&info).unwrap();
     let container_table = || MountTable::read_from(Path::new(&format!("/proc/{pid}/mountinfo")));
 
@@ -956,10 +935,11 @@ async fn a_bidirectional_volume_on_a_mount_that_is_not_shared_is_refused_naming_
     // Made shared as the message says, the next launch (restart backoff) succeeds.
     share(&bidirectional);
     publishing.await.unwrap().unwrap();
-    wait_plugin(&daemon, "the plugin ready", Duration::from_secs(20), |i| {
-        ready_pid(i).is_some()
-    })
-    .await;
+    daemon
+        .wait_plugin(PLUGIN, "the plugin ready", Duration::from_secs(20), |i| {
+            ready_pid(i).is_some()
+        })
+        .await;
     api.unpublish(&unpublish_request("vol1", "w1"))
         .await
         .unwrap();

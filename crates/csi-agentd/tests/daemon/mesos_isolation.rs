@@ -17,7 +17,7 @@
 //! Real mounts and containers: run under `unshare -m --propagation private`.
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use csi_agent::mounts::require_private_mount_namespace;
 use csi_agent_api::PluginInfo;
@@ -47,32 +47,6 @@ fn resources() -> Value {
         {"name": "mem", "type": "SCALAR", "scalar": {"value": 64}},
         {"name": "disk", "type": "SCALAR", "scalar": {"value": 100}}
     ])
-}
-
-fn daemon_log(daemon: &Daemon) -> String {
-    std::fs::read_to_string(daemon.work.parent().unwrap().join("daemon.log")).unwrap_or_default()
-}
-
-async fn wait_plugin(
-    daemon: &Daemon,
-    what: &str,
-    mut check: impl FnMut(&PluginInfo) -> bool,
-) -> PluginInfo {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let info = daemon.api().plugin(PLUGIN).await;
-        if let Ok(info) = &info
-            && check(info)
-        {
-            return info.clone();
-        }
-        assert!(
-            Instant::now() < deadline,
-            "timed out waiting for {what}: {info:?}\n{}",
-            daemon_log(daemon)
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 fn ready_pid(info: &PluginInfo) -> Option<u32> {
@@ -181,12 +155,16 @@ async fn an_image_less_config_asking_for_isolation_runs_confined_as_asked() {
     let mut daemon = Daemon::new(dir.path(), &["--start-plugins"]);
     daemon.add_config("iso.json", &config);
     daemon.start();
-    let info = wait_plugin(&daemon, "the plugin ready", |i| ready_pid(i).is_some()).await;
+    let info = daemon
+        .wait_plugin(PLUGIN, "the plugin ready", Duration::from_secs(30), |i| {
+            ready_pid(i).is_some()
+        })
+        .await;
     let pid = ready_pid(&info).unwrap();
 
     // cpus 0.5 → a CFS quota of half the period; mem 64 → 64 MiB.
     let (memory, cpu) = cgroup_limits(pid);
-    assert_eq!(memory, Some(64 << 20), "{}", daemon_log(&daemon));
+    assert_eq!(memory, Some(64 << 20), "{}", daemon.full_log());
     assert_eq!(cpu, Some((50_000, 100_000)));
     // The volume: its content at the container path, which the host does not have.
     assert!(!inside.exists());
@@ -271,10 +249,11 @@ async fn without_the_oci_runtime_the_launch_fails_naming_the_fields_and_nothing_
     );
     daemon.add_config("iso.json", &config);
     daemon.start();
-    let info = wait_plugin(&daemon, "the launch error", |i| {
-        i.components.first().is_some_and(|c| c.error.is_some())
-    })
-    .await;
+    let info = daemon
+        .wait_plugin(PLUGIN, "the launch error", Duration::from_secs(30), |i| {
+            i.components.first().is_some_and(|c| c.error.is_some())
+        })
+        .await;
     let error = info.components[0].error.clone().unwrap();
     for needle in [
         "/nonexistent/bin/runc",
@@ -336,9 +315,14 @@ async fn an_explicit_process_runtime_runs_unconfined_and_says_so_at_each_launch(
     daemon.start();
     let warning =
         "runtime \"process\" does not apply resources.cpus, resources.mem, container.hostname";
-    let first =
-        ready_pid(&wait_plugin(&daemon, "the plugin ready", |i| ready_pid(i).is_some()).await)
-            .unwrap();
+    let first = ready_pid(
+        &daemon
+            .wait_plugin(PLUGIN, "the plugin ready", Duration::from_secs(30), |i| {
+                ready_pid(i).is_some()
+            })
+            .await,
+    )
+    .unwrap();
     // A host process: the daemon's cgroup and UTS namespace, no limit of its own.
     let daemon_pid = daemon.child.as_ref().unwrap().id();
     assert_eq!(
@@ -350,10 +334,10 @@ async fn an_explicit_process_runtime_runs_unconfined_and_says_so_at_each_launch(
         std::fs::read_link("/proc/self/ns/uts").unwrap()
     );
     assert_eq!(
-        daemon_log(&daemon).matches(warning).count(),
+        daemon.full_log().matches(warning).count(),
         1,
         "{}",
-        daemon_log(&daemon)
+        daemon.full_log()
     );
     // A second launch: a second line.
     rustix::process::kill_process(
@@ -361,15 +345,19 @@ async fn an_explicit_process_runtime_runs_unconfined_and_says_so_at_each_launch(
         rustix::process::Signal::KILL,
     )
     .unwrap();
-    wait_plugin(&daemon, "the relaunched plugin", |i| {
-        ready_pid(i).is_some_and(|p| p != first)
-    })
-    .await;
+    daemon
+        .wait_plugin(
+            PLUGIN,
+            "the relaunched plugin",
+            Duration::from_secs(30),
+            |i| ready_pid(i).is_some_and(|p| p != first),
+        )
+        .await;
     assert_eq!(
-        daemon_log(&daemon).matches(warning).count(),
+        daemon.full_log().matches(warning).count(),
         2,
         "{}",
-        daemon_log(&daemon)
+        daemon.full_log()
     );
     std::fs::remove_file(daemon.configs.join("iso.json")).unwrap();
     daemon.api().reload().await.unwrap();
