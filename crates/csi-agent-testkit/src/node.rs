@@ -126,7 +126,12 @@ impl Node {
         assert!(self.child.is_none(), "the daemon is already running");
         self.daemon
             .set_env(csi_agent::failpoint::ENV_VAR, failpoints);
-        self.daemon.start();
+        // Not `Daemon::start`, whose wait for the socket blocks the thread: the soak's and the
+        // crash matrix's clients run on this runtime and must keep running while the daemon
+        // restarts (a blocked runtime froze all 16 soak clients at every restart).
+        // A socket left by a daemon killed before would look like the new one's.
+        let _ = std::fs::remove_file(&self.daemon.socket);
+        self.daemon.spawn();
         self.daemon.wait_healthy().await;
     }
 
