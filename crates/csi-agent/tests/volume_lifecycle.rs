@@ -567,7 +567,7 @@ async fn an_unreadable_record_is_moved_aside_and_the_others_recover() {
             .all(|m| m.to_string_lossy().contains("/mounts/bad/")),
         "{table:?}"
     );
-    unmount_leftovers(dir.path());
+    detach_mounts_under(dir.path());
 }
 
 #[tokio::test]

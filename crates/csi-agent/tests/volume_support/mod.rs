@@ -13,7 +13,7 @@ use csi_agent::client::ClientOptions;
 use csi_agent::config::Service;
 use csi_agent::endpoints::FixedEndpoints;
 use csi_agent::layout::Layout;
-use csi_agent::mounts::{MountTable, Mounter};
+use csi_agent::mounts::Mounter;
 use csi_agent::store::Store;
 use csi_agent::volume::bind::Binder;
 use csi_agent::volume::{
@@ -289,28 +289,10 @@ pub fn secrets(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
         .collect()
 }
 
-/// Mount points under `dir`.
-pub fn mounts_under(dir: &Path) -> Vec<PathBuf> {
-    let table = MountTable::read().unwrap();
-    table
-        .mounts_under(dir)
-        .into_iter()
-        .map(|m| m.mount_point.clone())
-        .collect()
-}
-
-/// Unmounts, innermost first, what a test left mounted beneath its temp dir on purpose: the
-/// dir's removal cannot go through a mount point and would leave it in /tmp (issue #30).
-pub fn unmount_leftovers(dir: &Path) {
-    let mut mounts = mounts_under(dir);
-    mounts.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
-    for mount in mounts {
-        let _ = std::process::Command::new("umount")
-            .arg("-l")
-            .arg(&mount)
-            .status();
-    }
-}
+// The mount-table helpers of every test that mounts: one copy, in the testkit.
+// Each test binary uses a part of this module (as its `dead_code` allowance says).
+#[allow(unused_imports)]
+pub use csi_agent_testkit::{detach_mounts_under, mounts_under};
 
 /// Volume records left in the work dir's database (volume ids), as committed so far.
 pub fn records(work_dir: &Path) -> Vec<String> {
