@@ -12,6 +12,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::{Parser, ValueEnum};
 
+use crate::backing::VolumeFs;
 use crate::faults::Quirks;
 use crate::model::{ApiVersion, validate_volume_name};
 use crate::mounts::MountMode;
@@ -83,6 +84,12 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = MountModeArg::Bind)]
     pub mount_mode: MountModeArg,
 
+    /// What backs each volume's directory: `dir`, a plain directory; `tmpfs`,
+    /// a tmpfs of the volume's capacity mounted on it (needs root), so that
+    /// the volume has a file system of its own to measure and to grow.
+    #[arg(long, value_enum, default_value_t = VolumeFsArg::Dir)]
+    pub volume_fs: VolumeFsArg,
+
     /// The plugin name answered by GetPluginInfo.
     #[arg(long, default_value = "org.example.test")]
     pub plugin_name: String,
@@ -133,9 +140,21 @@ pub struct Args {
     #[arg(long)]
     pub duplicate_capabilities: bool,
 
+    /// Controller capabilities not to advertise, by their spec names
+    /// (`LIST_VOLUMES,GET_CAPACITY`): a plugin that lacks them, as many do. The RPCs still
+    /// answer if called (a CO must not call them).
+    #[arg(long, value_delimiter = ',')]
+    pub hide_controller_capabilities: Vec<String>,
+
     /// Quirk: report an empty vendor_version.
     #[arg(long)]
     pub empty_vendor_version: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum VolumeFsArg {
+    Dir,
+    Tmpfs,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -157,6 +176,7 @@ pub struct Config {
     pub stage_unstage: bool,
     pub controller_publish: bool,
     pub mount_mode: MountMode,
+    pub volume_fs: VolumeFs,
     pub plugin_name: String,
     pub v0_plugin_name: String,
     pub faults_path: PathBuf,
@@ -167,6 +187,8 @@ pub struct Config {
     pub leave_socket: bool,
     pub state_durability: Durability,
     pub quirks: Quirks,
+    /// Controller capability numbers not advertised (`--hide-controller-capabilities`).
+    pub hidden_controller_caps: Vec<i32>,
 }
 
 /// Sizes follow csi-agent's one convention ([`csi_agent_api::size`]): `1G` is 10^9 bytes,
@@ -280,6 +302,10 @@ impl Args {
                 MountModeArg::Bind => MountMode::Bind,
                 MountModeArg::None => MountMode::None,
             },
+            volume_fs: match self.volume_fs {
+                VolumeFsArg::Dir => VolumeFs::Dir,
+                VolumeFsArg::Tmpfs => VolumeFs::Tmpfs,
+            },
             v0_plugin_name: self
                 .v0_plugin_name
                 .unwrap_or_else(|| self.plugin_name.clone()),
@@ -295,6 +321,23 @@ impl Args {
             } else {
                 Durability::Durable
             },
+            hidden_controller_caps: self
+                .hide_controller_capabilities
+                .iter()
+                .filter(|name| !name.trim().is_empty())
+                .map(|name| {
+                    csi_proto::v1::controller_service_capability::rpc::Type::from_str_name(
+                        name.trim(),
+                    )
+                    .map(|t| t as i32)
+                    .with_context(|| {
+                        format!(
+                            "--hide-controller-capabilities: unknown capability {name:?} \
+                                 (spec names: LIST_VOLUMES, GET_CAPACITY, ...)"
+                        )
+                    })
+                })
+                .collect::<anyhow::Result<_>>()?,
             quirks: Quirks {
                 probe_not_ready: self.probe_not_ready,
                 empty_probe: self.empty_probe,

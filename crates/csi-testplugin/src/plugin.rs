@@ -22,6 +22,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use tonic::Status;
 
+use crate::backing::{self, VolumeFs};
 use crate::calllog::CallLog;
 use crate::cli::Config;
 use crate::faults::Faults;
@@ -163,6 +164,27 @@ fn remove_target_dir(target: &Path) -> Result<(), Status> {
     }
 }
 
+/// Mounts the tmpfs of every recorded volume that lacks one: after a reboot,
+/// or when the plugin starts in a new mount namespace, the volume comes back
+/// empty (a tmpfs is memory), which is logged.
+fn mount_tmpfs_backings(store: &Store, volumes_dir: &Path) -> anyhow::Result<()> {
+    let volumes: Vec<(String, i64)> = store.read(|s| {
+        s.volumes
+            .iter()
+            .map(|(id, v)| (id.clone(), v.capacity_bytes))
+            .collect()
+    });
+    for (id, capacity) in volumes {
+        let dir = volumes_dir.join(&id);
+        if !mounts::is_mount_point(&dir)? {
+            tracing::warn!(volume = %id, "mounting the volume's tmpfs again: its data did not survive");
+        }
+        backing::make(&dir, VolumeFs::Tmpfs, capacity)
+            .with_context(|| format!("mounting the tmpfs of volume {id:?} on {}", dir.display()))?;
+    }
+    Ok(())
+}
+
 /// The core plugin.
 #[derive(Debug)]
 pub struct Plugin {
@@ -255,6 +277,9 @@ impl Plugin {
             }
             changed
         })?;
+        if cfg.volume_fs == VolumeFs::Tmpfs {
+            mount_tmpfs_backings(&store, &volumes_dir)?;
+        }
         let used: i64 = store.read(|s| s.volumes.values().map(|v| v.capacity_bytes).sum());
         if used > cfg.capacity {
             tracing::warn!(used, capacity = cfg.capacity, "volumes exceed --capacity");
@@ -375,6 +400,7 @@ impl Plugin {
                 caps.push(CAP_LIST_VOLUMES_PUBLISHED_NODES);
             }
         }
+        caps.retain(|c| !self.cfg.hidden_controller_caps.contains(c));
         self.quirk_caps(caps)
     }
 
@@ -449,6 +475,7 @@ impl Plugin {
             DEFAULT_VOLUME_SIZE
         };
         let total = self.cfg.capacity;
+        let volume_fs = self.cfg.volume_fs;
         let dir = self.volume_dir(&a.name);
         let (name, required, limit, parameters) =
             (a.name, a.required_bytes, a.limit_bytes, a.parameters);
@@ -489,12 +516,10 @@ impl Plugin {
                         total - used
                     )));
                 }
-                match std::fs::create_dir(&dir) {
-                    Ok(()) => {}
-                    // Left by a crash before the record was written.
-                    Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-                    Err(e) => return Err(internal(&format!("creating {}", dir.display()), e)),
-                }
+                // A directory (or tmpfs) left by a crash before the record
+                // was written is taken over.
+                backing::make(&dir, volume_fs, size)
+                    .map_err(|e| internal(&format!("creating {}", dir.display()), e))?;
                 s.volumes.insert(
                     name.clone(),
                     VolumeRecord {
@@ -546,6 +571,8 @@ impl Plugin {
                 if let Some(why) = v.in_use() {
                     return Err(precondition(format!("volume {id:?} is in use: {why}")));
                 }
+                backing::release(&dir, self.cfg.volume_fs)
+                    .map_err(|e| internal(&format!("unmounting {}", dir.display()), e))?;
                 // Renamed away under the lock, deleted after it: a large
                 // volume does not hold up the other RPCs.
                 let moved = match std::fs::rename(&dir, &trash) {

@@ -257,3 +257,54 @@ async fn v0_bind_mount_keeps_the_co_target() -> anyhow::Result<()> {
     assert!(target.is_dir());
     Ok(())
 }
+
+/// `--volume-fs tmpfs`: each volume is a file system of its own capacity,
+/// released on delete and mounted again (empty) by a plugin restarted in a
+/// namespace where it is gone.
+#[tokio::test]
+async fn tmpfs_backing_gives_each_volume_its_own_file_system() -> anyhow::Result<()> {
+    require_private_mount_namespace();
+    let mut p = Plugin::start(&["--volume-fs", "tmpfs"]).await?;
+    let mut c = p.v1().await?;
+    c.ctl.create_volume(create_req("small", 16 << 20)).await?;
+    let dir = p.work.join("volumes/small");
+    assert!(mounted(&dir)?, "the volume's directory is a mount point");
+    let fs = rustix::fs::statvfs(&dir)?;
+    assert_eq!(
+        fs.f_blocks * fs.f_frsize,
+        16 << 20,
+        "the tmpfs has the volume's capacity"
+    );
+    std::fs::write(dir.join("data"), vec![7u8; 1 << 20])?;
+    let after = rustix::fs::statvfs(&dir)?;
+    assert!(
+        after.f_bfree < fs.f_bfree,
+        "a write is counted in the volume's own file system"
+    );
+
+    // Restarted after its tmpfs went away (as after a reboot): mounted again.
+    p.kill().await?;
+    rustix::mount::unmount(&dir, rustix::mount::UnmountFlags::empty())?;
+    assert!(!mounted(&dir)?);
+    p.spawn().await?;
+    let mut c = p.v1().await?;
+    assert!(
+        mounted(&dir)?,
+        "a restarted plugin mounts the recorded volume's tmpfs"
+    );
+    assert!(
+        p.stderr().contains("its data did not survive"),
+        "{}",
+        p.stderr()
+    );
+
+    c.ctl
+        .delete_volume(v1::DeleteVolumeRequest {
+            volume_id: "small".into(),
+            ..Default::default()
+        })
+        .await?;
+    assert!(!mounted(&dir)?, "delete unmounts the tmpfs");
+    assert!(!dir.exists(), "and removes the directory");
+    Ok(())
+}
