@@ -39,6 +39,7 @@ impl From<VolumeError> for ApiFailure {
                 Self::new(api::ErrorCode::InvalidRequest, message)
             }
             VolumeError::Conflict(_) => Self::new(api::ErrorCode::Conflict, message),
+            VolumeError::Unsupported { .. } => Self::new(api::ErrorCode::Unsupported, message),
             VolumeError::Plugin(rpc) => {
                 let code = if rpc.is_transient() {
                     api::ErrorCode::Unavailable

@@ -152,6 +152,10 @@ fn code_hint(code: ErrorCode) -> &'static str {
             "the plugin does not follow the CSI specification; check its version and its logs \
              (<work dir>/csi/<type>/<name>/containers/*/stderr)"
         }
+        ErrorCode::Unsupported => {
+            "the plugin does not advertise the CSI capability this needs; `csictl plugins TYPE` \
+             lists what it does advertise"
+        }
         ErrorCode::Unavailable => {
             "the plugin is not ready or kept failing transiently; check `csictl plugins TYPE` \
              and retry (publish and unpublish are safe to repeat)"

@@ -18,6 +18,7 @@ use super::{
 };
 use crate::client::{CsiClient, RpcError};
 use crate::config::Service;
+use v1::controller_service_capability::rpc::Type as ControllerCap;
 
 /// A volume created through csi-agent.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -216,6 +217,8 @@ impl VolumeManager {
             return Err(InvalidRequest::NegativeMaxEntries(max_entries).into());
         }
         self.require_controller()?;
+        self.require_controller_cap(ControllerCap::ListVolumes, "listing volumes")
+            .await?;
         let _ticket = self.enter("", "list_volumes", Admission::Request)?;
         let request = v1::ListVolumesRequest {
             max_entries,
@@ -260,6 +263,8 @@ impl VolumeManager {
         parameters: BTreeMap<String, String>,
     ) -> Result<i64, VolumeError> {
         self.require_controller()?;
+        self.require_controller_cap(ControllerCap::GetCapacity, "asking capacity")
+            .await?;
         let _ticket = self.enter("", "capacity", Admission::Request)?;
         let request = v1::GetCapacityRequest {
             volume_capabilities: capabilities.iter().map(Capability::to_v1).collect(),

@@ -32,7 +32,10 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{Mutex, OnceCell};
 
 use crate::backoff::{Backoff, RetryPolicy};
-use crate::client::{CsiClient, CsiVersion, RpcError, RpcErrorKind, code_name};
+use crate::client::{
+    ControllerCapabilities, CsiClient, CsiVersion, NodeCapabilities, RpcError, RpcErrorKind,
+    code_name,
+};
 use crate::config::Service;
 use crate::failpoint;
 use crate::layout::{Layout, encode_id};
@@ -46,6 +49,31 @@ pub use record::{
     AccessMode, AccessType, Capability, ClaimLimits, ClaimLimitsError, Origin, VolumeRecord,
     VolumeState,
 };
+
+/// The capabilities a plugin advertises, as asked of its current components.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Advertised {
+    /// NodeGetCapabilities.
+    pub node: NodeCapabilities,
+    /// ControllerGetCapabilities; `None` when no component serves the Controller service.
+    pub controller: Option<ControllerCapabilities>,
+}
+
+impl Advertised {
+    /// What the lifecycle needs of them.
+    pub fn lifecycle(&self) -> LifecycleCaps {
+        use v1::controller_service_capability::rpc::Type as Controller;
+        LifecycleCaps {
+            controller_publish: self
+                .controller
+                .as_ref()
+                .is_some_and(|c| c.contains(&Controller::PublishUnpublishVolume)),
+            stage: self
+                .node
+                .contains(&v1::node_service_capability::rpc::Type::StageUnstageVolume),
+        }
+    }
+}
 
 impl Record for VolumeRecord {
     const SCHEMA_VERSION: u32 = 1;
@@ -169,6 +197,17 @@ pub enum VolumeError {
          \"{service}\" in `services`; add it there (see docs/configuration.md) and reload"
     )]
     NotServed { plugin: String, service: Service },
+    /// The plugin does not advertise the CSI capability the operation needs; nothing was
+    /// sent to it. `capability` is spelled as the spec does (`GET_VOLUME_STATS`).
+    #[error(
+        "plugin {plugin} does not support {operation}: it does not advertise the CSI \
+         capability {capability} (see `csictl plugins {plugin}`)"
+    )]
+    Unsupported {
+        plugin: String,
+        operation: &'static str,
+        capability: &'static str,
+    },
     /// The plugin answered success but broke a rule of the CSI spec.
     #[error("the plugin broke the CSI spec: {0}")]
     Protocol(#[from] refusal::ProtocolViolation),
@@ -309,7 +348,7 @@ struct Inner {
     /// Asked once, forgotten when the plugin's configuration changes. The number is the
     /// endpoints' generation the answer belongs to: an answer of the old components that
     /// arrives after a reload forgot the caps is not cached as the new ones'.
-    caps: StdMutex<(u64, Option<LifecycleCaps>)>,
+    caps: StdMutex<(u64, Option<Arc<Advertised>>)>,
     /// Held (read) by every attempt of an RPC to the plugin, and (write) by a reload while it
     /// replaces the plugin's components: a reload is ordered after the attempts in flight,
     /// and the attempts after it see the new components (docs/reliability.md, "Reload").
@@ -1016,7 +1055,7 @@ impl VolumeManager {
                 // No step needed whatever the plugin can do: don't ask it.
                 ALL_CAPS
             } else {
-                self.caps(deadline).await?
+                self.caps(deadline).await?.lifecycle()
             };
             if up
                 && record.node_state_lost
@@ -1560,50 +1599,86 @@ impl VolumeManager {
         Arc::clone(&self.inner.steps).write_owned().await
     }
 
-    /// The plugin's lifecycle capabilities, asked once (and retried while it is unavailable).
-    async fn caps(&self, deadline: Instant) -> Result<LifecycleCaps, VolumeError> {
+    /// What the plugin advertises, asked once (and retried while it is unavailable).
+    async fn caps(&self, deadline: Instant) -> Result<Arc<Advertised>, VolumeError> {
         let generation = {
             let cached = lock(&self.inner.caps);
-            if let Some(caps) = cached.1 {
-                return Ok(caps);
+            if let Some(caps) = &cached.1 {
+                return Ok(Arc::clone(caps));
             }
             cached.0
         };
         let endpoints = &self.inner.endpoints;
         let steps = &self.inner.steps;
         let retry = self.inner.config.retry;
-        let caps = async move {
-            let stage = retry_transient(retry, deadline, || async {
-                let _step = steps.read().await;
-                let client = endpoints.client(Service::Node).await?;
-                client.node_get_capabilities().await
-            })
-            .await?
-            .contains(&v1::node_service_capability::rpc::Type::StageUnstageVolume);
-            let controller_publish = if endpoints.serves(Service::Controller) {
+        let node = retry_transient(retry, deadline, || async {
+            let _step = steps.read().await;
+            let client = endpoints.client(Service::Node).await?;
+            client.node_get_capabilities().await
+        })
+        .await?;
+        let controller = if endpoints.serves(Service::Controller) {
+            Some(
                 retry_transient(retry, deadline, || async {
                     let _step = steps.read().await;
                     let client = endpoints.client(Service::Controller).await?;
                     client.controller_get_capabilities().await
                 })
-                .await?
-                .contains(&v1::controller_service_capability::rpc::Type::PublishUnpublishVolume)
-            } else {
-                false
-            };
-            Ok::<_, VolumeError>(LifecycleCaps {
-                controller_publish,
-                stage,
-            })
-        }
-        .await?;
+                .await?,
+            )
+        } else {
+            None
+        };
+        let caps = Arc::new(Advertised { node, controller });
         let mut cached = lock(&self.inner.caps);
         if cached.0 == generation {
-            cached.1 = Some(caps);
+            cached.1 = Some(Arc::clone(&caps));
         }
         // Else the components were replaced while this was asked: this step still acts on
         // what it asked (consistently), the next one asks the new components.
         Ok(caps)
+    }
+
+    /// Refuses, before any RPC, an operation whose controller capability the plugin does not
+    /// advertise: the spec lets a CO call an optional controller RPC only when its capability
+    /// is advertised (e.g. "If the plugin has LIST_VOLUMES capability, the CO MAY call
+    /// ListVolumes").
+    pub async fn require_controller_cap(
+        &self,
+        capability: v1::controller_service_capability::rpc::Type,
+        operation: &'static str,
+    ) -> Result<(), VolumeError> {
+        let deadline = Instant::now() + self.inner.config.operation_timeout;
+        let caps = self.caps(deadline).await?;
+        if caps
+            .controller
+            .as_ref()
+            .is_some_and(|c| c.contains(&capability))
+        {
+            return Ok(());
+        }
+        Err(VolumeError::Unsupported {
+            plugin: self.inner.config.plugin_type.clone(),
+            operation,
+            capability: capability.as_str_name(),
+        })
+    }
+
+    /// Like [`Self::require_controller_cap`], for a node capability.
+    pub async fn require_node_cap(
+        &self,
+        capability: v1::node_service_capability::rpc::Type,
+        operation: &'static str,
+    ) -> Result<(), VolumeError> {
+        let deadline = Instant::now() + self.inner.config.operation_timeout;
+        if self.caps(deadline).await?.node.contains(&capability) {
+            return Ok(());
+        }
+        Err(VolumeError::Unsupported {
+            plugin: self.inner.config.plugin_type.clone(),
+            operation,
+            capability: capability.as_str_name(),
+        })
     }
 
     /// The node id for ControllerPublish: the configured one, or NodeGetInfo's (NodeGetId's on

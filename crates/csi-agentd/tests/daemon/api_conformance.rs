@@ -118,3 +118,39 @@ async fn an_empty_filter_of_the_volume_list_is_refused_naming_it() {
         .await
         .unwrap();
 }
+
+/// The spec lets a CO call ListVolumes and GetCapacity only when the plugin advertises
+/// LIST_VOLUMES and GET_CAPACITY. A plugin without them is told apart before any RPC: 501
+/// `unsupported`, naming the capability, and the plugin receives neither call.
+#[tokio::test]
+async fn an_optional_controller_rpc_the_plugin_does_not_advertise_is_a_501_before_any_rpc() {
+    let dir = tempfile::tempdir().unwrap();
+    csi_agent_testkit::require_private_mount_namespace();
+    let mut config = managed_config(PLUGIN, &dir.path().join("plugin"), "vol1:1M");
+    let args = config["containers"][0]["command"]["arguments"]
+        .as_array_mut()
+        .unwrap();
+    args.push("--hide-controller-capabilities".into());
+    args.push("LIST_VOLUMES,GET_CAPACITY".into());
+    let daemon = Daemon::builder(dir.path())
+        .plugin_config("test.json", config)
+        .start();
+    let api = daemon.api();
+
+    let (status, body) = api_error(api.backend_volumes(PLUGIN, None, None).await);
+    assert_eq!(status, 501, "{body:?}");
+    assert_eq!(body.code, ErrorCode::Unsupported);
+    assert!(body.message.contains("LIST_VOLUMES"), "{}", body.message);
+    let capacity = csi_agent_api::CapacityRequest {
+        plugin: PLUGIN.to_owned(),
+        capabilities: Vec::new(),
+        parameters: Default::default(),
+    };
+    let (status, body) = api_error(api.capacity(&capacity).await);
+    assert_eq!(status, 501, "{body:?}");
+    assert!(body.message.contains("GET_CAPACITY"), "{}", body.message);
+
+    let calls = std::fs::read_to_string(dir.path().join("plugin/calls.jsonl")).unwrap();
+    assert!(!calls.contains("\"ListVolumes\""), "{calls}");
+    assert!(!calls.contains("\"GetCapacity\""), "{calls}");
+}

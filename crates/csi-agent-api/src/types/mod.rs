@@ -35,6 +35,9 @@ pub enum ErrorCode {
     PluginError,
     /// 502: the plugin broke the CSI specification.
     PluginProtocol,
+    /// 501: the plugin does not advertise the CSI capability the request needs (e.g.
+    /// GET_VOLUME_STATS); nothing was sent to it.
+    Unsupported,
     /// 503: the plugin is unavailable or kept failing transiently; retry later.
     Unavailable,
     /// 500: csi-agent could not do its own part (disk, mounts).
@@ -43,13 +46,14 @@ pub enum ErrorCode {
 
 impl ErrorCode {
     /// Every kind, for documentation and tests (`openapi.yaml` must list each one).
-    pub const ALL: [ErrorCode; 8] = [
+    pub const ALL: [ErrorCode; 9] = [
         ErrorCode::InvalidRequest,
         ErrorCode::Unauthorized,
         ErrorCode::NotFound,
         ErrorCode::Conflict,
         ErrorCode::PluginError,
         ErrorCode::PluginProtocol,
+        ErrorCode::Unsupported,
         ErrorCode::Unavailable,
         ErrorCode::Internal,
     ];
@@ -62,6 +66,7 @@ impl ErrorCode {
             ErrorCode::Conflict => 409,
             ErrorCode::PluginError => 422,
             ErrorCode::PluginProtocol => 502,
+            ErrorCode::Unsupported => 501,
             ErrorCode::Unavailable => 503,
             ErrorCode::Internal => 500,
         }
