@@ -146,6 +146,12 @@ pub struct Args {
     #[arg(long, value_delimiter = ',')]
     pub hide_controller_capabilities: Vec<String>,
 
+    /// Serve the block access type: a volume created for block is a sparse file
+    /// `<work-dir>/blocks/<id>.img`, attached to a loop device at NodeStage and bind-mounted
+    /// onto the target file at NodePublish. Off: block capabilities are refused.
+    #[arg(long)]
+    pub block: bool,
+
     /// Quirk: report an empty vendor_version.
     #[arg(long)]
     pub empty_vendor_version: bool,
@@ -189,6 +195,8 @@ pub struct Config {
     pub quirks: Quirks,
     /// Controller capability numbers not advertised (`--hide-controller-capabilities`).
     pub hidden_controller_caps: Vec<i32>,
+    /// `--block`: the block access type is served.
+    pub block: bool,
 }
 
 /// Sizes follow csi-agent's one convention ([`csi_agent_api::size`]): `1G` is 10^9 bytes,
@@ -321,6 +329,7 @@ impl Args {
             } else {
                 Durability::Durable
             },
+            block: self.block,
             hidden_controller_caps: self
                 .hide_controller_capabilities
                 .iter()

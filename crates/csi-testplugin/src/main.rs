@@ -7,6 +7,7 @@
 //! `state` (durable bookkeeping), `faults`, `calllog`, `mounts`, `model`.
 
 mod backing;
+mod block;
 mod calllog;
 mod cli;
 mod faults;

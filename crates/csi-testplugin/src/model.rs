@@ -49,8 +49,8 @@ impl ApiVersion {
     }
 }
 
-/// How a volume is accessed. Only `Mount` is supported by this plugin; `Block`
-/// is parsed so that it can be refused with the right error code.
+/// How a volume is accessed. `Block` is served only with `--block`; without it, it is
+/// parsed so that it can be refused with the right error code.
 #[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum AccessType {
@@ -129,7 +129,7 @@ impl AccessMode {
 }
 
 /// A parsed, well-formed volume capability (it may still be unsupported; see
-/// [`Capability::unsupported_reason`]).
+/// [`Capability::unsupported_reason_for`]).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Capability {
     pub access: AccessType,
@@ -137,6 +137,11 @@ pub struct Capability {
 }
 
 impl Capability {
+    /// Whether this is the block access type.
+    pub fn is_block(&self) -> bool {
+        matches!(self.access, AccessType::Block)
+    }
+
     /// Why this plugin cannot serve this capability, if it cannot.
     ///
     /// The plugin bind-mounts directories, so it serves the mount access type
@@ -144,9 +149,10 @@ impl Capability {
     /// single-node and multi-node mode of CSI 0.x/1.0. The two
     /// `SINGLE_NODE_*_WRITER` modes are refused because they belong to the
     /// `SINGLE_NODE_MULTI_WRITER` capability, which this plugin does not
-    /// advertise.
-    pub fn unsupported_reason(&self) -> Option<Unsupported> {
-        if matches!(self.access, AccessType::Block) {
+    /// advertise. The block access type is served only when `block` is true (`--block`,
+    /// loop devices).
+    pub fn unsupported_reason_for(&self, block: bool) -> Option<Unsupported> {
+        if !block && matches!(self.access, AccessType::Block) {
             return Some(Unsupported::Block);
         }
         if matches!(
@@ -234,16 +240,22 @@ pub enum VolumeNameError {
     BadCharacter,
 }
 
-/// Why this plugin cannot serve a capability ([`Capability::unsupported_reason`]); the
+/// Why this plugin cannot serve a capability ([`Capability::unsupported_reason_for`]); the
 /// message is what the plugin answers.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum Unsupported {
-    #[error("block access type is not supported (mount only)")]
+    #[error("block access type is not supported (mount only; start the plugin with --block)")]
     Block,
     #[error(
         "access mode {0:?} needs the SINGLE_NODE_MULTI_WRITER capability, which this plugin does not advertise"
     )]
     MultiWriterMode(AccessMode),
+    /// A volume stays the access type it was created for (`--block`).
+    #[error("the volume was created for {volume} access; it cannot be used with {asked} access")]
+    OtherAccessType {
+        volume: &'static str,
+        asked: &'static str,
+    },
 }
 
 #[cfg(test)]

@@ -23,6 +23,7 @@ use anyhow::Context;
 use tonic::Status;
 
 use crate::backing::{self, VolumeFs};
+use crate::block;
 use crate::calllog::CallLog;
 use crate::cli::Config;
 use crate::faults::Faults;
@@ -171,6 +172,7 @@ fn mount_tmpfs_backings(store: &Store, volumes_dir: &Path) -> anyhow::Result<()>
     let volumes: Vec<(String, i64)> = store.read(|s| {
         s.volumes
             .iter()
+            .filter(|(_, v)| !v.block)
             .map(|(id, v)| (id.clone(), v.capacity_bytes))
             .collect()
     });
@@ -191,6 +193,8 @@ pub struct Plugin {
     cfg: Config,
     volumes_dir: PathBuf,
     trash_dir: PathBuf,
+    /// `--block`: the backing files of block volumes (`<work-dir>/blocks/<id>.img`).
+    blocks_dir: PathBuf,
     store: Store,
     faults: Faults,
     calls: CallLog,
@@ -288,6 +292,7 @@ impl Plugin {
         let faults = Faults::new(&cfg.faults_path, cfg.quirks);
         let calls = CallLog::open(&cfg.call_log_path)?;
         Ok(Arc::new(Self {
+            blocks_dir: cfg.work_dir.join("blocks"),
             cfg,
             volumes_dir,
             trash_dir,
@@ -324,6 +329,27 @@ impl Plugin {
 
     fn not_found(id: &str) -> Status {
         Status::not_found(format!("volume {id:?} does not exist"))
+    }
+
+    /// Why this plugin cannot serve `cap` at all (block only with `--block`).
+    fn unsupported(&self, cap: &Capability) -> Option<Unsupported> {
+        cap.unsupported_reason_for(self.cfg.block)
+    }
+
+    /// Why `cap` cannot be used on the volume `rec`: unsupported, or the other access type
+    /// than the volume was created for.
+    fn unsupported_on(&self, cap: &Capability, rec: &VolumeRecord) -> Option<Unsupported> {
+        let name = |block: bool| if block { "block" } else { "mount" };
+        self.unsupported(cap).or_else(|| {
+            (cap.is_block() != rec.block).then(|| Unsupported::OtherAccessType {
+                volume: name(rec.block),
+                asked: name(cap.is_block()),
+            })
+        })
+    }
+
+    fn backing_file(&self, id: &str) -> PathBuf {
+        block::backing_file(&self.blocks_dir, id)
     }
 
     fn bind_mode(&self) -> bool {
@@ -442,8 +468,15 @@ impl Plugin {
         let caps = parse_caps(a.capabilities)?;
         // "If ANY of the specified volume capabilities are not supported by
         // the SP, the call MUST return the appropriate gRPC error code."
-        if let Some(why) = caps.iter().find_map(Capability::unsupported_reason) {
+        if let Some(why) = caps.iter().find_map(|c| self.unsupported(c)) {
             return Err(invalid(why.to_string()));
+        }
+        // A volume is created for one access type and stays it (`--block`).
+        let block = caps.iter().any(Capability::is_block);
+        if block && caps.iter().any(|c| !c.is_block()) {
+            return Err(invalid(
+                "volume_capabilities mixes block and mount access: a volume is one or the other",
+            ));
         }
         // CapacityRange: "The value of this field MUST NOT be negative."
         if a.required_bytes < 0 || a.limit_bytes < 0 {
@@ -477,6 +510,7 @@ impl Plugin {
         let total = self.cfg.capacity;
         let volume_fs = self.cfg.volume_fs;
         let dir = self.volume_dir(&a.name);
+        let backing_file = self.backing_file(&a.name);
         let (name, required, limit, parameters) =
             (a.name, a.required_bytes, a.limit_bytes, a.parameters);
         self.store
@@ -488,7 +522,7 @@ impl Plugin {
                     // parameters ..., the Plugin MUST reply 0 OK".
                     let fits = v.capacity_bytes >= required
                         && (limit == 0 || v.capacity_bytes <= limit);
-                    if fits && v.parameters == parameters {
+                    if fits && v.parameters == parameters && v.block == block {
                         let info = VolumeInfo {
                             id: name.clone(),
                             capacity_bytes: v.capacity_bytes,
@@ -497,8 +531,8 @@ impl Plugin {
                         return Ok((info, false));
                     }
                     return Err(Status::already_exists(format!(
-                        "volume {name:?} exists with {} bytes and parameters {:?}, incompatible with the request",
-                        v.capacity_bytes, v.parameters
+                        "volume {name:?} exists with {} bytes, parameters {:?} and {} access, incompatible with the request",
+                        v.capacity_bytes, v.parameters, if v.block { "block" } else { "mount" }
                     )));
                 }
                 // A volume larger than the whole pool can never be made:
@@ -518,13 +552,22 @@ impl Plugin {
                 }
                 // A directory (or tmpfs) left by a crash before the record
                 // was written is taken over.
-                backing::make(&dir, volume_fs, size)
+                // A block volume's directory only marks it as existing (start-up
+                // reconciliation goes by the directories); its data is the backing file.
+                let fs = if block { VolumeFs::Dir } else { volume_fs };
+                backing::make(&dir, fs, size)
                     .map_err(|e| internal(&format!("creating {}", dir.display()), e))?;
+                if block {
+                    block::create(&backing_file, size).map_err(|e| {
+                        internal(&format!("creating {}", backing_file.display()), e)
+                    })?;
+                }
                 s.volumes.insert(
                     name.clone(),
                     VolumeRecord {
                         capacity_bytes: size,
                         parameters,
+                        block,
                         ..VolumeRecord::default()
                     },
                 );
@@ -571,6 +614,14 @@ impl Plugin {
                 if let Some(why) = v.in_use() {
                     return Err(precondition(format!("volume {id:?} is in use: {why}")));
                 }
+                if v.block {
+                    // Detached at NodeUnstage; one left by a crash goes with the volume
+                    // (only devices whose backing file is this volume's).
+                    let file = self.backing_file(id);
+                    block::detach_all(&file)
+                        .and_then(|()| block::remove(&file))
+                        .map_err(|e| internal(&format!("removing {}", file.display()), e))?;
+                }
                 backing::release(&dir, self.cfg.volume_fs)
                     .map_err(|e| internal(&format!("unmounting {}", dir.display()), e))?;
                 // Renamed away under the lock, deleted after it: a large
@@ -612,9 +663,9 @@ impl Plugin {
             return Err(invalid("node_id is required"));
         }
         let cap = cap?;
-        if self.record(id).is_none() {
+        let Some(rec) = self.record(id) else {
             return Err(Self::not_found(id));
-        }
+        };
         // "Node does not exist | 5 NOT_FOUND": this plugin knows one node.
         if node_id != self.cfg.node_id {
             return Err(Status::not_found(format!(
@@ -622,7 +673,7 @@ impl Plugin {
                 self.cfg.node_id
             )));
         }
-        if let Some(why) = cap.unsupported_reason() {
+        if let Some(why) = self.unsupported_on(&cap, &rec) {
             return Err(invalid(why.to_string()));
         }
         let context = HashMap::from([(
@@ -733,15 +784,17 @@ impl Plugin {
         }
         let caps = parse_caps(caps)?;
         // "Volume does not exist | 5 NOT_FOUND".
-        if self.record(id).is_none() {
+        let Some(rec) = self.record(id) else {
             return Err(Self::not_found(id));
-        }
+        };
         // "This RPC call SHALL return confirmed only if all the volume
         // capabilities specified in the request are supported."
-        Ok(match caps.iter().find_map(Capability::unsupported_reason) {
-            Some(why) => Err(why),
-            None => Ok(caps),
-        })
+        Ok(
+            match caps.iter().find_map(|c| self.unsupported_on(c, &rec)) {
+                Some(why) => Err(why),
+                None => Ok(caps),
+            },
+        )
     }
 
     pub fn list_volumes(
@@ -812,7 +865,7 @@ impl Plugin {
         // "If specified, the Plugin SHALL report the capacity of the storage
         // that can be used to provision volumes that satisfy ALL of the
         // specified volume_capabilities": none, for an unsupported one.
-        if caps.iter().any(|c| c.unsupported_reason().is_some()) {
+        if caps.iter().any(|c| self.unsupported(c).is_some()) {
             return Ok(0);
         }
         let used: i64 = self
@@ -852,7 +905,7 @@ impl Plugin {
         check_absolute(staging, "staging_target_path")?;
         let rec = self.record(id).ok_or_else(|| Self::not_found(id))?;
         // "Exceeds capabilities | 9 FAILED_PRECONDITION".
-        if let Some(why) = cap.unsupported_reason() {
+        if let Some(why) = self.unsupported_on(&cap, &rec) {
             return Err(precondition(why.to_string()));
         }
         self.check_controller_published(id, &rec)?;
@@ -874,6 +927,11 @@ impl Plugin {
                 return Err(Status::already_exists(format!(
                     "volume {id:?} is already staged at {staging:?} with another capability"
                 )));
+            }
+            if rec.block {
+                // Recorded but maybe not attached (killed between the two): finish.
+                self.ensure_loop(id, false).await?;
+                return Ok(());
             }
             // Recorded but not mounted (killed between the two): finish.
             if self.bind_mode() && !is_mount_point(staging_path)? {
@@ -920,9 +978,17 @@ impl Plugin {
                 Ok(((), true))
             })
             .await?;
-        if self.bind_mode()
-            && let Err(e) = mounts::bind(&dir, staging_path, false)
-        {
+        // A block volume is staged by attaching its loop device; the staging dir stays
+        // empty (nothing is mounted on it).
+        let staged_now = if rec.block {
+            self.ensure_loop(id, false).await.map(|_| ())
+        } else if self.bind_mode() {
+            mounts::bind(&dir, staging_path, false)
+                .map_err(|e| internal(&format!("bind-mounting on {staging}"), e))
+        } else {
+            Ok(())
+        };
+        if let Err(e) = staged_now {
             self.store
                 .update_volume(id, |v| {
                     if let Some(v) = v {
@@ -931,9 +997,54 @@ impl Plugin {
                     Ok(((), true))
                 })
                 .await?;
-            return Err(internal(&format!("bind-mounting on {staging}"), e));
+            return Err(e);
         }
         Ok(())
+    }
+
+    /// Attaches a loop device (read-only if asked) to block volume `id`'s backing file, or
+    /// finds the one attached (by the kernel's answer, not the record), and records it.
+    /// Bookkeeping only in `--mount-mode none`.
+    async fn ensure_loop(&self, id: &str, readonly: bool) -> Result<Option<PathBuf>, Status> {
+        if !self.bind_mode() {
+            return Ok(None);
+        }
+        let file = self.backing_file(id);
+        let dev = block::attach(&file, readonly)
+            .map_err(|e| internal(&format!("attaching a loop device to {}", file.display()), e))?;
+        let noted = dev.clone();
+        self.store
+            .update_volume(id, |v| {
+                let v = v.ok_or_else(|| Self::not_found(id))?;
+                let changed = v.loop_device.as_deref() != Some(noted.as_str());
+                v.loop_device = Some(noted);
+                Ok(((), changed))
+            })
+            .await?;
+        Ok(Some(PathBuf::from(dev)))
+    }
+
+    /// Detaches the loop devices of block volume `id` (only those whose backing file is its
+    /// own) and forgets the recorded one.
+    async fn release_loop(&self, id: &str) -> Result<(), Status> {
+        if self.bind_mode() {
+            let file = self.backing_file(id);
+            block::detach_all(&file).map_err(|e| {
+                internal(
+                    &format!("detaching the loop device of {}", file.display()),
+                    e,
+                )
+            })?;
+        }
+        self.store
+            .update_volume(id, |v| {
+                let changed = v.as_ref().is_some_and(|v| v.loop_device.is_some());
+                if let Some(v) = v {
+                    v.loop_device = None;
+                }
+                Ok(((), changed))
+            })
+            .await
     }
 
     pub async fn node_unstage(&self, id: &str, staging: &str) -> Result<(), Status> {
@@ -963,7 +1074,9 @@ impl Plugin {
                 "volume {id:?} is still published at {t:?}; NodeUnpublishVolume first"
             )));
         }
-        if self.bind_mode() {
+        if rec.block {
+            self.release_loop(id).await?;
+        } else if self.bind_mode() {
             mounts::unmount_all(Path::new(staging))
                 .map_err(|e| internal(&format!("unmounting {staging}"), e))?;
         }
@@ -979,7 +1092,15 @@ impl Plugin {
 
     /// Makes sure the target directory is there, per the version's rule.
     /// Returns whether this call created it.
-    fn prepare_target(&self, target: &Path, version: ApiVersion) -> Result<bool, Status> {
+    fn prepare_target(
+        &self,
+        target: &Path,
+        version: ApiVersion,
+        block: bool,
+    ) -> Result<bool, Status> {
+        if block {
+            return Self::prepare_target_file(target, version);
+        }
         let shown = target.display();
         let created = if version == ApiVersion::V1 {
             // CSI v1: "The CO SHALL ensure that the parent directory of this
@@ -1011,6 +1132,37 @@ impl Plugin {
         }
     }
 
+    /// The block flavour of [`Plugin::prepare_target`]: the target is a file. CSI v1,
+    /// NodePublishVolumeRequest.target_path: "Creation of target_path is the responsibility
+    /// of the SP"; NodePublishVolume: "For volumes with an access type of block, the SP
+    /// SHALL place the block device at target_path". CSI 0.x: the CO creates it.
+    fn prepare_target_file(target: &Path, version: ApiVersion) -> Result<bool, Status> {
+        let shown = target.display();
+        let created = if version == ApiVersion::V1 {
+            match block::create_target_file(target) {
+                Ok(created) => created,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                    return Err(precondition(format!(
+                        "the parent of target_path {shown} does not exist; the CO must create it"
+                    )));
+                }
+                Err(e) => return Err(internal(&format!("creating target_path {shown}"), e)),
+            }
+        } else {
+            false
+        };
+        match block::target_kind(target) {
+            Ok(block::TargetKind::File) => Ok(created),
+            Ok(block::TargetKind::Other) => Err(precondition(format!(
+                "target_path {shown} exists and is not a file: a block volume is published on a file"
+            ))),
+            Ok(block::TargetKind::Missing) => Err(precondition(format!(
+                "target_path {shown} does not exist; in CSI 0.x the CO must create it"
+            ))),
+            Err(e) => Err(internal(&format!("checking target_path {shown}"), e)),
+        }
+    }
+
     pub async fn node_publish(&self, a: PublishArgs) -> Result<(), Status> {
         let id = a.volume_id.as_str();
         if id.is_empty() {
@@ -1026,7 +1178,7 @@ impl Plugin {
         }
         let rec = self.record(id).ok_or_else(|| Self::not_found(id))?;
         // "Exceeds capabilities | 9 FAILED_PRECONDITION".
-        if let Some(why) = cap.unsupported_reason() {
+        if let Some(why) = self.unsupported_on(&cap, &rec) {
             return Err(precondition(why.to_string()));
         }
         let target = Path::new(&a.target_path);
@@ -1053,7 +1205,16 @@ impl Plugin {
                     a.staging_path
                 )));
             }
-            if self.bind_mode() && !is_mount_point(Path::new(&a.staging_path))? {
+            if rec.block {
+                // A block volume is staged by its loop device, found by the kernel's answer.
+                let devices = self.attached_loops(id)?;
+                if self.bind_mode() && devices.is_empty() {
+                    return Err(precondition(format!(
+                        "volume {id:?} is recorded as staged at {:?} but no loop device is attached; NodeStageVolume again",
+                        a.staging_path
+                    )));
+                }
+            } else if self.bind_mode() && !is_mount_point(Path::new(&a.staging_path))? {
                 return Err(precondition(format!(
                     "volume {id:?} is recorded as staged at {:?} but nothing is mounted there; NodeStageVolume again",
                     a.staging_path
@@ -1083,8 +1244,9 @@ impl Plugin {
             } else {
                 a.version
             };
-            self.prepare_target(target, version)?;
+            self.prepare_target(target, version, rec.block)?;
             if self.bind_mode() && !is_mount_point(target)? {
+                let source = self.publish_source(id, &rec, source, ro).await?;
                 mounts::bind(&source, target, ro)
                     .map_err(|e| internal(&format!("bind-mounting on {}", a.target_path), e))?;
             }
@@ -1107,9 +1269,11 @@ impl Plugin {
             )));
         }
 
-        let created = self.prepare_target(target, a.version)?;
+        let created = self.prepare_target(target, a.version, rec.block)?;
         let undo_mkdir = |created: bool| {
-            if created {
+            if created && rec.block {
+                let _ = block::remove_target_file(target);
+            } else if created {
                 let _ = std::fs::remove_dir(target);
             }
         };
@@ -1138,9 +1302,12 @@ impl Plugin {
             undo_mkdir(created);
             return Err(e);
         }
-        if self.bind_mode()
-            && let Err(e) = mounts::bind(&source, target, ro)
-        {
+        let bound = match self.publish_source(id, &rec, source, ro).await {
+            Ok(source) if self.bind_mode() => mounts::bind(&source, target, ro)
+                .map_err(|e| internal(&format!("bind-mounting on {}", a.target_path), e)),
+            other => other.map(|_| ()),
+        };
+        if let Err(e) = bound {
             undo_mkdir(created);
             self.store
                 .update_volume(id, |v| {
@@ -1150,9 +1317,39 @@ impl Plugin {
                     Ok(((), true))
                 })
                 .await?;
-            return Err(internal(&format!("bind-mounting on {}", a.target_path), e));
+            return Err(e);
         }
         Ok(())
+    }
+
+    /// The loop devices attached to block volume `id`'s backing file.
+    fn attached_loops(&self, id: &str) -> Result<Vec<(String, bool)>, Status> {
+        let file = self.backing_file(id);
+        block::devices_backed_by(&file)
+            .map_err(|e| internal(&format!("finding the loop device of {}", file.display()), e))
+    }
+
+    /// What NodePublish binds onto the target: for a mount volume `source` (the staging dir
+    /// or the volume dir); for a block volume its loop device (attached here when the plugin
+    /// does not stage).
+    async fn publish_source(
+        &self,
+        id: &str,
+        rec: &VolumeRecord,
+        source: PathBuf,
+        readonly: bool,
+    ) -> Result<PathBuf, Status> {
+        if !rec.block || !self.bind_mode() {
+            return Ok(source);
+        }
+        if self.cfg.stage_unstage && self.attached_loops(id)?.is_empty() {
+            return Err(precondition(format!(
+                "volume {id:?} has no loop device attached; NodeStageVolume again"
+            )));
+        }
+        // Staged: the device NodeStage attached (or, read-only, one of its own). Not
+        // staged: attached here, for as long as a publication lasts.
+        Ok(self.ensure_loop(id, readonly).await?.unwrap_or(source))
     }
 
     pub async fn node_unpublish(
@@ -1175,12 +1372,21 @@ impl Plugin {
             // Not published there: nothing to undo, "0 OK" (idempotent). For
             // CSI v1 a leftover empty target no volume claims (e.g. a crash
             // between unmount and rmdir) is removed, as the SP owns it.
-            if version == ApiVersion::V1 && target_path.is_dir() {
+            let leftover = if rec.block {
+                block::target_kind(target_path).is_ok_and(|k| k == block::TargetKind::File)
+            } else {
+                target_path.is_dir()
+            };
+            if version == ApiVersion::V1 && leftover {
                 let claimed = self.store.target_user(target, None).is_some();
                 let mounted = self.bind_mode() && is_mount_point(target_path)?;
                 if !claimed && !mounted {
-                    // Best effort: a non-empty directory is not ours to judge.
-                    let _ = std::fs::remove_dir(target_path);
+                    // Best effort: a non-empty directory (or file) is not ours to judge.
+                    if rec.block {
+                        let _ = block::remove_target_file(target_path);
+                    } else {
+                        let _ = std::fs::remove_dir(target_path);
+                    }
                 }
             }
             return Ok(());
@@ -1192,7 +1398,14 @@ impl Plugin {
         // CSI v1, NodeUnpublishVolumeRequest.target_path: "The SP MUST delete
         // the file or directory it created at this path." CSI 0.x: the CO
         // owns the target and it stays.
-        if p.remove_target {
+        if p.remove_target && rec.block {
+            block::remove_target_file(target_path).map_err(|e| {
+                internal(
+                    &format!("removing target_path {}", target_path.display()),
+                    e,
+                )
+            })?;
+        } else if p.remove_target {
             remove_target_dir(target_path)?;
         }
         self.store
@@ -1202,7 +1415,13 @@ impl Plugin {
                 }
                 Ok(((), true))
             })
-            .await
+            .await?;
+        // Without staging, the loop device lives as long as a publication does.
+        let last = self.record(id).is_some_and(|v| v.published.is_empty());
+        if rec.block && !self.cfg.stage_unstage && last {
+            self.release_loop(id).await?;
+        }
+        Ok(())
     }
 }
 

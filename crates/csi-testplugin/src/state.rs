@@ -62,6 +62,15 @@ pub struct VolumeRecord {
     /// Node publications by target path.
     #[serde(default)]
     pub published: BTreeMap<String, Publication>,
+    /// Created for the block access type (`--block`): its data is `blocks/<id>.img`, and it
+    /// stays a block volume.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub block: bool,
+    /// The loop device last attached to the block volume's backing file (`/dev/loopN`).
+    /// Only a hint: before detaching, the device's backing file is checked to be this
+    /// volume's (`crate::block`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loop_device: Option<String>,
 }
 
 impl VolumeRecord {
