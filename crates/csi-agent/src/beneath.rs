@@ -25,6 +25,9 @@ use std::path::{Component, Path, PathBuf};
 use rustix::fs::{AtFlags, Mode, OFlags, ResolveFlags, StatxFlags};
 use rustix::io::Errno;
 
+mod file_node;
+pub use file_node::{NodeKind, OpenedNode, node_kind, open_node, remove_created_file};
+
 /// The longest path accepted (Linux's `PATH_MAX`, terminating NUL included).
 pub const MAX_PATH_BYTES: usize = 4095;
 /// The longest single component accepted (Linux's `NAME_MAX`).

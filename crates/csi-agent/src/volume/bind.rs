@@ -25,6 +25,10 @@
 //!   lies outside the bind roots it is left alone and the unpublish fails loudly rather than
 //!   unmounting something else.
 //!
+//! A block volume's target is a file with the device node mounted on it: its `bind_to` is
+//! a file too, created beneath the root the same way (`file.rs`); the rules above hold for
+//! it unchanged.
+//!
 //! It must not decide *when* to bind or unbind (the volume manager does) and must not touch
 //! anything outside the bind roots.
 
@@ -40,6 +44,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::beneath::{self, BeneathError, Identity};
 use crate::mounts::{HostMounter, Mounter};
+
+mod file;
 
 /// How many of our own stacked binds one unbind peels off a path before giving up.
 const MAX_STACKED_BINDS: usize = 8;
@@ -153,6 +159,8 @@ pub enum BindError {
     AlreadyMounted { path: PathBuf, mount_id: u64 },
     #[error("bind_to {} is for mount volumes only: a block volume's target is not a directory", path.display())]
     NotADirectory { path: PathBuf },
+    #[error("bind_to {} is {found}: a block volume is bound onto a file (csi-agent creates it, or uses an existing regular file); choose another path", path.display())]
+    NotAFile { path: PathBuf, found: &'static str },
     #[error("bind_to {}: {source}", path.display())]
     Walk {
         path: PathBuf,
@@ -208,6 +216,7 @@ impl BindError {
                 | BindError::InUse { .. }
                 | BindError::InsideOtherBind { .. }
                 | BindError::AlreadyMounted { .. }
+                | BindError::NotAFile { .. }
                 | BindError::Walk {
                     source: BeneathError::Symlink { .. }
                         | BeneathError::NotADirectory { .. }
@@ -452,6 +461,9 @@ impl Binder {
         let (root, relative) = self.check(&bind.path)?;
         let source = open_target(target_root, target)?;
         let source_id = self.identity(&source, target)?;
+        if is_file_target(&source, target)? {
+            return self.ensure_file(bind, &source, &source_id, readonly, boot_id, owner);
+        }
         let root_fd = beneath::open_root(&root).map_err(|source| BindError::Walk {
             path: bind.path.clone(),
             source,
@@ -500,40 +512,47 @@ impl Binder {
                 mount_id: here.mount_id,
             });
         }
-        // The mount made for this claim this boot, moved away by the workload: a second one
-        // here would leave the first one unknown to every unpublish (looked up in the mount
-        // table only in this rare case: nothing mounted where the record says).
-        if let Some(id) = bind
-            .mount_id
-            .filter(|_| bind.boot_id.as_deref() == Some(boot_id))
-        {
-            let table = self.mounter.mount_table().map_err(BindError::MountTable)?;
-            if let Some(entry) = table.entries().iter().find(|m| m.mount_id == id)
-                && self.is_our_bind(&entry.mount_point, id, Some(&source_id))
-            {
-                return Err(BindError::Moved {
-                    path: bind.path.clone(),
-                    mount_id: id,
-                    now_at: entry.mount_point.clone(),
-                    why: "not where the claim says".to_owned(),
-                });
-            }
-        }
+        self.refuse_moved(bind, boot_id, &source_id)?;
+        let walked = Walked {
+            root_fd: root_fd.as_fd(),
+            root: &root,
+            relative: &relative,
+            file: false,
+        };
+        let mount_id = self.attach(bind, &source, opened.fd, &walked, readonly)?;
+        recorded.mount_id = Some(mount_id);
+        recorded.boot_id = Some(boot_id.to_owned());
+        self.note_mount(&bind.path, owner, mount_id);
+        Ok(recorded)
+    }
+
+    /// Mounts the clone of the target (`source`) onto the walked `onto`, checks that it is
+    /// reachable at the bind's path (undone at once if not), and makes it read-only if asked
+    /// (undone if that fails). Returns the new mount's id.
+    fn attach(
+        &self,
+        bind: &BindMount,
+        source: &OwnedFd,
+        onto: OwnedFd,
+        walked: &Walked<'_>,
+        readonly: bool,
+    ) -> Result<u64, BindError> {
         let tree = self
             .mounter
-            .attach_clone(source.as_fd(), opened.fd.as_fd())
+            .attach_clone(source.as_fd(), onto.as_fd())
             .map_err(|err| BindError::Mount {
                 op: err.op,
                 path: bind.path.clone(),
                 source: err.source,
             })?;
+        drop(onto);
         // After move_mount the tree fd is the root of the attached mount: its id is the one
         // to record, and unmounting through it reaches this mount wherever it ends up.
         let attached = self.identity(&tree, &bind.path)?;
         // Walk again: the bind must be reachable at its path, or it is undone at once.
-        let reachable = beneath::open_dir(root_fd.as_fd(), &root, &relative, None)
+        let reachable = file::walk(walked.root_fd, walked.root, walked.relative, walked.file)
             .ok()
-            .and_then(|opened| self.identity(&opened.fd, &bind.path).ok())
+            .and_then(|fd| self.identity(&fd, &bind.path).ok())
             .is_some_and(|now| now.mount_root && now.mount_id == attached.mount_id);
         if !reachable {
             let _ = self.detach_fd(&tree);
@@ -558,14 +577,39 @@ impl Binder {
                 source: std::io::Error::other(err.to_string()),
             });
         }
-        recorded.mount_id = Some(attached.mount_id);
-        recorded.boot_id = Some(boot_id.to_owned());
-        self.note_mount(&bind.path, owner, attached.mount_id);
-        Ok(recorded)
+        Ok(attached.mount_id)
+    }
+
+    /// The mount made for this claim this boot, moved away by the workload: a second one
+    /// here would leave the first one unknown to every unpublish (looked up in the mount
+    /// table only in this rare case: nothing mounted where the record says).
+    fn refuse_moved(
+        &self,
+        bind: &BindMount,
+        boot_id: &str,
+        source_id: &Identity,
+    ) -> Result<(), BindError> {
+        if let Some(id) = bind
+            .mount_id
+            .filter(|_| bind.boot_id.as_deref() == Some(boot_id))
+        {
+            let table = self.mounter.mount_table().map_err(BindError::MountTable)?;
+            if let Some(entry) = table.entries().iter().find(|m| m.mount_id == id)
+                && self.is_our_bind(&entry.mount_point, id, Some(source_id))
+            {
+                return Err(BindError::Moved {
+                    path: bind.path.clone(),
+                    mount_id: id,
+                    now_at: entry.mount_point.clone(),
+                    why: "not where the claim says".to_owned(),
+                });
+            }
+        }
+        Ok(())
     }
 
     /// Unmounts the bind csi-agent made for `bind` (held by `owner`) and removes the dirs it
-    /// created. Succeeds when nothing of ours is mounted there any more; never unmounts a
+    /// created (and, for a block volume, the file it created). Succeeds when nothing of ours is mounted there any more; never unmounts a
     /// mount that is not this volume's bind, nor one made for another claim (of the same
     /// volume: same inode, moved to this path); fails (changing nothing) when our mount moved
     /// out of reach.
@@ -597,11 +641,13 @@ impl Binder {
             path: bind.path.clone(),
             source,
         })?;
+        // A block volume's bind: a file at the path, or a device mounted on one.
+        let file = file::is_file_bind(root_fd.as_fd(), &root, &relative);
         for _ in 0..MAX_STACKED_BINDS {
             // The fd only identifies what is there; it is closed before the unmount, which
             // an open fd would make fail with EBUSY.
-            let here = match beneath::open_dir(root_fd.as_fd(), &root, &relative, None) {
-                Ok(opened) => Some(self.identity(&opened.fd, &bind.path)?),
+            let here = match file::walk(root_fd.as_fd(), &root, &relative, file) {
+                Ok(fd) => Some(self.identity(&fd, &bind.path)?),
                 Err(_) => None,
             };
             let ours_here = here.is_some_and(|id| {
@@ -632,10 +678,19 @@ impl Binder {
                 }
             }
             // Even with no count recorded (a crash between the mkdir and the record), the
-            // dirs csi-agent marked as created go.
-            if let Err(err) =
+            // dirs (and the file) csi-agent marked as created go.
+            let removed = if file {
+                beneath::remove_created_file(
+                    root_fd.as_fd(),
+                    &root,
+                    &relative,
+                    false,
+                    bind.created_dirs,
+                )
+            } else {
                 beneath::remove_trailing_dirs(root_fd.as_fd(), &root, &relative, bind.created_dirs)
-            {
+            };
+            if let Err(err) = removed {
                 tracing::warn!(bind_to = ?bind.path, error = %err, "dir created for bind_to left in place");
             }
             return Ok(());
@@ -810,6 +865,15 @@ impl Binder {
     }
 }
 
+/// Where a bind is walked to: the root's fd and path, the path beneath it, and whether its
+/// last component is a file (a block volume's) or a dir.
+struct Walked<'a> {
+    root_fd: std::os::fd::BorrowedFd<'a>,
+    root: &'a Path,
+    relative: &'a Path,
+    file: bool,
+}
+
 /// Opens the volume's target (derived by csi-agent, beneath the plugin's mount root) without
 /// following a symlink a plugin may have planted there.
 fn open_target(target_root: &Path, target: &Path) -> Result<OwnedFd, BindError> {
@@ -829,10 +893,32 @@ fn open_target(target_root: &Path, target: &Path) -> Result<OwnedFd, BindError> 
     let root_fd = beneath::open_root(target_root).map_err(source_err)?;
     match beneath::open_dir(root_fd.as_fd(), target_root, &relative, None) {
         Ok(opened) => Ok(opened.fd),
-        Err(BeneathError::NotADirectory { .. }) => Err(BindError::NotADirectory {
-            path: target.to_path_buf(),
-        }),
+        // A block volume's target: a file, with the device node mounted on it.
+        Err(BeneathError::NotADirectory { .. }) => {
+            beneath::open_node(root_fd.as_fd(), target_root, &relative, None)
+                .map(|opened| opened.fd)
+                .map_err(source_err)
+        }
         Err(err) => Err(source_err(err)),
+    }
+}
+
+/// Whether the opened target is a block volume's (a file or a device node), not a dir.
+fn is_file_target(source: &OwnedFd, target: &Path) -> Result<bool, BindError> {
+    let kind = beneath::node_kind(source.as_fd(), target).map_err(|source| BindError::Source {
+        target: target.to_path_buf(),
+        source,
+    })?;
+    match kind {
+        beneath::NodeKind::Directory => Ok(false),
+        beneath::NodeKind::RegularFile | beneath::NodeKind::Other => Ok(true),
+        beneath::NodeKind::Symlink => Err(BindError::Source {
+            target: target.to_path_buf(),
+            source: BeneathError::Symlink {
+                at: target.to_path_buf(),
+                root: target.parent().unwrap_or(target).to_path_buf(),
+            },
+        }),
     }
 }
 

@@ -622,12 +622,6 @@ impl VolumeManager {
                 return Err(refusal::InvalidRequest::BindToTooLong { len, max }.into());
             }
             self.inner.binder.check(bind_to)?;
-            if matches!(request.capability.access_type, AccessType::Block {}) {
-                return Err(BindError::NotADirectory {
-                    path: bind_to.clone(),
-                }
-                .into());
-            }
         }
         Ok(())
     }
@@ -1362,8 +1356,15 @@ impl VolumeManager {
             }
             LifecycleRpc::NodePublish => {
                 // v1: "The CO SHALL ensure that the parent directory of this path exists";
-                // the SP creates the target. v0 (and target_path_exists): the CO creates it.
-                if co_creates_target {
+                // the SP creates the target. v0 (and target_path_exists): the CO creates it,
+                // a file for a block volume (the device node is bind-mounted on it).
+                let block = record
+                    .capability
+                    .as_ref()
+                    .is_some_and(|c| matches!(c.access_type, AccessType::Block {}));
+                if co_creates_target && block {
+                    mount_dirs::ensure_file(target)?;
+                } else if co_creates_target {
                     mount_dirs::ensure_dir(target)?;
                 } else {
                     mount_dirs::ensure_own_dir(&self.volume_mount_dir(&record.volume_id))?;

@@ -14,6 +14,11 @@
 //! - `rmdir` looks its last component up without crossing a mount on it and answers EBUSY
 //!   for a mount point.
 //!
+//! A block volume's target is a file, not a directory (the device node is bind-mounted on
+//! it): [`ensure_file`] makes one where the CO creates the target, and [`remove`] removes an
+//! empty regular file as it removes an empty directory. Neither ever deletes a device node,
+//! a file with data, or anything something is mounted on.
+//!
 //! It must only be used for paths whose parent is csi-agent's own directory (a workload's
 //! `bind_to` goes through `crate::beneath`), and must not mount or unmount anything.
 
@@ -149,8 +154,55 @@ pub fn ensure_dir(path: &Path) -> Result<(), VolumeError> {
     }
 }
 
-/// Removes `path` if it is an empty directory that nothing is mounted on. A non-empty
-/// directory or a file is an error; `rmdir` cannot delete data.
+/// Makes sure `path` is a regular file (or something mounted on one): a block volume's
+/// target where the CO creates it (CSI 0.x, `target_path_exists`). Its parent must be
+/// csi-agent's own (created if needed). `O_CREAT|O_EXCL` follows no symlink and replaces
+/// nothing; an existing directory, symlink or device node is refused.
+pub fn ensure_file(path: &Path) -> Result<(), VolumeError> {
+    if let Some(parent) = path.parent() {
+        ensure_own_dir(parent)?;
+    }
+    let (parent, name) = split(path)?;
+    let created = rustix::fs::openat(
+        &parent,
+        name,
+        OFlags::CREATE | OFlags::EXCL | OFlags::WRONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::from_raw_mode(0o600),
+    );
+    match created {
+        Ok(_) => Ok(()),
+        Err(Errno::EXIST) => match probe_at(&parent, name, path)? {
+            Entry::MountPoint => Ok(()),
+            _ if is_regular_file_at(&parent, name) => Ok(()),
+            _ => Err(io_error(
+                path,
+                io::Error::new(
+                    io::ErrorKind::AlreadyExists,
+                    "exists and is not a regular file (a block volume's target is a file)",
+                ),
+            )),
+        },
+        Err(errno) => Err(io_error(path, errno)),
+    }
+}
+
+/// Whether `name` in `parent` is a regular file (not followed; only called once
+/// [`probe_at`] said nothing is mounted on it, so the `stat` stays on the parent's file
+/// system). Returns its size too.
+fn regular_file_size_at(parent: &OwnedFd, name: &std::ffi::OsStr) -> Option<u64> {
+    rustix::fs::statat(parent, name, AtFlags::SYMLINK_NOFOLLOW)
+        .ok()
+        .filter(|st| FileType::from_raw_mode(st.st_mode) == FileType::RegularFile)
+        .and_then(|st| u64::try_from(st.st_size).ok())
+}
+
+fn is_regular_file_at(parent: &OwnedFd, name: &std::ffi::OsStr) -> bool {
+    regular_file_size_at(parent, name).is_some()
+}
+
+/// Removes `path` if it is an empty directory that nothing is mounted on — or, for a block
+/// volume's target, an empty regular file that nothing is mounted on. A non-empty directory,
+/// a file with data, a device node or a symlink is an error; nothing here can delete data.
 pub fn remove(path: &Path) -> Result<Removed, VolumeError> {
     match std::fs::remove_dir(path) {
         Ok(()) => Ok(Removed::Removed),
@@ -158,7 +210,34 @@ pub fn remove(path: &Path) -> Result<Removed, VolumeError> {
         Err(err) if err.raw_os_error() == Some(Errno::BUSY.raw_os_error()) => {
             Ok(Removed::MountPoint)
         }
+        // rmdir refuses a non-directory before it looks for a mount on it.
+        Err(err) if err.raw_os_error() == Some(Errno::NOTDIR.raw_os_error()) => remove_file(path),
         Err(source) => Err(io_error(path, source)),
+    }
+}
+
+/// The file half of [`remove`]: only an empty regular file goes, and `unlink` itself
+/// refuses a mount point (EBUSY), closing the race with a mount made after the look.
+fn remove_file(path: &Path) -> Result<Removed, VolumeError> {
+    let (parent, name) = split(path)?;
+    match probe_at(&parent, name, path)? {
+        Entry::Missing => return Ok(Removed::Missing),
+        Entry::MountPoint => return Ok(Removed::MountPoint),
+        Entry::Directory | Entry::Other => {}
+    }
+    if regular_file_size_at(&parent, name) != Some(0) {
+        return Err(io_error(
+            path,
+            io::Error::other(
+                "is not an empty regular file (a device node, a symlink or a file with data is never deleted); left in place",
+            ),
+        ));
+    }
+    match rustix::fs::unlinkat(&parent, name, AtFlags::empty()) {
+        Ok(()) => Ok(Removed::Removed),
+        Err(Errno::NOENT) => Ok(Removed::Missing),
+        Err(Errno::BUSY) => Ok(Removed::MountPoint),
+        Err(errno) => Err(io_error(path, errno)),
     }
 }
 
@@ -166,6 +245,33 @@ pub fn remove(path: &Path) -> Result<Removed, VolumeError> {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn file_targets_are_created_and_only_empty_regular_files_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("vol/target");
+        ensure_file(&target).unwrap();
+        assert!(target.is_file());
+        ensure_file(&target).unwrap();
+        std::fs::write(&target, b"data").unwrap();
+        assert!(
+            remove(&target).is_err(),
+            "a file with data is never deleted"
+        );
+        assert!(target.exists());
+        std::fs::write(&target, b"").unwrap();
+        assert_eq!(remove(&target).unwrap(), Removed::Removed);
+        assert_eq!(remove(&target).unwrap(), Removed::Missing);
+        // A symlink (to a file or a device) is neither created through nor deleted.
+        std::os::unix::fs::symlink("/dev/null", &target).unwrap();
+        assert!(ensure_file(&target).is_err());
+        assert!(remove(&target).is_err());
+        assert!(std::fs::symlink_metadata(&target).is_ok());
+        std::fs::remove_file(&target).unwrap();
+        // An existing directory is not a file target.
+        std::fs::create_dir(&target).unwrap();
+        assert!(ensure_file(&target).is_err());
+    }
 
     #[test]
     fn probes_and_creates_without_a_mount() {
