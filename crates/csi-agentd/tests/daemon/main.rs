@@ -14,6 +14,7 @@
 
 mod api_conformance;
 mod bind_safety;
+mod block;
 mod drain;
 mod drain_barrier;
 mod e2e;
