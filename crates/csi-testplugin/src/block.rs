@@ -191,6 +191,7 @@ pub fn remove_target_file(path: &Path) -> io::Result<()> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 

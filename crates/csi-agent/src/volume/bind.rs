@@ -157,8 +157,6 @@ pub enum BindError {
     },
     #[error("bind_to {} is already a mount point of something else (mount {mount_id}); csi-agent mounts only onto a plain directory", path.display())]
     AlreadyMounted { path: PathBuf, mount_id: u64 },
-    #[error("bind_to {} is for mount volumes only: a block volume's target is not a directory", path.display())]
-    NotADirectory { path: PathBuf },
     #[error("bind_to {} is {found}: a block volume is bound onto a file (csi-agent creates it, or uses an existing regular file); choose another path", path.display())]
     NotAFile { path: PathBuf, found: &'static str },
     #[error("bind_to {}: {source}", path.display())]
@@ -201,10 +199,7 @@ impl BindError {
     pub fn is_invalid_request(&self) -> bool {
         matches!(
             self,
-            BindError::Disabled
-                | BindError::OutsideRoots { .. }
-                | BindError::Invalid(_)
-                | BindError::NotADirectory { .. }
+            BindError::Disabled | BindError::OutsideRoots { .. } | BindError::Invalid(_)
         )
     }
 
