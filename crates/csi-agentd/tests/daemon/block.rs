@@ -31,6 +31,11 @@ impl Scene {
     }
 
     fn with_env(block: bool, env: &[(&str, &str)]) -> Self {
+        Self::with(block, env, &[])
+    }
+
+    /// `plugin_args` are added to the test plugin's command line.
+    fn with(block: bool, env: &[(&str, &str)], plugin_args: &[&str]) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path().join("sandboxes");
         std::fs::create_dir_all(root.join("w1")).unwrap();
@@ -41,6 +46,12 @@ impl Scene {
                 .as_array_mut()
                 .unwrap()
                 .push("--block".into());
+        }
+        for arg in plugin_args {
+            config["containers"][0]["command"]["arguments"]
+                .as_array_mut()
+                .unwrap()
+                .push((*arg).into());
         }
         setup_namespace_check();
         let mut builder = Daemon::builder(dir.path())
@@ -74,6 +85,28 @@ impl Scene {
             })
             .await
             .unwrap();
+    }
+}
+
+/// A failed test must not leak loop devices on the machine: whatever the plugin attached to
+/// its backing files is detached (lazily, if still bound) before the dirs go.
+impl Drop for Scene {
+    fn drop(&mut self) {
+        for entry in std::fs::read_dir("/sys/block")
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let name = entry.file_name().into_string().unwrap_or_default();
+            if let Ok(b) = std::fs::read_to_string(format!("/sys/block/{name}/loop/backing_file"))
+                && Path::new(b.trim_end()).starts_with(&self.plugin_dir)
+            {
+                let _ = Command::new("losetup")
+                    .arg("-d")
+                    .arg(format!("/dev/{name}"))
+                    .status();
+            }
+        }
     }
 }
 
@@ -410,4 +443,52 @@ async fn a_daemon_killed_at_the_publish_failpoints_converges_for_a_block_volume(
         assert!(!bind.exists(), "{point}");
         assert_released(&scene, "blk").await;
     }
+}
+
+/// A CSI 0.3 plugin: the CO creates the target (a file, for block) and removes it after
+/// NodeUnpublish; the plugin neither creates nor removes it.
+#[tokio::test]
+async fn for_a_v0_plugin_csi_agent_creates_and_removes_the_target_file() {
+    let scene = Scene::with(true, &[], &["--api-versions", "v0.3"]);
+    scene.create("blk").await;
+    let bind = scene.root.join("w1/disk");
+    let published = scene
+        .daemon
+        .api()
+        .publish(&block_publish("blk", "w1", &bind))
+        .await
+        .unwrap();
+    let target = PathBuf::from(&published.target_path);
+    assert!(is_mounted(&target));
+    assert!(
+        std::fs::metadata(&bind)
+            .unwrap()
+            .file_type()
+            .is_block_device()
+    );
+    let data = random_bytes(4096);
+    let input = scene.dir.path().join("in.bin");
+    std::fs::write(&input, &data).unwrap();
+    let written = dd(&[
+        &format!("if={}", input.display()),
+        &format!("of={}", bind.display()),
+        "bs=4096",
+        "count=1",
+        "oflag=direct",
+        "conv=fsync,notrunc",
+    ]);
+    assert!(written.status.success(), "{written:?}");
+    assert!(std::fs::read(scene.backing("blk")).unwrap()[..4096] == data[..]);
+    scene
+        .daemon
+        .api()
+        .unpublish(&unpublish_request("blk", "w1"))
+        .await
+        .unwrap();
+    assert!(
+        std::fs::symlink_metadata(&target).is_err(),
+        "the target file csi-agent created is gone"
+    );
+    assert!(!bind.exists());
+    assert_released(&scene, "blk").await;
 }
