@@ -492,3 +492,35 @@ async fn for_a_v0_plugin_csi_agent_creates_and_removes_the_target_file() {
     assert!(!bind.exists());
     assert_released(&scene, "blk").await;
 }
+
+/// An existing regular file at `bind_to` (the workload's own) is bound onto and, after
+/// unpublish, left where it was with its bytes: csi-agent removes only a file it created.
+#[tokio::test]
+async fn an_existing_file_at_bind_to_is_used_and_kept() {
+    let scene = Scene::new(true);
+    scene.create("blk").await;
+    let bind = scene.root.join("w1/mine");
+    std::fs::write(&bind, b"the workload's").unwrap();
+    scene
+        .daemon
+        .api()
+        .publish(&block_publish("blk", "w1", &bind))
+        .await
+        .unwrap();
+    assert!(is_mounted(&bind));
+    assert!(
+        std::fs::metadata(&bind)
+            .unwrap()
+            .file_type()
+            .is_block_device()
+    );
+    scene
+        .daemon
+        .api()
+        .unpublish(&unpublish_request("blk", "w1"))
+        .await
+        .unwrap();
+    assert!(!is_mounted(&bind));
+    assert_eq!(std::fs::read(&bind).unwrap(), b"the workload's");
+    assert_released(&scene, "blk").await;
+}
