@@ -16,6 +16,7 @@ use crate::backing::VolumeFs;
 use crate::faults::Quirks;
 use crate::model::{ApiVersion, validate_volume_name};
 use crate::mounts::MountMode;
+use crate::plugin::expand::Expansion;
 use crate::state::Durability;
 
 /// A real CSI plugin for tests, demos and benchmarks: volumes are
@@ -155,6 +156,26 @@ pub struct Args {
     /// Quirk: report an empty vendor_version.
     #[arg(long)]
     pub empty_vendor_version: bool,
+
+    /// Advertise the plugin capability VolumeExpansion of this type: `online` (volumes
+    /// grow while published) or `offline` (ControllerExpandVolume refuses a volume in use).
+    #[arg(long, value_enum)]
+    pub expansion: Option<ExpansionArg>,
+
+    /// Advertise and serve the controller capability EXPAND_VOLUME (CSI v1).
+    #[arg(long)]
+    pub controller_expand: bool,
+
+    /// Advertise and serve the node capability EXPAND_VOLUME (CSI v1): ControllerExpandVolume
+    /// then answers `node_expansion_required`, and NodeExpandVolume grows the file system.
+    #[arg(long)]
+    pub node_expand: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ExpansionArg {
+    Online,
+    Offline,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -197,6 +218,12 @@ pub struct Config {
     pub hidden_controller_caps: Vec<i32>,
     /// `--block`: the block access type is served.
     pub block: bool,
+    /// `--expansion`: the VolumeExpansion plugin capability, if advertised.
+    pub expansion: Option<Expansion>,
+    /// `--controller-expand`.
+    pub controller_expand: bool,
+    /// `--node-expand`.
+    pub node_expand: bool,
 }
 
 /// Sizes follow csi-agent's one convention ([`csi_agent_api::size`]): `1G` is 10^9 bytes,
@@ -347,6 +374,12 @@ impl Args {
                     })
                 })
                 .collect::<anyhow::Result<_>>()?,
+            expansion: self.expansion.map(|e| match e {
+                ExpansionArg::Online => Expansion::Online,
+                ExpansionArg::Offline => Expansion::Offline,
+            }),
+            controller_expand: self.controller_expand,
+            node_expand: self.node_expand,
             quirks: Quirks {
                 probe_not_ready: self.probe_not_ready,
                 empty_probe: self.empty_probe,

@@ -32,6 +32,9 @@ use crate::mounts::{self, MountMode};
 use crate::rpc::Inflight;
 use crate::state::{ControllerPublication, Publication, Staging, Store, VolumeRecord};
 
+#[path = "expand.rs"]
+pub mod expand;
+
 /// Size of a volume created without a capacity range (capped by
 /// `limit_bytes` when only that is given).
 pub const DEFAULT_VOLUME_SIZE: i64 = 1 << 30;
@@ -426,6 +429,9 @@ impl Plugin {
                 caps.push(CAP_LIST_VOLUMES_PUBLISHED_NODES);
             }
         }
+        if self.cfg.controller_expand && version == ApiVersion::V1 {
+            caps.push(expand::CAP_EXPAND_VOLUME);
+        }
         caps.retain(|c| !self.cfg.hidden_controller_caps.contains(c));
         self.quirk_caps(caps)
     }
@@ -434,6 +440,10 @@ impl Plugin {
         let mut caps = Vec::new();
         if self.cfg.stage_unstage {
             caps.push(NODE_CAP_STAGE_UNSTAGE_VOLUME);
+        }
+        // v1 only: the v0 adapter drops it (CSI 0.x has no NodeExpandVolume).
+        if self.cfg.node_expand {
+            caps.push(expand::NODE_CAP_EXPAND_VOLUME);
         }
         self.quirk_caps(caps)
     }

@@ -469,6 +469,7 @@ impl Node for V0 {
                 capabilities: p
                     .node_caps()
                     .into_iter()
+                    .filter(|t| *t != crate::plugin::expand::NODE_CAP_EXPAND_VOLUME)
                     .map(|t| pb::NodeServiceCapability {
                         r#type: Some(Type::Rpc(Rpc { r#type: t })),
                     })

@@ -124,7 +124,14 @@ impl Identity for V1 {
             Ok(pb::GetPluginCapabilitiesResponse {
                 capabilities: rpc_caps(p.plugin_caps(), |t| pb::PluginCapability {
                     r#type: Some(Type::Service(Service { r#type: t })),
-                }),
+                })
+                .into_iter()
+                .chain(p.expansion_type().map(|t| pb::PluginCapability {
+                    r#type: Some(Type::VolumeExpansion(
+                        pb::plugin_capability::VolumeExpansion { r#type: t },
+                    )),
+                }))
+                .collect(),
             })
         })
         .await
@@ -380,8 +387,22 @@ impl Controller for V1 {
         &self,
         req: Request<pb::ControllerExpandVolumeRequest>,
     ) -> Result<Response<pb::ControllerExpandVolumeResponse>, Status> {
-        self.unimplemented("ControllerExpandVolume", &req.get_ref().volume_id)
-            .await
+        let r = req.into_inner();
+        let ctx = self
+            .ctx("ControllerExpandVolume")
+            .volume(&r.volume_id)
+            .secrets(&self.p, &r.secrets);
+        rpc::run(&self.p, ctx, move |p| async move {
+            let range = r.capacity_range.map(|c| (c.required_bytes, c.limit_bytes));
+            let (capacity_bytes, node_expansion_required) =
+                p.controller_expand(&r.volume_id, range).await?;
+            Ok(pb::ControllerExpandVolumeResponse {
+                capacity_bytes,
+                node_expansion_required,
+            })
+        })
+        .await
+        .map(Response::new)
     }
 
     async fn controller_get_volume(
@@ -490,8 +511,20 @@ impl Node for V1 {
         &self,
         req: Request<pb::NodeExpandVolumeRequest>,
     ) -> Result<Response<pb::NodeExpandVolumeResponse>, Status> {
-        self.unimplemented("NodeExpandVolume", &req.get_ref().volume_id)
-            .await
+        let r = req.into_inner();
+        let ctx = self
+            .ctx("NodeExpandVolume")
+            .volume(&r.volume_id)
+            .secrets(&self.p, &r.secrets);
+        rpc::run(&self.p, ctx, move |p| async move {
+            let range = r.capacity_range.map(|c| (c.required_bytes, c.limit_bytes));
+            let capacity_bytes = p
+                .node_expand(&r.volume_id, &r.volume_path, &r.staging_target_path, range)
+                .await?;
+            Ok(pb::NodeExpandVolumeResponse { capacity_bytes })
+        })
+        .await
+        .map(Response::new)
     }
 
     async fn node_get_capabilities(

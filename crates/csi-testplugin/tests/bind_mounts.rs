@@ -308,3 +308,73 @@ async fn tmpfs_backing_gives_each_volume_its_own_file_system() -> anyhow::Result
     assert!(!dir.exists(), "and removes the directory");
     Ok(())
 }
+
+/// Expansion really grows a `--volume-fs tmpfs` volume's file system, seen through the
+/// publication (a bind of the same tmpfs), with the data kept: by ControllerExpandVolume
+/// alone when there is no node step, by NodeExpandVolume when there is (and not before).
+#[tokio::test]
+async fn expansion_grows_the_tmpfs_seen_through_the_target() -> anyhow::Result<()> {
+    require_private_mount_namespace();
+    let size = |path: &Path| -> anyhow::Result<u64> {
+        let fs = rustix::fs::statvfs(path)?;
+        Ok(fs.f_blocks * fs.f_frsize)
+    };
+    for node_step in [false, true] {
+        let mut args = vec![
+            "--volume-fs",
+            "tmpfs",
+            "--expansion",
+            "online",
+            "--controller-expand",
+        ];
+        if node_step {
+            args.push("--node-expand");
+        }
+        let p = Plugin::start(&args).await?;
+        let mut c = p.v1().await?;
+        let staging = create_and_stage(&p, &mut c, "v").await?;
+        let target = p.path("target");
+        c.node
+            .node_publish_volume(publish_req("v", &staging, &target))
+            .await?;
+        std::fs::write(target.join("data"), b"kept")?;
+        assert_eq!(size(&target)?, 1 << 20);
+        let r = c
+            .ctl
+            .controller_expand_volume(v1::ControllerExpandVolumeRequest {
+                volume_id: "v".into(),
+                capacity_range: Some(v1::CapacityRange {
+                    required_bytes: 16 << 20,
+                    limit_bytes: 0,
+                }),
+                ..Default::default()
+            })
+            .await?
+            .into_inner();
+        assert_eq!(r.node_expansion_required, node_step);
+        if node_step {
+            assert_eq!(size(&target)?, 1 << 20, "the node step grows the fs");
+            let n = c
+                .node
+                .node_expand_volume(v1::NodeExpandVolumeRequest {
+                    volume_id: "v".into(),
+                    volume_path: target.display().to_string(),
+                    ..Default::default()
+                })
+                .await?
+                .into_inner();
+            assert_eq!(n.capacity_bytes, 16 << 20);
+        }
+        assert_eq!(size(&target)?, 16 << 20, "node_step={node_step}");
+        assert_eq!(std::fs::read(target.join("data"))?, b"kept");
+        // Room that was not there before: 8 MiB written into a volume created with 1 MiB.
+        std::fs::write(target.join("big"), vec![1u8; 8 << 20])?;
+        c.node
+            .node_unpublish_volume(unpublish_req("v", &target))
+            .await?;
+        c.node
+            .node_unstage_volume(unstage_req("v", &staging))
+            .await?;
+    }
+    Ok(())
+}
