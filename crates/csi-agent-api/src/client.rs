@@ -552,6 +552,21 @@ impl ApiClient {
             source: Box::new(err),
         }
     }
+
+    /// `POST /v1/volumes/{plugin}/{volume_id}/expand` (ControllerExpandVolume, then
+    /// NodeExpandVolume where needed): the volume with its capacity after the expansion.
+    pub async fn expand_volume(
+        &self,
+        plugin: &str,
+        volume_id: &str,
+        capacity_bytes: i64,
+    ) -> Result<VolumeInfo, ApiError> {
+        self.post_json(
+            &routes::volume_expand(plugin, volume_id),
+            &ExpandRequest { capacity_bytes },
+        )
+        .await
+    }
 }
 
 /// The first error of type `E` in `err`'s source chain (`err` itself excluded).

@@ -20,6 +20,8 @@ pub const VOLUMES: &str = "/v1/volumes";
 /// `GET` one volume; `DELETE` deletes it (DeleteVolume).
 pub const VOLUME: &str = "/v1/volumes/{plugin}/{volume_id}";
 pub const VALIDATE: &str = "/v1/volumes/validate";
+/// `POST`: ControllerExpandVolume (and NodeExpandVolume) of one volume.
+pub const VOLUME_EXPAND: &str = "/v1/volumes/{plugin}/{volume_id}/expand";
 pub const CAPACITY: &str = "/v1/capacity";
 /// `POST`: unpublish every claim and stop every plugin (`csictl drain`).
 pub const DRAIN: &str = "/v1/drain";
@@ -52,6 +54,7 @@ pub const ALL_ROUTES: &[(&str, &str)] = &[
     ("POST", VOLUMES),
     ("GET", VOLUME),
     ("DELETE", VOLUME),
+    ("POST", VOLUME_EXPAND),
     ("POST", VALIDATE),
     ("POST", CAPACITY),
     ("POST", DRAIN),
@@ -79,6 +82,11 @@ pub fn volume(plugin_type: &str, volume_id: &str) -> String {
         encode_segment(plugin_type),
         encode_segment(volume_id)
     )
+}
+
+/// `/v1/volumes/{plugin}/{volume_id}/expand` for one volume.
+pub fn volume_expand(plugin_type: &str, volume_id: &str) -> String {
+    format!("{}/expand", volume(plugin_type, volume_id))
 }
 
 /// Percent-encodes every byte outside `[A-Za-z0-9_.~-]` (RFC 3986's unreserved set).

@@ -36,6 +36,8 @@ fn volume(plugin: String, volume_id: String, raw_path: String) -> VolumeInfo {
         has_secrets: false,
         last_error: None,
         operation: None,
+        capacity_bytes: None,
+        expansion: None,
     }
 }
 

@@ -75,6 +75,11 @@ fn volume_info(full: bool) -> VolumeInfo {
         has_secrets: true,
         last_error: full.then(|| "boom".to_owned()),
         operation: full.then(|| operation_info(true)),
+        capacity_bytes: full.then_some(1 << 30),
+        expansion: full.then(|| ExpansionInfo {
+            capacity_bytes: 2 << 30,
+            next_step: "node".to_owned(),
+        }),
     }
 }
 
@@ -331,6 +336,17 @@ fn cases() -> Result<Vec<Case>> {
         )?,
         response("ComponentInfo", component(true), component(false))?,
         response("OperationInfo", operation_info(true), operation_info(false))?,
+        response(
+            "ExpansionInfo",
+            ExpansionInfo {
+                capacity_bytes: 1 << 30,
+                next_step: "controller".to_owned(),
+            },
+            ExpansionInfo {
+                capacity_bytes: 1 << 30,
+                next_step: "node".to_owned(),
+            },
+        )?,
         response("PluginInfo", plugin_info(true), plugin_info(false))?,
         response("ConfigErrorInfo", config_error(), config_error())?,
         response("PluginList", plugins.clone(), plugins)?,
@@ -383,6 +399,12 @@ fn cases() -> Result<Vec<Case>> {
             },
         )?,
         response("CapacityResponse", capacity.clone(), capacity)?,
+        request(
+            "ExpandRequest",
+            ExpandRequest {
+                capacity_bytes: 1 << 30,
+            },
+        )?,
         response("ImageInfo", image.clone(), image.clone())?,
         response(
             "ImageList",
@@ -578,6 +600,12 @@ const BODIES: &[(&str, &str, Option<&str>, Option<&str>)] = &[
     ),
     ("GET", routes::VOLUME, None, Some("VolumeInfo")),
     ("DELETE", routes::VOLUME, None, Some("DeleteVolumeResponse")),
+    (
+        "POST",
+        routes::VOLUME_EXPAND,
+        Some("ExpandRequest"),
+        Some("VolumeInfo"),
+    ),
     (
         "POST",
         routes::VALIDATE,

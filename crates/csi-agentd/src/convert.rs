@@ -272,6 +272,11 @@ pub fn volume_info(
         has_secrets: record.has_secrets,
         last_error: record.last_error.clone(),
         operation: progress.map(operation_info),
+        capacity_bytes: (record.capacity_bytes > 0).then_some(record.capacity_bytes),
+        expansion: record.expansion.as_ref().map(|e| api::ExpansionInfo {
+            capacity_bytes: e.capacity_bytes,
+            next_step: e.next.as_str().to_owned(),
+        }),
     }
 }
 

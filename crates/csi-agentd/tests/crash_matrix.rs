@@ -39,6 +39,17 @@ const OCI_ONLY: &[&str] = &[
     "oci.launch.after_start",
 ];
 
+/// Points of a volume expansion, hit only by `POST /v1/volumes/{plugin}/{volume_id}/expand`
+/// (not by a publish/unpublish cycle): killed and restarted by
+/// `the_daemon_killed_at_each_expansion_failpoint_resumes_the_expansion` below.
+const EXPAND_ONLY: &[&str] = &[
+    "volume.expand.before_intent",
+    "volume.expand.controller.before_rpc",
+    "volume.expand.controller.after_rpc",
+    "volume.expand.node.before_rpc",
+    "volume.expand.node.after_rpc",
+];
+
 /// Points of the store's migration, hit while a daemon opens a work dir of the first release,
 /// not by a publish/unpublish cycle: killed and restarted by
 /// `crates/csi-agent/tests/store_migration.rs`, left out of this matrix.
@@ -456,10 +467,11 @@ async fn the_daemon_killed_at_every_failpoint_converges() {
     let mut runs = 0u64;
     let mut kills: BTreeMap<String, Vec<Kill>> = BTreeMap::new();
     let mut unreached = Vec::new();
-    for point in points
-        .iter()
-        .filter(|p| !MIGRATION_ONLY.contains(&p.as_str()) && !OCI_ONLY.contains(&p.as_str()))
-    {
+    for point in points.iter().filter(|p| {
+        !MIGRATION_ONLY.contains(&p.as_str())
+            && !OCI_ONLY.contains(&p.as_str())
+            && !EXPAND_ONLY.contains(&p.as_str())
+    }) {
         let mut publish_hits = None;
         let mut found = Vec::new();
         for n in 1.. {
@@ -523,7 +535,7 @@ async fn the_daemon_killed_at_every_failpoint_converges() {
          {total} volume convergences, all full ({untracked} stopped an untracked plugin process), \
          {runs} cycles, {:.0} s",
         points.len(),
-        points.len() - unreached.len() - MIGRATION_ONLY.len() - OCI_ONLY.len(),
+        points.len() - unreached.len() - MIGRATION_ONLY.len() - OCI_ONLY.len() - EXPAND_ONLY.len(),
         unreached.len(),
         MIGRATION_ONLY.len(),
         pairs.len(),
@@ -863,4 +875,119 @@ async fn a_claim_removed_before_recovery_caught_up_undoes_what_lost_notes_hid() 
         "the volume after its claim was removed",
     )
     .await;
+}
+
+/// The daemon killed at each expansion failpoint while a published `--volume-fs tmpfs` volume
+/// grows from 1 MiB to 16 MiB (ONLINE, controller and node expansion). Restarted without
+/// failpoints it converges on its own where the intent was durable (every point but
+/// `before_intent`): the API shows the capacity reached and no expansion in progress, the
+/// file system seen through the target has grown, and the plugin's own state agrees. Killed
+/// before the intent, nothing changed and nothing resumes: the workload repeats its request,
+/// which succeeds. An unpublish then leaves nothing mounted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_daemon_killed_at_each_expansion_failpoint_resumes_the_expansion() {
+    require_private_mount_namespace();
+    const MI: i64 = 1 << 20;
+    let fs_size = |path: &Path| -> i64 {
+        let fs = rustix::fs::statvfs(path).unwrap();
+        (fs.f_blocks * fs.f_frsize) as i64
+    };
+    for point in EXPAND_ONLY {
+        let mut node = Node::new(&format!("{VOLUME}:1Mi"));
+        let mut config = managed_config(PLUGIN, &node.plugin_dir, &format!("{VOLUME}:1Mi"));
+        let args = config["containers"][0]["command"]["arguments"]
+            .as_array_mut()
+            .unwrap();
+        for flag in [
+            "--volume-fs",
+            "tmpfs",
+            "--expansion",
+            "online",
+            "--controller-expand",
+            "--node-expand",
+        ] {
+            args.push(flag.into());
+        }
+        node.add_config("test.json", &config);
+        let spec = format!("{point}=exit");
+        node.start(Some(&spec)).await;
+        node.wait_recovered().await;
+        let published = node.publish(VOLUME, WORKLOAD).await.unwrap();
+        let target = PathBuf::from(&published.target_path);
+        std::fs::write(target.join("data"), b"kept").unwrap();
+        let err = node
+            .api()
+            .expand_volume(PLUGIN, VOLUME, 16 * MI)
+            .await
+            .unwrap_err();
+        node.expect_failpoint_kill(point, &err).await;
+        let intent_durable = *point != "volume.expand.before_intent";
+        // The claim is durable (the publish was answered); its progress notes may not be.
+        let on_disk = node
+            .disk_record(VOLUME)
+            .expect("the published volume's record");
+        assert!(on_disk.claims.contains(WORKLOAD), "{point}: {on_disk:?}");
+
+        node.start(None).await;
+        node.wait_recovered().await;
+        if intent_durable {
+            eventually(
+                &format!("{point}: the expansion to resume"),
+                Duration::from_secs(30),
+                || async {
+                    let v = node
+                        .api()
+                        .volume(PLUGIN, VOLUME)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    if v.capacity_bytes == Some(16 * MI) && v.expansion.is_none() {
+                        Ok(())
+                    } else {
+                        Err(format!("{v:?}"))
+                    }
+                },
+            )
+            .await;
+        } else {
+            let v = node.api().volume(PLUGIN, VOLUME).await.unwrap();
+            assert_eq!(v.expansion, None, "{point}: no intent was durable");
+            assert_eq!(fs_size(&target), MI, "{point}: nothing grew");
+            // The workload repeats its request.
+            let v = node
+                .api()
+                .expand_volume(PLUGIN, VOLUME, 16 * MI)
+                .await
+                .unwrap();
+            assert_eq!(v.capacity_bytes, Some(16 * MI));
+        }
+        assert_eq!(fs_size(&target), 16 * MI, "{point}: the file system grew");
+        assert_eq!(std::fs::read(target.join("data")).unwrap(), b"kept");
+        let state = node.plugin_state();
+        assert_eq!(
+            state["volumes"][VOLUME]["capacity_bytes"].as_i64(),
+            Some(16 * MI),
+            "{point}: the plugin's state agrees: {state}"
+        );
+        // A repeat is idempotent, and the unpublish leaves nothing.
+        let v = node
+            .api()
+            .expand_volume(PLUGIN, VOLUME, 16 * MI)
+            .await
+            .unwrap();
+        assert_eq!(v.capacity_bytes, Some(16 * MI));
+        node.unpublish(VOLUME, WORKLOAD).await.unwrap();
+        // Nothing is left mounted but the volume's own tmpfs in the plugin's dir (the
+        // backing of `--volume-fs tmpfs`, which the publish/unpublish cycle's check does not
+        // expect), and the API tracks nothing.
+        assert_eq!(
+            node.mounts(),
+            vec![node.plugin_dir.join("volumes").join(VOLUME)],
+            "{point}: unpublished"
+        );
+        assert!(
+            node.api().volumes().await.unwrap().volumes.is_empty(),
+            "{point}"
+        );
+        println!("{point}: killed, resumed, converged");
+    }
 }

@@ -341,14 +341,7 @@ async fn expansion_grows_the_tmpfs_seen_through_the_target() -> anyhow::Result<(
         assert_eq!(size(&target)?, 1 << 20);
         let r = c
             .ctl
-            .controller_expand_volume(v1::ControllerExpandVolumeRequest {
-                volume_id: "v".into(),
-                capacity_range: Some(v1::CapacityRange {
-                    required_bytes: 16 << 20,
-                    limit_bytes: 0,
-                }),
-                ..Default::default()
-            })
+            .controller_expand_volume(expand_req("v", 16 << 20, 0))
             .await?
             .into_inner();
         assert_eq!(r.node_expansion_required, node_step);

@@ -20,17 +20,6 @@ const ONLINE_BOTH: &[&str] = &[
     "--node-expand",
 ];
 
-fn expand_req(id: &str, required: i64, limit: i64) -> v1::ControllerExpandVolumeRequest {
-    v1::ControllerExpandVolumeRequest {
-        volume_id: id.to_owned(),
-        capacity_range: Some(v1::CapacityRange {
-            required_bytes: required,
-            limit_bytes: limit,
-        }),
-        ..Default::default()
-    }
-}
-
 fn node_expand_req(id: &str, path: &std::path::Path, required: i64) -> v1::NodeExpandVolumeRequest {
     v1::NodeExpandVolumeRequest {
         volume_id: id.to_owned(),
@@ -59,34 +48,38 @@ async fn plugin_expansion(c: &mut V1) -> anyhow::Result<Vec<i32>> {
         .collect())
 }
 
+/// The RPC types of a capability list, whichever service's: `rpc` picks a capability's
+/// RPC type, if it names one.
+fn rpc_types<C>(caps: Vec<C>, rpc: impl Fn(C) -> Option<i32>) -> Vec<i32> {
+    caps.into_iter().filter_map(rpc).collect()
+}
+
 async fn controller_caps(c: &mut V1) -> anyhow::Result<Vec<i32>> {
     use v1::controller_service_capability::Type;
-    Ok(c.ctl
+    let caps = c
+        .ctl
         .controller_get_capabilities(v1::ControllerGetCapabilitiesRequest {})
         .await?
         .into_inner()
-        .capabilities
-        .into_iter()
-        .filter_map(|cap| match cap.r#type {
-            Some(Type::Rpc(r)) => Some(r.r#type),
-            _ => None,
-        })
-        .collect())
+        .capabilities;
+    Ok(rpc_types(caps, |cap| match cap.r#type {
+        Some(Type::Rpc(r)) => Some(r.r#type),
+        _ => None,
+    }))
 }
 
 async fn node_caps(c: &mut V1) -> anyhow::Result<Vec<i32>> {
     use v1::node_service_capability::Type;
-    Ok(c.node
+    let caps = c
+        .node
         .node_get_capabilities(v1::NodeGetCapabilitiesRequest {})
         .await?
         .into_inner()
-        .capabilities
-        .into_iter()
-        .filter_map(|cap| match cap.r#type {
-            Some(Type::Rpc(r)) => Some(r.r#type),
-            _ => None,
-        })
-        .collect())
+        .capabilities;
+    Ok(rpc_types(caps, |cap| match cap.r#type {
+        Some(Type::Rpc(r)) => Some(r.r#type),
+        _ => None,
+    }))
 }
 
 /// Each flag advertises exactly its capability, and none is on by default: a plugin

@@ -122,6 +122,10 @@ pub enum Command {
     BackendVolumes(BackendVolumesArgs),
     /// Ask the plugin how much capacity is available (GetCapacity).
     Capacity(CapacityArgs),
+    /// Grow a volume to SIZE (ControllerExpandVolume, then NodeExpandVolume where the
+    /// plugin needs it): `csictl expand PLUGIN VOLUME_ID 1Gi`. Prints the volume with its
+    /// new capacity.
+    Expand(crate::expand::ExpandArgs),
 }
 
 /// A volume named the same way by every command: `--plugin TYPE --volume VOLUME_ID`, or the
@@ -225,7 +229,7 @@ impl VolumesArgs {
 
 /// The plugin and the volume from their flags, else from the positionals in that order (the
 /// flags' place taken by the first free positionals); more positionals than that is an error.
-fn plugin_and_volume(
+pub(crate) fn plugin_and_volume(
     plugin_flag: &Option<String>,
     volume_flag: &Option<String>,
     positional: &[String],

@@ -46,6 +46,7 @@ pub async fn run(cli: Cli) -> Result<String, Failure> {
         }
         Command::Images => crate::image::images(&client, format).await,
         Command::Image(command) => crate::image::run(&client, format, command).await,
+        Command::Expand(args) => crate::expand::run(&client, format, &args).await,
         Command::Publish(args) => {
             let request = publish_request(&args)?;
             render(format, &client.publish(&request).await?, output::publish)

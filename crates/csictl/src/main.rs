@@ -6,6 +6,7 @@
 
 mod args;
 mod commands;
+mod expand;
 mod failure;
 mod image;
 mod output;

@@ -421,6 +421,19 @@ pub fn volume(v: &VolumeInfo) -> String {
         ),
         ("secrets stored", yes_no(v.has_secrets)),
     ];
+    if let Some(bytes) = v.capacity_bytes {
+        pairs.push(("capacity", bytes_with_human(bytes)));
+    }
+    if let Some(e) = &v.expansion {
+        pairs.push((
+            "expanding",
+            format!(
+                "to {}, next step: {}",
+                bytes_with_human(e.capacity_bytes),
+                e.next_step
+            ),
+        ));
+    }
     if let Some(error) = &v.last_error {
         pairs.push(("last error", error.clone()));
     }
@@ -539,6 +552,8 @@ mod tests {
             has_secrets: true,
             last_error: None,
             operation: None,
+            capacity_bytes: None,
+            expansion: None,
         }
     }
 

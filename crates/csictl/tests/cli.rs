@@ -43,6 +43,8 @@ fn volume(id: &str, state: &str, claims: &[&str]) -> VolumeInfo {
         has_secrets: true,
         last_error: None,
         operation: None,
+        capacity_bytes: None,
+        expansion: None,
     }
 }
 

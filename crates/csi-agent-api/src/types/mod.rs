@@ -6,6 +6,9 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+mod expand;
+pub use expand::*;
+
 /// The one error shape of every failed request.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ErrorBody {
@@ -286,6 +289,13 @@ pub struct VolumeInfo {
     /// waiting to retry); absent when none runs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub operation: Option<OperationInfo>,
+    /// The volume's capacity in bytes as the plugin last reported it (at creation or
+    /// expansion); absent when unknown.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity_bytes: Option<i64>,
+    /// An expansion in progress; absent when none is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expansion: Option<ExpansionInfo>,
 }
 
 /// What a volume's operation in progress is doing.

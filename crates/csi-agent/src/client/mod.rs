@@ -10,6 +10,7 @@
 //! its class ([`ErrorClass`]) and leaves the decision to its callers.
 
 mod error;
+pub mod expand;
 pub mod v0;
 
 use std::collections::BTreeSet;

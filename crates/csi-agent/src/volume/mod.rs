@@ -12,6 +12,7 @@
 
 pub mod bind;
 pub mod controller;
+pub mod expand;
 pub mod gate;
 pub mod machine;
 pub mod mount_dirs;
@@ -57,6 +58,9 @@ pub struct Advertised {
     pub node: NodeCapabilities,
     /// ControllerGetCapabilities; `None` when no component serves the Controller service.
     pub controller: Option<ControllerCapabilities>,
+    /// GetPluginCapabilities' `VolumeExpansion` type, asked only when an expansion needs it
+    /// ([`expand`]) and forgotten with the rest.
+    pub expansion: OnceCell<Option<v1::plugin_capability::volume_expansion::Type>>,
 }
 
 impl Advertised {
@@ -1630,7 +1634,11 @@ impl VolumeManager {
         } else {
             None
         };
-        let caps = Arc::new(Advertised { node, controller });
+        let caps = Arc::new(Advertised {
+            node,
+            controller,
+            expansion: OnceCell::new(),
+        });
         let mut cached = lock(&self.inner.caps);
         if cached.0 == generation {
             cached.1 = Some(Arc::clone(&caps));

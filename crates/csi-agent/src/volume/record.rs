@@ -321,6 +321,10 @@ pub struct VolumeRecord {
     /// The last final error met while driving the volume, for operators.
     #[serde(default)]
     pub last_error: Option<String>,
+    /// An expansion asked and not finished (durable before its first RPC); absent in the
+    /// JSON when none is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expansion: Option<super::expand::Expansion>,
 }
 
 impl VolumeRecord {
@@ -341,6 +345,7 @@ impl VolumeRecord {
             node_state_lost: false,
             bind_mounts: BTreeMap::new(),
             last_error: None,
+            expansion: None,
         }
     }
 

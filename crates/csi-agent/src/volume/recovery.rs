@@ -162,6 +162,7 @@ impl VolumeManager {
                 || (!record.wants_published()
                     && (record.state != VolumeState::Created
                         || record.origin == super::Origin::PreProvisioned));
+            let expanding = record.expansion.is_some();
             let volume_id = record.volume_id.clone();
             let slot = self.slot(&volume_id);
             let mut guard = slot.lock().await;
@@ -172,6 +173,10 @@ impl VolumeManager {
                 self.set_record(&mut guard, Some(record));
             }
             drop(guard);
+            if expanding {
+                // An expansion interrupted by the crash: finished in the background.
+                self.resume_expansion(&volume_id);
+            }
             if needs_work {
                 report.reconciling.push(volume_id.clone());
                 self.spawn_reconcile(&volume_id);

@@ -41,11 +41,41 @@ pub enum InvalidRequest {
     NoCapabilities,
     #[error("max_entries is {0}: give 0 (no limit) or a positive number")]
     NegativeMaxEntries(i32),
+    #[error("capacity_bytes is {0}: give the size to expand the volume to, in bytes (positive)")]
+    ExpandCapacity(i64),
+    #[error(
+        "volume {volume_id:?} is not known to csi-agent: create it (POST /v1/volumes) or publish it before expanding it"
+    )]
+    ExpandUnknown { volume_id: String },
+    #[error(
+        "volume {volume_id:?} has {current} bytes and volumes never shrink: give a capacity_bytes of at least {current} (asked {requested})"
+    )]
+    ExpandSmaller {
+        volume_id: String,
+        requested: i64,
+        current: i64,
+    },
 }
 
 /// What a request contradicts in the volume's current use; nothing was changed.
 #[derive(Debug, thiserror::Error)]
 pub enum Conflict {
+    /// An expansion of a published volume by a plugin whose expansion is OFFLINE.
+    #[error(
+        "volume {volume_id:?} is in use (claims: {claims:?}) and the plugin's volume expansion is OFFLINE: unpublish it for every claim, then expand it"
+    )]
+    ExpandOffline {
+        volume_id: String,
+        claims: Vec<String>,
+    },
+    /// An expansion to resume while the volume is between two lifecycle steps.
+    #[error(
+        "volume {volume_id:?} is in transient state {state}: its expansion waits until the reconciler brings it to a steady state"
+    )]
+    ExpandBusy {
+        volume_id: String,
+        state: &'static str,
+    },
     /// The volume is in use with another capability or readonly.
     #[error(
         "volume {volume_id:?} is already in use with {in_use}; publish it with the same capability and readonly, or unpublish it first"

@@ -22,6 +22,8 @@ use csi_agent_api as api;
 use serde::de::DeserializeOwned;
 
 use crate::convert::{self, ApiFailure};
+
+mod expand;
 use crate::volume_list::{PluginPart, VolumePage};
 
 #[derive(Clone, Debug)]
@@ -144,6 +146,7 @@ fn handler(method: &str, path: &str) -> Option<MethodRouter<AppState>> {
         ("POST", r::VOLUMES) => post(create_volume),
         ("GET", r::VOLUME) => get(volume),
         ("DELETE", r::VOLUME) => delete(delete_volume),
+        ("POST", r::VOLUME_EXPAND) => post(expand::expand_volume),
         ("POST", r::VALIDATE) => post(validate),
         ("POST", r::CAPACITY) => post(capacity),
         ("POST", r::DRAIN) => post(drain),
@@ -915,14 +918,30 @@ async fn volume(
             format!("plugin {plugin_type} has no volume {volume_id:?} on this node"),
         )
     })?;
-    let target = plugin.volumes.target_path(&volume_id);
-    Ok(Json(convert::volume_info(
+    Ok(Json(volume_answer(
+        &state,
         &plugin_type,
+        &plugin.volumes,
         &record,
-        plugin.volumes.progress(&volume_id),
-        &target,
-        state.server.work_dir(),
     )))
+}
+
+/// One tracked volume as the API shows it: its record, the operation in progress on it, and
+/// its target path (absolute and relative to the work dir).
+fn volume_answer(
+    state: &AppState,
+    plugin_type: &str,
+    volumes: &csi_agent::volume::VolumeManager,
+    record: &csi_agent::volume::VolumeRecord,
+) -> api::VolumeInfo {
+    let volume_id = &record.volume_id;
+    convert::volume_info(
+        plugin_type,
+        record,
+        volumes.progress(volume_id),
+        &volumes.target_path(volume_id),
+        state.server.work_dir(),
+    )
 }
 
 async fn create_volume(

@@ -19,6 +19,7 @@ mod drain;
 mod drain_barrier;
 mod e2e;
 mod error_snapshots;
+mod expand;
 mod fuzz_props;
 mod hostile_ids;
 mod hostile_plugin;

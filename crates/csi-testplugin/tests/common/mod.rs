@@ -359,3 +359,15 @@ pub async fn create_and_stage(p: &Plugin, c: &mut V1, id: &str) -> anyhow::Resul
     c.node.node_stage_volume(stage_req(id, &staging)).await?;
     Ok(staging)
 }
+
+/// A ControllerExpandVolume of `id` to `required` bytes (at most `limit`, 0: no limit).
+pub fn expand_req(id: &str, required: i64, limit: i64) -> v1::ControllerExpandVolumeRequest {
+    v1::ControllerExpandVolumeRequest {
+        volume_id: id.to_owned(),
+        capacity_range: Some(v1::CapacityRange {
+            required_bytes: required,
+            limit_bytes: limit,
+        }),
+        ..Default::default()
+    }
+}
