@@ -3,7 +3,8 @@
 //! `node_expansion_required` (or where only the node advertises `EXPAND_VOLUME`).
 //!
 //! Owns: the expansion intent on the volume's record ([`Expansion`]: the capacity asked and
-//! the step that comes next), written durably before the first RPC so that a daemon killed
+//! the step that comes next), written durably before the first RPC (the one durable write of
+//! an expansion; each step's result is a progress note) so that a daemon killed
 //! at any point resumes the expansion on restart ([`VolumeManager::resume_expansion`],
 //! started by recovery); the order of the two steps; the refusals made before any RPC (a
 //! plugin that can expand neither side: `Unsupported`; an OFFLINE plugin and a published
@@ -288,7 +289,12 @@ impl VolumeManager {
                     record.expansion = None;
                 }
             }
-            self.persist(slot, record.clone()).await?;
+            // A progress note, not a durable write: the intent is durable, and a note lost in a
+            // crash only makes recovery repeat the steps, which the spec makes idempotent
+            // (ControllerExpandVolume: "If a volume corresponding to the specified volume ID
+            // is already larger than or equal to the target capacity of the expansion
+            // request, the plugin SHOULD reply 0 OK"). One durable write per expansion.
+            self.note(slot, record.clone())?;
         }
         if record.expansion.is_none() {
             tracing::info!(plugin = %self.inner.config.plugin_type, volume_id = ?volume_id, capacity_bytes = record.capacity_bytes, "volume expanded");
