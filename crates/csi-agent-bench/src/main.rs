@@ -17,6 +17,7 @@ mod cpu;
 mod cycle;
 mod daemon;
 mod env;
+mod expand;
 mod images;
 mod procs;
 mod raw;
@@ -84,6 +85,9 @@ enum Command {
     /// Plugin images: csi-agent's pull + unpack against skopeo + umoci from a loopback
     /// registry, and the warm start of a cached image (needs docker-registry, skopeo, umoci).
     Images(images::ImagesArgs),
+    /// Volume expansion: the raw ControllerExpandVolume + NodeExpandVolume against the
+    /// daemon's `POST …/expand`, and the cost of one durable write.
+    Expand(expand::ExpandArgs),
     /// Everything, with the default sizes; prints markdown for docs/benchmarks.md.
     All(report::AllArgs),
 }
@@ -145,6 +149,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let report = images::run(&env, &args).await?;
             print!("{}", images::table(&report));
             env.write_json("images", &report)?;
+        }
+        Command::Expand(args) => {
+            let report = expand::run(&env, &args).await?;
+            print!("{}", expand::table(&report));
+            env.write_json("expand", &report)?;
         }
         Command::All(args) => report::run_all(&env, &args).await?,
     }
