@@ -157,6 +157,16 @@ pub struct Args {
     #[arg(long)]
     pub empty_vendor_version: bool,
 
+    /// Advertise and serve NodeGetVolumeStats (node GET_VOLUME_STATS): bytes and
+    /// inodes from `statvfs` of the volume's backing directory.
+    #[arg(long)]
+    pub volume_stats: bool,
+
+    /// Advertise VOLUME_CONDITION: NodeGetVolumeStats also reports the volume's
+    /// condition, abnormal when the fault file's `abnormal` names the volume.
+    #[arg(long)]
+    pub volume_condition: bool,
+
     /// Advertise the plugin capability VolumeExpansion of this type: `online` (volumes
     /// grow while published) or `offline` (ControllerExpandVolume refuses a volume in use).
     #[arg(long, value_enum)]
@@ -224,6 +234,10 @@ pub struct Config {
     pub controller_expand: bool,
     /// `--node-expand`.
     pub node_expand: bool,
+    /// `--volume-stats`.
+    pub volume_stats: bool,
+    /// `--volume-condition`.
+    pub volume_condition: bool,
 }
 
 /// Sizes follow csi-agent's one convention ([`csi_agent_api::size`]): `1G` is 10^9 bytes,
@@ -357,6 +371,8 @@ impl Args {
                 Durability::Durable
             },
             block: self.block,
+            volume_stats: self.volume_stats,
+            volume_condition: self.volume_condition,
             hidden_controller_caps: self
                 .hide_controller_capabilities
                 .iter()

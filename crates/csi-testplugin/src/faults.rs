@@ -91,6 +91,9 @@ struct FaultFile {
     created_volume_id: Option<String>,
     #[serde(default)]
     list_duplicates: bool,
+    /// Volumes whose condition is abnormal, with the message to report.
+    #[serde(default)]
+    abnormal: BTreeMap<String, String>,
 }
 
 /// Hostile answers (fault file only): what a broken or malicious plugin says.
@@ -412,6 +415,12 @@ impl Faults {
             created_volume_id: f.created_volume_id.clone(),
             list_duplicates: f.list_duplicates,
         }
+    }
+
+    /// The injected abnormal condition of `volume_id` (the fault file's
+    /// `abnormal` map), for any RPC that reports a volume condition.
+    pub fn abnormal(&self, volume_id: &str) -> Option<String> {
+        self.lock().file.abnormal.get(volume_id).cloned()
     }
 
     /// Counts a Probe and tells whether it is among the first

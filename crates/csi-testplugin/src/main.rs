@@ -17,6 +17,7 @@ mod plugin;
 mod rpc;
 mod server;
 mod state;
+mod stats;
 mod v0;
 mod v1;
 

@@ -50,6 +50,8 @@ pub const CAP_PUBLISH_READONLY: i32 = 8;
 pub const CAP_LIST_VOLUMES_PUBLISHED_NODES: i32 = 10;
 /// Node capability `STAGE_UNSTAGE_VOLUME` (v1 and v0).
 pub const NODE_CAP_STAGE_UNSTAGE_VOLUME: i32 = 1;
+pub const NODE_CAP_GET_VOLUME_STATS: i32 = 2;
+pub const NODE_CAP_VOLUME_CONDITION: i32 = 4;
 /// Plugin capability `CONTROLLER_SERVICE` (v1 and v0).
 pub const PLUGIN_CAP_CONTROLLER_SERVICE: i32 = 1;
 
@@ -322,11 +324,11 @@ impl Plugin {
         &self.inflight
     }
 
-    fn volume_dir(&self, id: &str) -> PathBuf {
+    pub(crate) fn volume_dir(&self, id: &str) -> PathBuf {
         self.volumes_dir.join(id)
     }
 
-    fn record(&self, id: &str) -> Option<VolumeRecord> {
+    pub(crate) fn record(&self, id: &str) -> Option<VolumeRecord> {
         self.store.read(|s| s.volumes.get(id).cloned())
     }
 
@@ -444,6 +446,12 @@ impl Plugin {
         // v1 only: the v0 adapter drops it (CSI 0.x has no NodeExpandVolume).
         if self.cfg.node_expand {
             caps.push(expand::NODE_CAP_EXPAND_VOLUME);
+        }
+        if self.cfg.volume_stats {
+            caps.push(NODE_CAP_GET_VOLUME_STATS);
+        }
+        if self.cfg.volume_condition {
+            caps.push(NODE_CAP_VOLUME_CONDITION);
         }
         self.quirk_caps(caps)
     }

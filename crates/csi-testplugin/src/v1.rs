@@ -503,8 +503,32 @@ impl Node for V1 {
         &self,
         req: Request<pb::NodeGetVolumeStatsRequest>,
     ) -> Result<Response<pb::NodeGetVolumeStatsResponse>, Status> {
-        self.unimplemented("NodeGetVolumeStats", &req.get_ref().volume_id)
-            .await
+        if !self.p.config().volume_stats {
+            return self
+                .unimplemented("NodeGetVolumeStats", &req.get_ref().volume_id)
+                .await;
+        }
+        let r = req.into_inner();
+        let ctx = self.ctx("NodeGetVolumeStats").volume(&r.volume_id);
+        rpc::run(&self.p, ctx, move |p| async move {
+            use pb::volume_usage::Unit;
+            let s =
+                p.node_get_volume_stats(&r.volume_id, &r.volume_path, &r.staging_target_path)?;
+            let usage = |u: crate::stats::Usage, unit: Unit| pb::VolumeUsage {
+                available: u.available,
+                total: u.total,
+                used: u.used,
+                unit: unit as i32,
+            };
+            Ok(pb::NodeGetVolumeStatsResponse {
+                usage: vec![usage(s.bytes, Unit::Bytes), usage(s.inodes, Unit::Inodes)],
+                volume_condition: s
+                    .condition
+                    .map(|(abnormal, message)| pb::VolumeCondition { abnormal, message }),
+            })
+        })
+        .await
+        .map(Response::new)
     }
 
     async fn node_expand_volume(
