@@ -24,6 +24,7 @@ pub mod runtime;
 pub mod secrets;
 pub mod server;
 pub mod service_manager;
+pub mod stats;
 pub mod store;
 pub mod sys;
 pub mod volume;

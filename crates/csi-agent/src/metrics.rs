@@ -117,6 +117,46 @@ pub struct Metrics {
     pub checkpoint_fsync_seconds: Histogram,
     pub recovery_seconds: Gauge<f64, AtomicU64>,
     pub config_errors: Family<ConfigFileLabels, Gauge>,
+    /// Per published volume, from the stats collector (`crate::volume::stats`).
+    pub volume_stats: VolumeStatsGauges,
+}
+
+/// Labels of one published volume's stats: `plugin`, `volume_id`, and `workload` when exactly
+/// one claim holds the volume (a list, because the label is there or not).
+pub type VolumeLabels = Vec<(String, String)>;
+
+/// The kubelet's volume-stats gauges (`kubelet_volume_stats_*`), per published volume.
+#[derive(Debug, Default)]
+pub struct VolumeStatsGauges {
+    pub capacity_bytes: Family<VolumeLabels, Gauge>,
+    pub available_bytes: Family<VolumeLabels, Gauge>,
+    pub used_bytes: Family<VolumeLabels, Gauge>,
+    pub inodes: Family<VolumeLabels, Gauge>,
+    pub inodes_free: Family<VolumeLabels, Gauge>,
+    pub inodes_used: Family<VolumeLabels, Gauge>,
+    pub health_abnormal: Family<VolumeLabels, Gauge>,
+}
+
+impl VolumeStatsGauges {
+    /// Every family with its name (after the `csi_agent` prefix).
+    pub fn named(&self) -> [(&'static str, &Family<VolumeLabels, Gauge>); 7] {
+        [
+            ("volume_stats_capacity_bytes", &self.capacity_bytes),
+            ("volume_stats_available_bytes", &self.available_bytes),
+            ("volume_stats_used_bytes", &self.used_bytes),
+            ("volume_stats_inodes", &self.inodes),
+            ("volume_stats_inodes_free", &self.inodes_free),
+            ("volume_stats_inodes_used", &self.inodes_used),
+            ("volume_health_abnormal", &self.health_abnormal),
+        ]
+    }
+
+    /// Removes every series of one volume.
+    pub fn remove(&self, labels: &VolumeLabels) {
+        for (_, family) in self.named() {
+            family.remove(labels);
+        }
+    }
 }
 
 impl Default for Metrics {
@@ -216,7 +256,35 @@ impl Metrics {
             "1 for each plugin configuration file that failed to load",
             config_errors.clone(),
         );
+        let volume_stats = VolumeStatsGauges::default();
+        for (name, family) in volume_stats.named() {
+            let help = match name {
+                "volume_stats_capacity_bytes" => {
+                    "Capacity of a published volume's file system, in bytes (NodeGetVolumeStats)"
+                }
+                "volume_stats_available_bytes" => {
+                    "Bytes available on a published volume (NodeGetVolumeStats)"
+                }
+                "volume_stats_used_bytes" => {
+                    "Bytes used on a published volume (NodeGetVolumeStats)"
+                }
+                "volume_stats_inodes" => {
+                    "Inodes of a published volume's file system (NodeGetVolumeStats)"
+                }
+                "volume_stats_inodes_free" => {
+                    "Free inodes of a published volume (NodeGetVolumeStats)"
+                }
+                "volume_stats_inodes_used" => {
+                    "Used inodes of a published volume (NodeGetVolumeStats)"
+                }
+                _ => {
+                    "1 when the plugin reports a published volume's condition as abnormal, 0 when normal"
+                }
+            };
+            registry.register(name, help, family.clone());
+        }
         Self {
+            volume_stats,
             registry: registry.registry,
             families: registry.families,
             rpc_duration,

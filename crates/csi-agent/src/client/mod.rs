@@ -11,6 +11,7 @@
 
 mod error;
 pub mod expand;
+pub mod stats;
 pub mod v0;
 
 use std::collections::BTreeSet;

@@ -20,6 +20,7 @@ pub mod progress;
 pub mod record;
 pub mod recovery;
 pub mod refusal;
+pub mod stats;
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
@@ -360,6 +361,8 @@ struct Inner {
     node_id: OnceCell<String>,
     /// What each operation in progress is doing, for status reads (never waits).
     progress: progress::Tracker,
+    /// The latest volume stats of published volumes ([`stats`]).
+    stats: stats::StatsState,
 }
 
 /// The longest volume id accepted, in bytes (the CSI spec's size limit for ids).
@@ -424,6 +427,7 @@ impl VolumeManager {
                 steps: Arc::default(),
                 node_id: OnceCell::new(),
                 progress: progress::Tracker::default(),
+                stats: stats::StatsState::default(),
             }),
         }
     }
@@ -527,6 +531,12 @@ impl VolumeManager {
                     }
                 }
             }
+        }
+        let unpublished = record
+            .as_ref()
+            .is_none_or(|r| r.state != VolumeState::Published);
+        if let (true, Some(old)) = (unpublished, &slot.record) {
+            self.forget_stats(&old.volume_id);
         }
         slot.record = record;
     }
