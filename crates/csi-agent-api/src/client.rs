@@ -348,6 +348,16 @@ impl ApiClient {
         self.get_json(&routes::volume(plugin, volume_id)).await
     }
 
+    /// `GET /v1/volumes/{plugin}/{volume_id}/stats` (NodeGetVolumeStats)
+    pub async fn volume_stats(
+        &self,
+        plugin: &str,
+        volume_id: &str,
+    ) -> Result<crate::types::VolumeStats, ApiError> {
+        self.get_json(&routes::volume_stats(plugin, volume_id))
+            .await
+    }
+
     /// `POST /v1/volumes` (CreateVolume)
     pub async fn create_volume(
         &self,

@@ -19,6 +19,8 @@ pub const UNPUBLISH: &str = "/v1/volumes/unpublish";
 pub const VOLUMES: &str = "/v1/volumes";
 /// `GET` one volume; `DELETE` deletes it (DeleteVolume).
 pub const VOLUME: &str = "/v1/volumes/{plugin}/{volume_id}";
+/// `GET`: a published volume's stats and condition (NodeGetVolumeStats).
+pub const VOLUME_STATS: &str = "/v1/volumes/{plugin}/{volume_id}/stats";
 pub const VALIDATE: &str = "/v1/volumes/validate";
 /// `POST`: ControllerExpandVolume (and NodeExpandVolume) of one volume.
 pub const VOLUME_EXPAND: &str = "/v1/volumes/{plugin}/{volume_id}/expand";
@@ -55,6 +57,7 @@ pub const ALL_ROUTES: &[(&str, &str)] = &[
     ("GET", VOLUME),
     ("DELETE", VOLUME),
     ("POST", VOLUME_EXPAND),
+    ("GET", VOLUME_STATS),
     ("POST", VALIDATE),
     ("POST", CAPACITY),
     ("POST", DRAIN),
@@ -87,6 +90,11 @@ pub fn volume(plugin_type: &str, volume_id: &str) -> String {
 /// `/v1/volumes/{plugin}/{volume_id}/expand` for one volume.
 pub fn volume_expand(plugin_type: &str, volume_id: &str) -> String {
     format!("{}/expand", volume(plugin_type, volume_id))
+}
+
+/// `/v1/volumes/{plugin}/{volume_id}/stats` for one volume.
+pub fn volume_stats(plugin_type: &str, volume_id: &str) -> String {
+    format!("{}/stats", volume(plugin_type, volume_id))
 }
 
 /// Percent-encodes every byte outside `[A-Za-z0-9_.~-]` (RFC 3986's unreserved set).

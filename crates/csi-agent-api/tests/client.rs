@@ -38,6 +38,7 @@ fn volume(plugin: String, volume_id: String, raw_path: String) -> VolumeInfo {
         operation: None,
         capacity_bytes: None,
         expansion: None,
+        condition: None,
     }
 }
 

@@ -80,6 +80,10 @@ fn volume_info(full: bool) -> VolumeInfo {
             capacity_bytes: 2 << 30,
             next_step: "node".to_owned(),
         }),
+        condition: full.then(|| csi_agent_api::VolumeCondition {
+            abnormal: true,
+            message: "disk on fire".to_owned(),
+        }),
     }
 }
 
@@ -326,6 +330,43 @@ fn cases() -> Result<Vec<Case>> {
         )?,
         response("UnpublishResponse", unpublished.clone(), unpublished)?,
         response("VolumeInfo", volume_info(true), volume_info(false))?,
+        response(
+            "UsageFigures",
+            csi_agent_api::UsageFigures {
+                total: Some(3),
+                used: Some(1),
+                available: Some(2),
+            },
+            csi_agent_api::UsageFigures::default(),
+        )?,
+        response(
+            "VolumeCondition",
+            csi_agent_api::VolumeCondition {
+                abnormal: true,
+                message: "m".to_owned(),
+            },
+            csi_agent_api::VolumeCondition::default(),
+        )?,
+        response(
+            "VolumeStats",
+            csi_agent_api::VolumeStats {
+                bytes: Some(csi_agent_api::UsageFigures {
+                    total: Some(16 << 20),
+                    used: Some(4096),
+                    available: Some((16 << 20) - 4096),
+                }),
+                inodes: Some(csi_agent_api::UsageFigures::default()),
+                condition: Some(csi_agent_api::VolumeCondition {
+                    abnormal: false,
+                    message: String::new(),
+                }),
+                collected_at: "2026-12-06T08:31:47.997Z".to_owned(),
+            },
+            csi_agent_api::VolumeStats {
+                collected_at: "2026-12-06T08:31:47.997Z".to_owned(),
+                ..Default::default()
+            },
+        )?,
         response(
             "VolumeList",
             volumes.clone(),
@@ -600,6 +641,7 @@ const BODIES: &[(&str, &str, Option<&str>, Option<&str>)] = &[
     ),
     ("GET", routes::VOLUME, None, Some("VolumeInfo")),
     ("DELETE", routes::VOLUME, None, Some("DeleteVolumeResponse")),
+    ("GET", routes::VOLUME_STATS, None, Some("VolumeStats")),
     (
         "POST",
         routes::VOLUME_EXPAND,

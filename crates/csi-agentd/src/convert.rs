@@ -277,6 +277,7 @@ pub fn volume_info(
             capacity_bytes: e.capacity_bytes,
             next_step: e.next.as_str().to_owned(),
         }),
+        condition: None,
     }
 }
 

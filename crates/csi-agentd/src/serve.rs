@@ -8,6 +8,7 @@ use std::num::{NonZeroU64, NonZeroUsize};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{Context, bail};
 use csi_agent::image::budget::ImageLimits;
@@ -17,6 +18,7 @@ use csi_agent::metrics::Metrics;
 use csi_agent::server::{CsiServer, ServerOptions};
 use csi_agent::store::StoreOptions;
 use csi_agent::volume::ClaimLimits;
+use csi_agent::volume::stats::StatsOptions;
 use serde::Deserialize;
 use tokio::signal::unix::{SignalKind, signal};
 
@@ -176,6 +178,17 @@ pub struct ServeArgs {
     /// of their own whatever this is.
     #[arg(long)]
     worker_threads: Option<NonZeroUsize>,
+    /// Time between rounds of NodeGetVolumeStats over a plugin's published volumes, before
+    /// the kubelet's jitter (each wait is 1 to 2 times this): `60s` (default), `500ms`, `2m`,
+    /// or seconds; `0` turns the collector off (the stats route still collects on demand).
+    #[arg(long, value_name = "DURATION")]
+    volume_stats_interval: Option<String>,
+    /// NodeGetVolumeStats calls in flight at once, per plugin (default 4).
+    #[arg(long)]
+    volume_stats_concurrency: Option<NonZeroUsize>,
+    /// Deadline of one NodeGetVolumeStats call (default `10s`; same forms as the interval).
+    #[arg(long, value_name = "DURATION")]
+    volume_stats_timeout: Option<String>,
 }
 
 /// The TOML file: the same settings as the flags.
@@ -217,6 +230,9 @@ struct FileSettings {
     fetch_timeout_secs: Option<NonZeroU64>,
     commit_delay_us: Option<u64>,
     worker_threads: Option<NonZeroUsize>,
+    volume_stats_interval: Option<String>,
+    volume_stats_concurrency: Option<NonZeroUsize>,
+    volume_stats_timeout: Option<String>,
 }
 
 /// The effective settings.
@@ -250,6 +266,8 @@ pub struct Settings {
     pub fetch: csi_agent::fetch::FetchOptions,
     /// The async runtime's worker threads (`--worker-threads`).
     pub worker_threads: NonZeroUsize,
+    /// `--volume-stats-interval`, `--volume-stats-concurrency`, `--volume-stats-timeout`.
+    pub volume_stats: StatsOptions,
 }
 
 /// `--commit-delay-us`'s bound: a longer delay would only add latency (a commit takes about a
@@ -334,7 +352,18 @@ pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
         args.max_claims_per_volume.or(file.max_claims_per_volume),
         args.max_bind_to_bytes.or(file.max_bind_to_bytes),
     )?;
+    let volume_stats = stats_options(
+        args.volume_stats_interval
+            .as_deref()
+            .or(file.volume_stats_interval.as_deref()),
+        args.volume_stats_concurrency
+            .or(file.volume_stats_concurrency),
+        args.volume_stats_timeout
+            .as_deref()
+            .or(file.volume_stats_timeout.as_deref()),
+    )?;
     Ok(Settings {
+        volume_stats,
         fetch,
         claim_limits,
         store,
@@ -461,6 +490,48 @@ fn store_options(commit_delay_us: Option<u64>) -> anyhow::Result<StoreOptions> {
 }
 
 /// `--worker-threads`, 1 unless given, refused over [`MAX_WORKER_THREADS`].
+/// A duration flag: `250ms`, `10s`, `2m`, or a number of seconds.
+fn duration(flag: &str, value: &str) -> anyhow::Result<Duration> {
+    let value = value.trim();
+    let (number, unit) = match value.find(|c: char| !c.is_ascii_digit()) {
+        Some(at) => value.split_at(at),
+        None => (value, "s"),
+    };
+    let n: u64 = number.parse().map_err(|_| {
+        anyhow::anyhow!("{flag} {value:?} is not a duration: give e.g. 500ms, 10s or 2m")
+    })?;
+    match unit {
+        "ms" => Ok(Duration::from_millis(n)),
+        "s" => Ok(Duration::from_secs(n)),
+        "m" => Ok(Duration::from_secs(n.saturating_mul(60))),
+        _ => anyhow::bail!("{flag} {value:?}: unknown unit {unit:?}; use ms, s or m"),
+    }
+}
+
+/// The volume stats collector's settings; a zero timeout is refused (every call would fail).
+fn stats_options(
+    interval: Option<&str>,
+    concurrency: Option<NonZeroUsize>,
+    timeout: Option<&str>,
+) -> anyhow::Result<StatsOptions> {
+    let defaults = StatsOptions::default();
+    let timeout = match timeout {
+        Some(t) => duration("--volume-stats-timeout", t)?,
+        None => defaults.timeout,
+    };
+    if timeout.is_zero() {
+        anyhow::bail!("--volume-stats-timeout must be more than 0 (e.g. 10s)");
+    }
+    Ok(StatsOptions {
+        interval: match interval {
+            Some(i) => duration("--volume-stats-interval", i)?,
+            None => defaults.interval,
+        },
+        concurrency: concurrency.map_or(defaults.concurrency, NonZeroUsize::get),
+        timeout,
+    })
+}
+
 fn worker_threads(worker_threads: Option<NonZeroUsize>) -> anyhow::Result<NonZeroUsize> {
     let worker_threads = worker_threads.unwrap_or(NonZeroUsize::MIN);
     if worker_threads.get() > MAX_WORKER_THREADS {
@@ -648,7 +719,9 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
                 .map_or(DEFAULT_IMAGE_IMPORT_MAX_BYTES, |u| u.max_bytes),
             idle_timeout: limits.body_timeout,
         },
+        stats: settings.volume_stats,
     };
+    csi_agent::stats::spawn_collector(server.clone(), settings.volume_stats);
 
     let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
     let mut servers = tokio::task::JoinSet::new();

@@ -104,12 +104,16 @@ impl Chunks {
                     }
                     self.wrote_volume = true;
                     let target = part.plugin.volumes.target_path(&record.volume_id);
-                    let info = convert::volume_info(
+                    let mut info = convert::volume_info(
                         &part.plugin_type,
                         record,
                         part.plugin.volumes.progress(&record.volume_id),
                         &target,
                         &self.page.work_dir,
+                    );
+                    info.condition = crate::api::stats::volume_condition(
+                        &part.plugin.volumes,
+                        &record.volume_id,
                     );
                     if let Err(err) = serde_json::to_writer(&mut out, &info) {
                         return Some(Err(err));

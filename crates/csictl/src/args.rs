@@ -126,6 +126,9 @@ pub enum Command {
     /// plugin needs it): `csictl expand PLUGIN VOLUME_ID 1Gi`. Prints the volume with its
     /// new capacity.
     Expand(crate::expand::ExpandArgs),
+    /// Show a published volume's usage (bytes, inodes) and condition, as its plugin reports
+    /// them (NodeGetVolumeStats; the latest background sample, or one taken now).
+    Stats(VolumeRef),
 }
 
 /// A volume named the same way by every command: `--plugin TYPE --volume VOLUME_ID`, or the

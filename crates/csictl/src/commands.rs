@@ -45,6 +45,7 @@ pub async fn run(cli: Cli) -> Result<String, Failure> {
             }
         }
         Command::Images => crate::image::images(&client, format).await,
+        Command::Stats(volume) => crate::stats::stats(&client, format, &volume).await,
         Command::Image(command) => crate::image::run(&client, format, command).await,
         Command::Expand(args) => crate::expand::run(&client, format, &args).await,
         Command::Publish(args) => {

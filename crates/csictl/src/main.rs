@@ -10,6 +10,7 @@ mod expand;
 mod failure;
 mod image;
 mod output;
+mod stats;
 
 use std::io::Write;
 use std::process::ExitCode;

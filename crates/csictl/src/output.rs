@@ -362,16 +362,30 @@ pub fn volumes(list: &VolumeList) -> String {
         return "no volumes tracked\n".to_owned();
     }
     let mut table = Table::new(&["PLUGIN", "VOLUME", "STATE", "CLAIMS", "TARGET"]);
+    let mut abnormal = Vec::new();
     for v in &list.volumes {
+        let mut state = v.state.clone();
+        if let Some(c) = v.condition.as_ref().filter(|c| c.abnormal) {
+            state.push_str(" (abnormal)");
+            abnormal.push(format!(
+                "volume {} of {} is {}",
+                cell(&v.volume_id),
+                cell(&v.plugin),
+                crate::stats::condition(c)
+            ));
+        }
         table.row(vec![
             v.plugin.clone(),
             v.volume_id.clone(),
-            v.state.clone(),
+            state,
             joined(&v.claims),
             v.target_path.clone(),
         ]);
     }
     let mut out = table.render();
+    for line in abnormal {
+        let _ = writeln!(out, "{line}");
+    }
     if let Some(token) = &list.next_page_token {
         let _ = writeln!(out, "more volumes follow: add --page-token {token}");
     }
@@ -439,6 +453,9 @@ pub fn volume(v: &VolumeInfo) -> String {
     }
     if let Some(op) = &v.operation {
         pairs.push(("in progress", operation(op)));
+    }
+    if let Some(c) = &v.condition {
+        pairs.push(("condition", crate::stats::condition(c)));
     }
     fields(&pairs)
 }
@@ -554,6 +571,7 @@ mod tests {
             operation: None,
             capacity_bytes: None,
             expansion: None,
+            condition: None,
         }
     }
 

@@ -45,6 +45,7 @@ fn volume(id: &str, state: &str, claims: &[&str]) -> VolumeInfo {
         operation: None,
         capacity_bytes: None,
         expansion: None,
+        condition: None,
     }
 }
 

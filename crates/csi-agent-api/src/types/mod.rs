@@ -8,6 +8,8 @@ use serde::{Deserialize, Serialize};
 
 mod expand;
 pub use expand::*;
+mod stats;
+pub use stats::{UsageFigures, VolumeCondition, VolumeStats};
 
 /// The one error shape of every failed request.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -296,6 +298,10 @@ pub struct VolumeInfo {
     /// An expansion in progress; absent when none is.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expansion: Option<ExpansionInfo>,
+    /// The volume's condition from the latest stats of a published volume whose plugin
+    /// advertises VOLUME_CONDITION; absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub condition: Option<VolumeCondition>,
 }
 
 /// What a volume's operation in progress is doing.

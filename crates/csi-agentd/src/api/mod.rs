@@ -26,10 +26,14 @@ use crate::convert::{self, ApiFailure};
 mod expand;
 use crate::volume_list::{PluginPart, VolumePage};
 
+pub(crate) mod stats;
+
 #[derive(Clone, Debug)]
 pub struct AppState {
     pub server: CsiServer,
     pub import: ImportSettings,
+    /// How volume stats are collected (the on-demand collection's deadline).
+    pub stats: csi_agent::volume::stats::StatsOptions,
 }
 
 /// The bounds of `POST /v1/images/import`, whose body is streamed (see `listener::Upload`).
@@ -935,13 +939,15 @@ fn volume_answer(
     record: &csi_agent::volume::VolumeRecord,
 ) -> api::VolumeInfo {
     let volume_id = &record.volume_id;
-    convert::volume_info(
+    let mut info = convert::volume_info(
         plugin_type,
         record,
         volumes.progress(volume_id),
         &volumes.target_path(volume_id),
         state.server.work_dir(),
-    )
+    );
+    info.condition = stats::volume_condition(volumes, volume_id);
+    info
 }
 
 async fn create_volume(

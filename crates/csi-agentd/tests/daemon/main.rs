@@ -34,3 +34,4 @@ mod reads;
 mod reload;
 mod reload_race;
 mod startup;
+mod stats;
