@@ -10,6 +10,7 @@ pub mod client;
 mod error;
 pub mod routes;
 pub mod size;
+pub mod time;
 pub mod types;
 
 pub use client::ApiClient;
