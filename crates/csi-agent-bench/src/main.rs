@@ -4,7 +4,8 @@
 //! Subcommands: `cycle` (one publish+unpublish, sequential: raw vs engine vs daemon, durable
 //! writes and their fsync cost), `throughput` (1,000 volumes by 64 concurrent clients),
 //! `restart` (10,000 volume records: time to serve and to list them all, resident memory),
-//! `supervision` (socket → ready, kill -9 → ready again), `images` (pulling and preparing a
+//! `supervision` (socket → ready, kill -9 → ready again), `stats` (the volume stats
+//! collector's CPU at 1,000 published volumes; not part of `all`), `images` (pulling and preparing a
 //! plugin image against skopeo + umoci; not part of `all`: it needs a registry and those
 //! tools) and `all` (everything else, plus a markdown report for `docs/benchmarks.md`).
 //!
@@ -26,6 +27,7 @@ mod restart;
 mod stats;
 mod supervision;
 mod throughput;
+mod volume_stats;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -88,6 +90,9 @@ enum Command {
     /// Volume expansion: the raw ControllerExpandVolume + NodeExpandVolume against the
     /// daemon's `POST …/expand`, and the cost of one durable write.
     Expand(expand::ExpandArgs),
+    /// The volume stats collector's CPU at 1,000 published volumes, as % of one core at a
+    /// 60 s interval. Not part of `all`.
+    Stats(volume_stats::StatsArgs),
     /// Everything, with the default sizes; prints markdown for docs/benchmarks.md.
     All(report::AllArgs),
 }
@@ -154,6 +159,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let report = expand::run(&env, &args).await?;
             print!("{}", expand::table(&report));
             env.write_json("expand", &report)?;
+        }
+        Command::Stats(args) => {
+            let report = volume_stats::run(&env, &args).await?;
+            print!("{}", volume_stats::table(&report));
+            env.write_json("stats", &report)?;
         }
         Command::All(args) => report::run_all(&env, &args).await?,
     }

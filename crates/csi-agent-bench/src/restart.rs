@@ -100,12 +100,40 @@ pub struct RestartReport {
 
 const VOLUME_PREFIX: &str = "v";
 
+/// The test plugin without mounts, controller publish or durable state, with `volumes`
+/// pre-provisioned volumes of 1 MiB ([`volume_name`]) and `extra` flags.
+pub(crate) fn series_plugin(
+    plugin_type: &str,
+    work_dir: std::path::PathBuf,
+    volumes: usize,
+    extra: &[&str],
+) -> PluginSpec {
+    let mut spec = PluginSpec::new(
+        plugin_type,
+        work_dir,
+        &[
+            "--mount-mode",
+            "none",
+            "--no-controller-publish",
+            "--volatile-state",
+        ],
+    );
+    spec.flags.extend(extra.iter().map(|f| (*f).to_owned()));
+    // One series flag, not the names: the daemon keeps the plugin's config, and 100,000
+    // names in it would weigh on its idle memory.
+    spec.flags.extend([
+        "--volume-series".to_owned(),
+        format!("{VOLUME_PREFIX}:{volumes}:1M"),
+    ]);
+    spec
+}
+
 /// The name of the i-th volume of the plugin's `--volume-series`.
 pub fn volume_name(i: usize) -> String {
     format!("{VOLUME_PREFIX}{i:05}")
 }
 
-const WORKLOAD: &str = "bench-workload";
+pub(crate) const WORKLOAD: &str = "bench-workload";
 
 pub async fn run(env: &Env, args: &RestartArgs) -> anyhow::Result<RestartReport> {
     if args.volumes == 0 || args.concurrency == 0 {
@@ -116,22 +144,7 @@ pub async fn run(env: &Env, args: &RestartArgs) -> anyhow::Result<RestartReport>
     let machine = Machine::describe(scratch.path());
     let plugin_type = format!("{PLUGIN_TYPE}-restart");
     let dirs = DaemonDirs::new(&scratch, "daemon")?;
-    let mut spec = PluginSpec::new(
-        &plugin_type,
-        scratch.join("plugin"),
-        &[
-            "--mount-mode",
-            "none",
-            "--no-controller-publish",
-            "--volatile-state",
-        ],
-    );
-    // One series flag, not the names: the daemon keeps the plugin's config, and 100,000
-    // names in it would weigh on its idle memory.
-    spec.flags.extend([
-        "--volume-series".to_owned(),
-        format!("{VOLUME_PREFIX}:{}:1M", args.volumes),
-    ]);
+    let spec = series_plugin(&plugin_type, scratch.join("plugin"), args.volumes, &[]);
     dirs.add_plugin(env, &spec)?;
 
     let (daemon, _) = Daemon::start(env, &dirs).await?;
@@ -250,7 +263,7 @@ async fn states_of(daemon: &Daemon, plugin_type: &str) -> anyhow::Result<HashMap
     Ok(states)
 }
 
-async fn publish_all(
+pub(crate) async fn publish_all(
     daemon: &Arc<Daemon>,
     plugin_type: &str,
     n: usize,

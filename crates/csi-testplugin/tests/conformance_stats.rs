@@ -15,6 +15,12 @@ use v1::node_service_capability::rpc::Type as NodeCap;
 use v1::volume_usage::Unit;
 
 const STATS: &[&str] = &["--mount-mode", "none", "--volume-stats"];
+const HEALTH: &[&str] = &[
+    "--mount-mode",
+    "none",
+    "--volume-stats",
+    "--volume-condition",
+];
 
 fn stats_req(id: &str, path: &std::path::Path) -> v1::NodeGetVolumeStatsRequest {
     v1::NodeGetVolumeStatsRequest {
@@ -52,6 +58,18 @@ async fn published(
     Ok((staging, target))
 }
 
+async fn condition_of(
+    c: &mut V1,
+    id: &str,
+    path: &std::path::Path,
+) -> anyhow::Result<Option<v1::VolumeCondition>> {
+    Ok(c.node
+        .node_get_volume_stats(stats_req(id, path))
+        .await?
+        .into_inner()
+        .volume_condition)
+}
+
 fn usage(r: &v1::NodeGetVolumeStatsResponse, unit: Unit) -> Option<v1::VolumeUsage> {
     r.usage.iter().find(|u| u.unit == unit as i32).cloned()
 }
@@ -76,13 +94,7 @@ async fn capabilities_are_off_by_default_and_switchable() -> anyhow::Result<()> 
         Code::Unimplemented,
     )?;
 
-    let p = Plugin::start(&[
-        "--mount-mode",
-        "none",
-        "--volume-stats",
-        "--volume-condition",
-    ])
-    .await?;
+    let p = Plugin::start(HEALTH).await?;
     let mut c = p.v1().await?;
     let caps = node_caps(&mut c).await?;
     assert!(caps.contains(&(NodeCap::GetVolumeStats as i32)), "{caps:?}");
@@ -188,59 +200,26 @@ async fn unknown_volume_or_path_is_not_found() -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn injected_abnormal_condition_is_reported_and_cleared() -> anyhow::Result<()> {
-    let p = Plugin::start(&[
-        "--mount-mode",
-        "none",
-        "--volume-stats",
-        "--volume-condition",
-    ])
-    .await?;
+    let p = Plugin::start(HEALTH).await?;
     let mut c = p.v1().await?;
     let (_, target) = published(&p, &mut c, "v").await?;
     let (_, other) = published(&p, &mut c, "w").await?;
-    let cond = |r: v1::NodeGetVolumeStatsResponse| r.volume_condition;
-    let healthy = cond(
-        c.node
-            .node_get_volume_stats(stats_req("v", &target))
-            .await?
-            .into_inner(),
-    );
-    assert_eq!(
-        healthy,
-        Some(v1::VolumeCondition {
-            abnormal: false,
-            message: String::new()
-        })
-    );
+    let normal = Some(v1::VolumeCondition {
+        abnormal: false,
+        message: String::new(),
+    });
+    assert_eq!(condition_of(&mut c, "v", &target).await?, normal);
     p.write_faults(r#"{"abnormal": {"v": "disk on fire"}}"#)?;
-    let sick = cond(
-        c.node
-            .node_get_volume_stats(stats_req("v", &target))
-            .await?
-            .into_inner(),
-    );
     assert_eq!(
-        sick,
+        condition_of(&mut c, "v", &target).await?,
         Some(v1::VolumeCondition {
             abnormal: true,
             message: "disk on fire".into()
         })
     );
     // Only the named volume is abnormal.
-    let fine = cond(
-        c.node
-            .node_get_volume_stats(stats_req("w", &other))
-            .await?
-            .into_inner(),
-    );
-    assert_eq!(fine.map(|c| c.abnormal), Some(false));
+    assert_eq!(condition_of(&mut c, "w", &other).await?, normal);
     p.write_faults(r#"{"abnormal": {}}"#)?;
-    let back = cond(
-        c.node
-            .node_get_volume_stats(stats_req("v", &target))
-            .await?
-            .into_inner(),
-    );
-    assert_eq!(back.map(|c| c.abnormal), Some(false));
+    assert_eq!(condition_of(&mut c, "v", &target).await?, normal);
     Ok(())
 }
