@@ -124,7 +124,8 @@ impl VolumeManager {
     }
 
     /// The stats of a published volume for the API: the latest sample, or, before the first
-    /// round reached it, one collected now (bounded by `options.timeout`). Refused before
+    /// round reached it (or always, when the collector is off), one collected now (bounded by
+    /// `options.timeout`). Refused before
     /// any NodeGetVolumeStats when the plugin does not advertise GET_VOLUME_STATS.
     pub async fn volume_stats(
         &self,
@@ -148,7 +149,10 @@ impl VolumeManager {
         if record.state != VolumeState::Published {
             return Err(not_published(record.state));
         }
-        if let Some(sample) = self.stats_sample(volume_id) {
+        // With the collector off (interval 0) nothing refreshes a sample: every request asks.
+        if !options.interval.is_zero()
+            && let Some(sample) = self.stats_sample(volume_id)
+        {
             return Ok(sample);
         }
         let caps = self.caps(Instant::now() + options.timeout).await?;

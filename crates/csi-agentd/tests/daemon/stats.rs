@@ -394,6 +394,44 @@ async fn a_plugin_hanging_in_node_get_volume_stats_delays_nobody_else() {
     );
 }
 
+/// With the collector off (`--volume-stats-interval 0`) no round runs, and each request asks
+/// the plugin: the figures are never a stale first sample.
+#[tokio::test]
+async fn with_the_collector_off_each_request_collects() {
+    let dir = tempfile::tempdir().unwrap();
+    require_private_mount_namespace();
+    let plugin_dir = dir.path().join("plugin");
+    let daemon = Daemon::builder(dir.path())
+        .flags(&["--volume-stats-interval", "0"])
+        .plugin_config(
+            "test.json",
+            stats_config(PLUGIN, &plugin_dir, "vol1:16Mi", &["--volume-stats"]),
+        )
+        .start();
+    let api = daemon.api();
+    let published = api.publish(&publish_request("vol1", "w1")).await.unwrap();
+    let used0 = used_bytes(&api, PLUGIN, "vol1").await.unwrap();
+    std::fs::write(
+        Path::new(&published.target_path).join("data"),
+        vec![3u8; MIB as usize],
+    )
+    .unwrap();
+    let used1 = used_bytes(&api, PLUGIN, "vol1").await.unwrap();
+    assert!(used1 >= used0 + MIB, "{used0} -> {used1}");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let calls = std::fs::read_to_string(plugin_dir.join("calls.jsonl")).unwrap();
+    assert_eq!(
+        calls.matches("\"NodeGetVolumeStats\"").count(),
+        2,
+        "one call per request, none from a collector: {calls}"
+    );
+    assert!(
+        daemon
+            .log_text()
+            .contains("volume stats collector disabled")
+    );
+}
+
 /// A plugin without GET_VOLUME_STATS: 501 `unsupported` naming the capability, and neither
 /// the route nor the collector ever sends it NodeGetVolumeStats.
 #[tokio::test]
