@@ -151,6 +151,7 @@ fn handler(method: &str, path: &str) -> Option<MethodRouter<AppState>> {
         ("GET", r::VOLUME) => get(volume),
         ("DELETE", r::VOLUME) => delete(delete_volume),
         ("POST", r::VOLUME_EXPAND) => post(expand::expand_volume),
+        ("GET", r::VOLUME_STATS) => get(stats::volume_stats),
         ("POST", r::VALIDATE) => post(validate),
         ("POST", r::CAPACITY) => post(capacity),
         ("POST", r::DRAIN) => post(drain),
