@@ -39,6 +39,8 @@ fn volume(plugin: String, volume_id: String, raw_path: String) -> VolumeInfo {
         capacity_bytes: None,
         expansion: None,
         condition: None,
+        accessible_topology: vec![],
+        controller: None,
     }
 }
 

@@ -84,6 +84,15 @@ fn volume_info(full: bool) -> VolumeInfo {
             abnormal: true,
             message: "disk on fire".to_owned(),
         }),
+        accessible_topology: if full {
+            vec![map(&[("zone", "a")])]
+        } else {
+            vec![]
+        },
+        controller: full.then(|| ControllerVolumeStatus {
+            published_node_ids: vec!["node-1".to_owned()],
+            error: Some("ControllerGetVolume did not answer within 2s".to_owned()),
+        }),
     }
 }
 
@@ -121,6 +130,11 @@ fn plugin_info(full: bool) -> PluginInfo {
         components: vec![component(full)],
         volumes: 1,
         image_pulls: if full { vec![pull_progress()] } else { vec![] },
+        node: full.then(|| PluginNodeInfo {
+            node_id: "node-1".to_owned(),
+            accessible_topology: Some(map(&[("zone", "a")])),
+            max_volumes_per_node: Some(2),
+        }),
     }
 }
 
@@ -264,6 +278,7 @@ fn cases() -> Result<Vec<Case>> {
         volume_id: "v1".to_owned(),
         capacity_bytes: 1,
         volume_context: map(&[("k", "v")]),
+        accessible_topology: vec![map(&[("zone", "a")])],
     };
     let validated = ValidateResponse {
         confirmed: true,
@@ -410,9 +425,20 @@ fn cases() -> Result<Vec<Case>> {
                 capacity_bytes: 1,
                 capability: mount_cap(),
                 parameters: map(&[("k", "v")]),
+                accessibility_requirements: Some(AccessibilityRequirements {
+                    requisite: vec![map(&[("zone", "a")])],
+                    preferred: vec![map(&[("zone", "a"), ("rack", "1")])],
+                }),
             },
         )?,
-        response("CreateVolumeResponse", created.clone(), created)?,
+        response(
+            "CreateVolumeResponse",
+            created.clone(),
+            CreateVolumeResponse {
+                accessible_topology: vec![],
+                ..created
+            },
+        )?,
         response(
             "DeleteVolumeResponse",
             DeleteVolumeResponse { deleted: true },
@@ -437,6 +463,7 @@ fn cases() -> Result<Vec<Case>> {
                 plugin: "p".to_owned(),
                 capabilities: vec![mount_cap()],
                 parameters: map(&[("k", "v")]),
+                accessible_topology: Some(map(&[("zone", "a")])),
             },
         )?,
         response("CapacityResponse", capacity.clone(), capacity)?,
@@ -444,6 +471,33 @@ fn cases() -> Result<Vec<Case>> {
             "ExpandRequest",
             ExpandRequest {
                 capacity_bytes: 1 << 30,
+            },
+        )?,
+        request(
+            "AccessibilityRequirements",
+            AccessibilityRequirements {
+                requisite: vec![map(&[("zone", "a")])],
+                preferred: vec![map(&[("zone", "a")])],
+            },
+        )?,
+        response(
+            "ControllerVolumeStatus",
+            ControllerVolumeStatus {
+                published_node_ids: vec!["node-1".to_owned()],
+                error: Some("timed out".to_owned()),
+            },
+            ControllerVolumeStatus::default(),
+        )?,
+        response(
+            "PluginNodeInfo",
+            PluginNodeInfo {
+                node_id: "node-1".to_owned(),
+                accessible_topology: Some(map(&[("zone", "a")])),
+                max_volumes_per_node: Some(2),
+            },
+            PluginNodeInfo {
+                node_id: "node-1".to_owned(),
+                ..PluginNodeInfo::default()
             },
         )?,
         response("ImageInfo", image.clone(), image.clone())?,

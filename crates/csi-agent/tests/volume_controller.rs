@@ -28,6 +28,7 @@ async fn create_publish_delete_with_the_creation_context() {
             &mount_capability(),
             BTreeMap::new(),
             BTreeMap::new(),
+            None,
         )
         .await
         .unwrap();
@@ -46,6 +47,7 @@ async fn create_publish_delete_with_the_creation_context() {
             &mount_capability(),
             BTreeMap::new(),
             BTreeMap::new(),
+            None,
         )
         .await
         .unwrap();
@@ -136,7 +138,7 @@ async fn list_pages_validate_and_capacity() {
     assert!(matches!(&err, VolumeError::Plugin(rpc) if rpc.code() == tonic::Code::NotFound));
 
     let capacity = manager
-        .get_capacity(&[mount_capability()], BTreeMap::new())
+        .get_capacity(&[mount_capability()], BTreeMap::new(), None)
         .await
         .unwrap();
     assert_eq!(capacity, (1 << 30) - 5 * (1 << 20));

@@ -142,6 +142,7 @@ async fn a_node_only_deployment_never_calls_the_controller() {
             &mount_capability(),
             Default::default(),
             Default::default(),
+            None,
         )
         .await
         .unwrap_err();

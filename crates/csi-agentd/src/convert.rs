@@ -278,6 +278,8 @@ pub fn volume_info(
             next_step: e.next.as_str().to_owned(),
         }),
         condition: None,
+        accessible_topology: record.accessible_topology.clone(),
+        controller: None,
     }
 }
 

@@ -47,6 +47,11 @@ pub struct Entry {
     /// The request's secrets; present only with `--record-secrets`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub secrets: Option<BTreeMap<String, String>>,
+    /// The request's topology: CreateVolume's `accessibility_requirements`
+    /// (`{"requisite": [...], "preferred": [...]}`) or GetCapacity's
+    /// `accessible_topology` (`{"accessible_topology": {...}}`), when given.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub topology: Option<serde_json::Value>,
 }
 
 /// The open call log.

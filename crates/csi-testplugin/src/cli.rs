@@ -157,6 +157,21 @@ pub struct Args {
     #[arg(long)]
     pub empty_vendor_version: bool,
 
+    /// This node's topology, `KEY=VALUE[,KEY=VALUE...]` (`zone=a,rack=1`): advertises the
+    /// plugin capability VOLUME_ACCESSIBILITY_CONSTRAINTS (v1), answers it in NodeGetInfo, and
+    /// CreateVolume/GetCapacity honour topology requirements. Off (no topology) by default.
+    #[arg(long)]
+    pub topology: Option<String>,
+
+    /// NodeGetInfo's `max_volumes_per_node` (0: no limit, the default). ControllerPublishVolume
+    /// refuses a volume more with RESOURCE_EXHAUSTED.
+    #[arg(long, default_value_t = 0)]
+    pub max_volumes_per_node: i64,
+
+    /// Advertise the controller capability GET_VOLUME and answer ControllerGetVolume (v1).
+    #[arg(long)]
+    pub get_volume: bool,
+
     /// Advertise and serve NodeGetVolumeStats (node GET_VOLUME_STATS): bytes and
     /// inodes from `statvfs` of the volume's backing directory.
     #[arg(long)]
@@ -238,6 +253,12 @@ pub struct Config {
     pub volume_stats: bool,
     /// `--volume-condition`.
     pub volume_condition: bool,
+    /// `--topology`; empty: the plugin has no topology.
+    pub topology: crate::topology::Segments,
+    /// `--max-volumes-per-node`; 0: no limit.
+    pub max_volumes_per_node: i64,
+    /// `--get-volume`.
+    pub get_volume: bool,
 }
 
 /// Sizes follow csi-agent's one convention ([`csi_agent_api::size`]): `1G` is 10^9 bytes,
@@ -396,6 +417,16 @@ impl Args {
             }),
             controller_expand: self.controller_expand,
             node_expand: self.node_expand,
+            topology: crate::topology::parse(self.topology.as_deref().unwrap_or_default())?,
+            max_volumes_per_node: if self.max_volumes_per_node < 0 {
+                bail!(
+                    "--max-volumes-per-node {} must not be negative (0: no limit)",
+                    self.max_volumes_per_node
+                )
+            } else {
+                self.max_volumes_per_node
+            },
+            get_volume: self.get_volume,
             quirks: Quirks {
                 probe_not_ready: self.probe_not_ready,
                 empty_probe: self.empty_probe,

@@ -18,6 +18,7 @@ mod rpc;
 mod server;
 mod state;
 mod stats;
+mod topology;
 mod v0;
 mod v1;
 

@@ -48,6 +48,10 @@ pub const CAP_GET_CAPACITY: i32 = 4;
 pub const CAP_PUBLISH_READONLY: i32 = 8;
 /// v1 only.
 pub const CAP_LIST_VOLUMES_PUBLISHED_NODES: i32 = 10;
+/// v1 only (`--get-volume`).
+pub const CAP_GET_VOLUME: i32 = 12;
+/// Plugin capability `VOLUME_ACCESSIBILITY_CONSTRAINTS` (v1 only here: `--topology`).
+pub const PLUGIN_CAP_VOLUME_ACCESSIBILITY_CONSTRAINTS: i32 = 2;
 /// Node capability `STAGE_UNSTAGE_VOLUME` (v1 and v0).
 pub const NODE_CAP_STAGE_UNSTAGE_VOLUME: i32 = 1;
 pub const NODE_CAP_GET_VOLUME_STATS: i32 = 2;
@@ -80,6 +84,8 @@ pub struct CreateArgs {
     pub parameters: BTreeMap<String, String>,
     pub has_content_source: bool,
     pub has_mutable_parameters: bool,
+    /// `accessibility_requirements` (v1 only; `None` when not given).
+    pub accessibility: Option<crate::topology::Requirements>,
 }
 
 /// NodePublishVolume, version-neutral.
@@ -434,6 +440,9 @@ impl Plugin {
         if self.cfg.controller_expand && version == ApiVersion::V1 {
             caps.push(expand::CAP_EXPAND_VOLUME);
         }
+        if self.cfg.get_volume && version == ApiVersion::V1 {
+            caps.push(CAP_GET_VOLUME);
+        }
         caps.retain(|c| !self.cfg.hidden_controller_caps.contains(c));
         self.quirk_caps(caps)
     }
@@ -458,6 +467,23 @@ impl Plugin {
 
     pub fn node_id(&self) -> &str {
         &self.cfg.node_id
+    }
+
+    /// ControllerGetVolume: the volume and the nodes it is controller-published to.
+    pub fn get_volume(&self, id: &str) -> Result<ListedVolume, Status> {
+        if id.is_empty() {
+            return Err(invalid("volume_id is required"));
+        }
+        // "Volume does not exist | 5 NOT_FOUND".
+        let rec = self.record(id).ok_or_else(|| Self::not_found(id))?;
+        Ok(ListedVolume {
+            info: VolumeInfo {
+                id: id.to_owned(),
+                capacity_bytes: rec.capacity_bytes,
+                context: HashMap::new(),
+            },
+            published_nodes: rec.controller_published.keys().cloned().collect(),
+        })
     }
 
     // ----------------------------------------------------------------------
@@ -518,6 +544,7 @@ impl Plugin {
                 "mutable_parameters given but MODIFY_VOLUME is not supported",
             ));
         }
+        crate::topology::check_create(&self.cfg.topology, a.accessibility.as_ref())?;
         let size = if a.required_bytes > 0 {
             a.required_bytes
         } else if a.limit_bytes > 0 {
@@ -698,6 +725,30 @@ impl Plugin {
             "device".to_owned(),
             self.volume_dir(id).display().to_string(),
         )]);
+        // "Max volumes attached | 8 RESOURCE_EXHAUSTED | Indicates that the
+        // maximum supported number of volumes that can be attached to the
+        // specified node are already attached." (the limit NodeGetInfo reports).
+        let max = self.cfg.max_volumes_per_node;
+        if max > 0 {
+            let attached: Vec<String> = self.store.read(|s| {
+                s.volumes
+                    .iter()
+                    .filter(|(other, v)| {
+                        *other != id && v.controller_published.contains_key(node_id)
+                    })
+                    .map(|(other, _)| other.clone())
+                    .collect()
+            });
+            let already = self
+                .record(id)
+                .is_some_and(|v| v.controller_published.contains_key(node_id));
+            if !already && i64::try_from(attached.len()).unwrap_or(i64::MAX) >= max {
+                return Err(Status::resource_exhausted(format!(
+                    "node {node_id:?} already has {} volumes attached, the most it takes (max_volumes_per_node {max}): {attached:?}",
+                    attached.len()
+                )));
+            }
+        }
         self.store
             .update_volume(id, |v| {
                 let v = v.ok_or_else(|| Self::not_found(id))?;

@@ -32,6 +32,7 @@ pub struct CallCtx {
     pub version: ApiVersion,
     pub volume_id: Option<String>,
     pub secrets: Option<BTreeMap<String, String>>,
+    pub topology: Option<serde_json::Value>,
 }
 
 impl CallCtx {
@@ -41,7 +42,14 @@ impl CallCtx {
             version,
             volume_id: None,
             secrets: None,
+            topology: None,
         }
+    }
+
+    /// The request's topology, for the call log.
+    pub fn topology(mut self, topology: Option<serde_json::Value>) -> Self {
+        self.topology = topology;
+        self
     }
 
     /// The volume the call is about; an empty id (a missing required field)
@@ -127,6 +135,7 @@ where
                 overlap: false,
                 message: Some(format!("injected exit({code})")),
                 secrets: ctx.secrets.clone(),
+                topology: ctx.topology.clone(),
             });
             tracing::warn!(method = ctx.method, "injected fault: exiting with {code}");
             std::process::exit(code);
@@ -168,6 +177,7 @@ where
             overlap,
             message: result.as_ref().err().map(|s| s.message().to_owned()),
             secrets: ctx.secrets,
+            topology: ctx.topology,
         });
         match &result {
             Err(s) if s.code() == tonic::Code::Internal => {

@@ -165,6 +165,7 @@ impl Controller for V0 {
                     parameters: sorted(&r.parameters),
                     has_content_source: r.volume_content_source.is_some(),
                     has_mutable_parameters: false,
+                    accessibility: None,
                 })
                 .await?;
             Ok(pb::CreateVolumeResponse {

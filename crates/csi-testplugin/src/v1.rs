@@ -20,6 +20,7 @@ use tonic::{Request, Response, Status};
 use crate::model::{AccessMode, AccessType, ApiVersion, CapArg, Capability};
 use crate::plugin::{CreateArgs, Plugin, PublishArgs};
 use crate::rpc::{self, CallCtx};
+use crate::topology;
 
 const V: ApiVersion = ApiVersion::V1;
 
@@ -94,6 +95,26 @@ fn sorted(m: &std::collections::HashMap<String, String>) -> BTreeMap<String, Str
     m.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
 }
 
+fn segments(t: &pb::Topology) -> topology::Segments {
+    sorted(&t.segments)
+}
+
+fn topologies(node: &topology::Segments) -> Vec<pb::Topology> {
+    topology::volume_topology(node)
+        .into_iter()
+        .map(|s| pb::Topology {
+            segments: s.into_iter().collect(),
+        })
+        .collect()
+}
+
+fn requirements(r: &pb::TopologyRequirement) -> topology::Requirements {
+    topology::Requirements {
+        requisite: r.requisite.iter().map(segments).collect(),
+        preferred: r.preferred.iter().map(segments).collect(),
+    }
+}
+
 fn rpc_caps<T>(caps: Vec<i32>, make: impl Fn(i32) -> T) -> Vec<T> {
     caps.into_iter().map(make).collect()
 }
@@ -131,6 +152,13 @@ impl Identity for V1 {
                         pb::plugin_capability::VolumeExpansion { r#type: t },
                     )),
                 }))
+                .chain(
+                    (!p.config().topology.is_empty()).then_some(pb::PluginCapability {
+                        r#type: Some(Type::Service(Service {
+                            r#type: crate::plugin::PLUGIN_CAP_VOLUME_ACCESSIBILITY_CONSTRAINTS,
+                        })),
+                    }),
+                )
                 .collect(),
             })
         })
@@ -157,10 +185,14 @@ impl Controller for V1 {
         req: Request<pb::CreateVolumeRequest>,
     ) -> Result<Response<pb::CreateVolumeResponse>, Status> {
         let r = req.into_inner();
-        let ctx = self
-            .ctx("CreateVolume")
-            .volume(&r.name)
-            .secrets(&self.p, &r.secrets);
+        let asked = r.accessibility_requirements.as_ref().map(requirements);
+        let ctx =
+            self.ctx("CreateVolume")
+                .volume(&r.name)
+                .secrets(&self.p, &r.secrets)
+                .topology(asked.as_ref().map(
+                    |a| serde_json::json!({"requisite": a.requisite, "preferred": a.preferred}),
+                ));
         rpc::run(&self.p, ctx, move |p| async move {
             let range = r.capacity_range.unwrap_or_default();
             let v = p
@@ -172,6 +204,7 @@ impl Controller for V1 {
                     parameters: sorted(&r.parameters),
                     has_content_source: r.volume_content_source.is_some(),
                     has_mutable_parameters: !r.mutable_parameters.is_empty(),
+                    accessibility: asked,
                 })
                 .await?;
             Ok(pb::CreateVolumeResponse {
@@ -180,7 +213,10 @@ impl Controller for V1 {
                     volume_id: v.id,
                     volume_context: v.context,
                     content_source: None,
-                    accessible_topology: Vec::new(),
+                    // "accessible_topology ... Specifies where (regions,
+                    // zones, racks, etc.) the provisioned volume is
+                    // accessible from."
+                    accessible_topology: topologies(&p.config().topology),
                 }),
             })
         })
@@ -301,7 +337,7 @@ impl Controller for V1 {
                             volume_id: v.info.id,
                             volume_context: v.info.context,
                             content_source: None,
-                            accessible_topology: Vec::new(),
+                            accessible_topology: topologies(&p.config().topology),
                         }),
                         status: with_status.then_some(VolumeStatus {
                             published_node_ids: v.published_nodes,
@@ -321,9 +357,20 @@ impl Controller for V1 {
         req: Request<pb::GetCapacityRequest>,
     ) -> Result<Response<pb::GetCapacityResponse>, Status> {
         let r = req.into_inner();
-        rpc::run(&self.p, self.ctx("GetCapacity"), move |p| async move {
+        let wanted = r.accessible_topology.as_ref().map(segments);
+        let ctx = self.ctx("GetCapacity").topology(
+            wanted
+                .as_ref()
+                .map(|t| serde_json::json!({ "accessible_topology": t })),
+        );
+        rpc::run(&self.p, ctx, move |p| async move {
+            let free = p.get_capacity(caps_from(r.volume_capabilities))?;
             Ok(pb::GetCapacityResponse {
-                available_capacity: p.get_capacity(caps_from(r.volume_capabilities))?,
+                available_capacity: topology::capacity_in(
+                    &p.config().topology,
+                    wanted.as_ref(),
+                    free,
+                ),
                 maximum_volume_size: None,
                 minimum_volume_size: None,
             })
@@ -409,8 +456,35 @@ impl Controller for V1 {
         &self,
         req: Request<pb::ControllerGetVolumeRequest>,
     ) -> Result<Response<pb::ControllerGetVolumeResponse>, Status> {
-        self.unimplemented("ControllerGetVolume", &req.get_ref().volume_id)
-            .await
+        use pb::controller_get_volume_response::VolumeStatus;
+        if !self.p.config().get_volume {
+            return self
+                .unimplemented("ControllerGetVolume", &req.get_ref().volume_id)
+                .await;
+        }
+        let r = req.into_inner();
+        let ctx = self.ctx("ControllerGetVolume").volume(&r.volume_id);
+        rpc::run(&self.p, ctx, move |p| async move {
+            let v = p.get_volume(&r.volume_id)?;
+            Ok(pb::ControllerGetVolumeResponse {
+                volume: Some(pb::Volume {
+                    capacity_bytes: v.info.capacity_bytes,
+                    volume_id: v.info.id,
+                    volume_context: v.info.context,
+                    content_source: None,
+                    accessible_topology: topologies(&p.config().topology),
+                }),
+                // "status ... This field is REQUIRED."; published_node_ids
+                // "MUST be specified if the PUBLISH_UNPUBLISH_VOLUME
+                // controller capability is supported by the SP."
+                status: Some(VolumeStatus {
+                    published_node_ids: v.published_nodes,
+                    volume_condition: None,
+                }),
+            })
+        })
+        .await
+        .map(Response::new)
     }
 
     async fn controller_modify_volume(
@@ -574,8 +648,10 @@ impl Node for V1 {
         rpc::run(&self.p, self.ctx("NodeGetInfo"), |p| async move {
             Ok(pb::NodeGetInfoResponse {
                 node_id: p.node_id().to_owned(),
-                max_volumes_per_node: 0,
-                accessible_topology: None,
+                max_volumes_per_node: p.config().max_volumes_per_node,
+                // "accessible_topology ... Specifies where (regions, zones,
+                // racks, etc.) the node is accessible from."
+                accessible_topology: topologies(&p.config().topology).into_iter().next(),
             })
         })
         .await

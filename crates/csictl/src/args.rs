@@ -342,6 +342,14 @@ pub struct CreateArgs {
     /// A CreateVolume parameter; repeat for several.
     #[arg(long = "param", value_name = "KEY=VALUE")]
     pub params: Vec<String>,
+    /// A topology the volume must be accessible from (one of those given), e.g.
+    /// zone=a,rack=1; repeat for several. Default: this node's topology, for a plugin that has
+    /// one.
+    #[arg(long = "requisite", value_name = "KEY=VALUE,...")]
+    pub requisite: Vec<String>,
+    /// A topology to try first, in order; repeat for several.
+    #[arg(long = "preferred", value_name = "KEY=VALUE,...")]
+    pub preferred: Vec<String>,
 }
 
 #[derive(Debug, Args)]
@@ -395,6 +403,9 @@ pub struct CapacityArgs {
     /// A GetCapacity parameter; repeat for several.
     #[arg(long = "param", value_name = "KEY=VALUE")]
     pub params: Vec<String>,
+    /// Only the capacity usable in this topology, e.g. zone=a,rack=1.
+    #[arg(long = "topology", value_name = "KEY=VALUE,...")]
+    pub topology: Option<String>,
 }
 
 impl CapacityArgs {

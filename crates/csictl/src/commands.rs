@@ -84,6 +84,10 @@ pub async fn run(cli: Cli) -> Result<String, Failure> {
                 name: args.name,
                 capacity_bytes: args.capacity.unwrap_or(0),
                 parameters: args::parse_pairs("--param", &args.params)?,
+                accessibility_requirements: crate::topology::requirements(
+                    &args.requisite,
+                    &args.preferred,
+                )?,
             };
             render(
                 format,
@@ -126,6 +130,11 @@ pub async fn run(cli: Cli) -> Result<String, Failure> {
             let request = CapacityRequest {
                 capabilities: args.capabilities(),
                 parameters: args::parse_pairs("--param", &args.params)?,
+                accessible_topology: args
+                    .topology
+                    .as_deref()
+                    .map(|t| crate::topology::segments("--topology", t))
+                    .transpose()?,
                 plugin: args.plugin,
             };
             render(format, &client.capacity(&request).await?, output::capacity)

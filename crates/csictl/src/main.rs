@@ -11,6 +11,7 @@ mod failure;
 mod image;
 mod output;
 mod stats;
+mod topology;
 
 use std::io::Write;
 use std::process::ExitCode;

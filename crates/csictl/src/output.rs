@@ -238,6 +238,9 @@ pub fn plugin(plugin: &PluginInfo) -> String {
     if let Some(error) = &plugin.error {
         pairs.push(("error", error.clone()));
     }
+    if let Some(node) = &plugin.node {
+        pairs.extend(crate::topology::node_fields(node));
+    }
     for pull in &plugin.image_pulls {
         pairs.push(("pulling", pull_progress(pull)));
     }
@@ -448,6 +451,10 @@ pub fn volume(v: &VolumeInfo) -> String {
             ),
         ));
     }
+    pairs.extend(crate::topology::volume_fields(
+        &v.accessible_topology,
+        v.controller.as_ref(),
+    ));
     if let Some(error) = &v.last_error {
         pairs.push(("last error", error.clone()));
     }
@@ -486,11 +493,16 @@ fn operation(op: &OperationInfo) -> String {
 }
 
 pub fn created(answer: &CreateVolumeResponse) -> String {
-    fields(&[
+    let mut out = vec![
         ("volume", answer.volume_id.clone()),
         ("capacity", bytes_with_human(answer.capacity_bytes)),
         ("volume context", pairs(&answer.volume_context)),
-    ])
+    ];
+    out.extend(crate::topology::volume_fields(
+        &answer.accessible_topology,
+        None,
+    ));
+    fields(&out)
 }
 
 pub fn deleted(answer: &DeleteVolumeResponse) -> String {
@@ -572,6 +584,8 @@ mod tests {
             capacity_bytes: None,
             expansion: None,
             condition: None,
+            accessible_topology: vec![],
+            controller: None,
         }
     }
 
@@ -654,6 +668,7 @@ mod tests {
                     }],
                     volumes: 3,
                     image_pulls: vec![],
+                    node: None,
                 },
                 PluginInfo {
                     plugin_type: "org.example.nfs".to_owned(),
@@ -666,6 +681,7 @@ mod tests {
                     components: vec![],
                     volumes: 0,
                     image_pulls: vec![],
+                    node: None,
                 },
             ],
             config_errors: vec![ConfigErrorInfo {
@@ -723,6 +739,7 @@ mod tests {
                     },
                 ],
             }],
+            node: None,
         };
         assert_eq!(
             plugin(&info),

@@ -46,6 +46,8 @@ fn volume(id: &str, state: &str, claims: &[&str]) -> VolumeInfo {
         capacity_bytes: None,
         expansion: None,
         condition: None,
+        accessible_topology: vec![],
+        controller: None,
     }
 }
 

@@ -10,6 +10,10 @@ mod expand;
 pub use expand::*;
 mod stats;
 pub use stats::{UsageFigures, VolumeCondition, VolumeStats};
+mod topology;
+pub use topology::{
+    AccessibilityRequirements, ControllerVolumeStatus, PluginNodeInfo, TopologySegments,
+};
 
 /// The one error shape of every failed request.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -302,6 +306,12 @@ pub struct VolumeInfo {
     /// advertises VOLUME_CONDITION; absent otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub condition: Option<VolumeCondition>,
+    /// Where the volume is accessible from, as CreateVolume reported; absent when unknown.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub accessible_topology: Vec<TopologySegments>,
+    /// ControllerGetVolume's answer, for plugins that advertise GET_VOLUME.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub controller: Option<ControllerVolumeStatus>,
 }
 
 /// What a volume's operation in progress is doing.
@@ -395,6 +405,10 @@ pub struct PluginInfo {
     /// them); absent when none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub image_pulls: Vec<ImagePullProgress>,
+    /// What the plugin's NodeGetInfo answered (node id, topology, volume limit); absent until
+    /// the plugin was asked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<PluginNodeInfo>,
 }
 
 /// A configuration file that failed to load.
@@ -607,6 +621,10 @@ pub struct CreateVolumeRequest {
     pub capability: CapabilitySpec,
     #[serde(default)]
     pub parameters: BTreeMap<String, String>,
+    /// Where the volume must be accessible from. Default, for a plugin with topology: this
+    /// node's topology as the only requisite and preferred one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accessibility_requirements: Option<AccessibilityRequirements>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -614,6 +632,9 @@ pub struct CreateVolumeResponse {
     pub volume_id: String,
     pub capacity_bytes: i64,
     pub volume_context: BTreeMap<String, String>,
+    /// Where the plugin says the volume is accessible from; absent when it said nothing.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub accessible_topology: Vec<TopologySegments>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -664,6 +685,9 @@ pub struct CapacityRequest {
     pub capabilities: Vec<CapabilitySpec>,
     #[serde(default)]
     pub parameters: BTreeMap<String, String>,
+    /// Only the capacity usable in this topology (GetCapacity's `accessible_topology`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accessible_topology: Option<TopologySegments>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

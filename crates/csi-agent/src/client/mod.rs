@@ -12,6 +12,8 @@
 mod error;
 pub mod expand;
 pub mod stats;
+mod topology;
+pub use topology::NodeDescription;
 pub mod v0;
 
 use std::collections::BTreeSet;
@@ -806,10 +808,16 @@ pub struct PluginDescription {
     pub vendor_version: String,
     pub ready: bool,
     pub plugin_capabilities: Vec<String>,
+    /// The VolumeExpansion plugin capability (`ONLINE`, `OFFLINE`); absent when not advertised.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub volume_expansion: Option<String>,
     /// `None` when the endpoint does not serve the Controller service (`UNIMPLEMENTED`).
     pub controller_capabilities: Option<Vec<String>>,
     /// `None` when the endpoint does not serve the Node service (`UNIMPLEMENTED`).
     pub node_capabilities: Option<Vec<String>>,
+    /// NodeGetInfo (node id, topology, volume limit); `None` when the endpoint does not serve
+    /// the Node service.
+    pub node: Option<NodeDescription>,
 }
 
 impl CsiClient {
@@ -834,14 +842,18 @@ impl CsiClient {
                 .map(|c| c.as_str_name().to_owned())
                 .collect()
         });
+        let volume_expansion = self.volume_expansion().await?;
+        let node = optional(self.describe_node().await)?;
         Ok(PluginDescription {
             version: self.version,
             name: info.name,
             vendor_version: info.vendor_version,
             ready,
             plugin_capabilities,
+            volume_expansion,
             controller_capabilities,
             node_capabilities,
+            node,
         })
     }
 }

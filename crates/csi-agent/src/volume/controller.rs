@@ -26,6 +26,8 @@ pub struct CreatedVolume {
     pub volume_id: String,
     pub capacity_bytes: i64,
     pub volume_context: BTreeMap<String, String>,
+    /// Where the plugin says the volume is accessible from (empty: not said).
+    pub accessible_topology: Vec<BTreeMap<String, String>>,
 }
 
 /// One page of the plugin's volumes.
@@ -88,6 +90,7 @@ impl VolumeManager {
         capability: &Capability,
         parameters: BTreeMap<String, String>,
         secrets: BTreeMap<String, String>,
+        accessibility: Option<&super::topology::Requirements>,
     ) -> Result<CreatedVolume, VolumeError> {
         validate_id("name", name)?;
         if capacity_bytes < 0 {
@@ -95,6 +98,7 @@ impl VolumeManager {
         }
         self.require_controller()?;
         let _ticket = self.enter(name, "create", Admission::Request)?;
+        let accessibility_requirements = self.accessibility_for(accessibility).await?;
         let request = v1::CreateVolumeRequest {
             name: name.to_owned(),
             capacity_range: (capacity_bytes > 0).then_some(v1::CapacityRange {
@@ -104,10 +108,19 @@ impl VolumeManager {
             volume_capabilities: vec![capability.to_v1()],
             parameters: to_hash_map(&parameters),
             secrets: to_hash_map(&secrets),
+            accessibility_requirements,
             ..Default::default()
         };
+        // With topology requirements, RESOURCE_EXHAUSTED is the spec's "Unable to provision
+        // in `accessible_topology`": the requirements exclude what the plugin serves, and
+        // asking again cannot change that.
+        let final_codes: &[tonic::Code] = if request.accessibility_requirements.is_some() {
+            &[tonic::Code::ResourceExhausted]
+        } else {
+            &[]
+        };
         let response = self
-            .controller_rpc(&[], request, |client, request| async move {
+            .controller_rpc(final_codes, request, |client, request| async move {
                 client.create_volume(request).await
             })
             .await?;
@@ -123,6 +136,7 @@ impl VolumeManager {
             volume_id: volume.volume_id.clone(),
             capacity_bytes: volume.capacity_bytes,
             volume_context: volume.volume_context.into_iter().collect(),
+            accessible_topology: topologies(&volume.accessible_topology),
         };
         let slot = self.slot(&created.volume_id);
         let mut guard = slot.lock().await;
@@ -133,6 +147,9 @@ impl VolumeManager {
             .unwrap_or_else(|| VolumeRecord::new(&created.volume_id, Origin::Created));
         record.origin = Origin::Created;
         record.capacity_bytes = created.capacity_bytes;
+        record
+            .accessible_topology
+            .clone_from(&created.accessible_topology);
         if record.claims.is_empty() && record.state == VolumeState::Created {
             record.volume_context = created.volume_context.clone();
         }
@@ -248,6 +265,7 @@ impl VolumeManager {
                 volume_id: volume.volume_id,
                 capacity_bytes: volume.capacity_bytes,
                 volume_context: volume.volume_context.into_iter().collect(),
+                accessible_topology: topologies(&volume.accessible_topology),
             });
         }
         Ok(VolumePage {
@@ -261,15 +279,17 @@ impl VolumeManager {
         &self,
         capabilities: &[Capability],
         parameters: BTreeMap<String, String>,
+        accessible_topology: Option<&BTreeMap<String, String>>,
     ) -> Result<i64, VolumeError> {
         self.require_controller()?;
         self.require_controller_cap(ControllerCap::GetCapacity, "asking capacity")
             .await?;
+        let accessible_topology = self.capacity_topology(accessible_topology).await?;
         let _ticket = self.enter("", "capacity", Admission::Request)?;
         let request = v1::GetCapacityRequest {
             volume_capabilities: capabilities.iter().map(Capability::to_v1).collect(),
             parameters: to_hash_map(&parameters),
-            ..Default::default()
+            accessible_topology,
         };
         let response = self
             .controller_rpc(&[], request, |client, request| async move {
@@ -278,4 +298,18 @@ impl VolumeManager {
             .await?;
         Ok(response.available_capacity)
     }
+}
+
+/// A response's topologies as segment maps (empty ones dropped).
+fn topologies(topologies: &[v1::Topology]) -> Vec<BTreeMap<String, String>> {
+    topologies
+        .iter()
+        .map(|t| {
+            t.segments
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect()
+        })
+        .filter(|s: &BTreeMap<String, String>| !s.is_empty())
+        .collect()
 }

@@ -21,6 +21,7 @@ pub mod record;
 pub mod recovery;
 pub mod refusal;
 pub mod stats;
+pub mod topology;
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
@@ -359,6 +360,10 @@ struct Inner {
     /// and the attempts after it see the new components (docs/reliability.md, "Reload").
     steps: Arc<tokio::sync::RwLock<()>>,
     node_id: OnceCell<String>,
+    /// NodeGetInfo and GetPluginCapabilities (topology.rs), by the same generation as `caps`.
+    node_info: StdMutex<(u64, Option<Arc<topology::NodeInfo>>)>,
+    /// Publishes of volumes not attached yet, in flight (topology.rs, the volume limit).
+    attaching: StdMutex<std::collections::BTreeSet<String>>,
     /// What each operation in progress is doing, for status reads (never waits).
     progress: progress::Tracker,
     /// The latest volume stats of published volumes ([`stats`]).
@@ -426,6 +431,8 @@ impl VolumeManager {
                 caps: StdMutex::new((0, None)),
                 steps: Arc::default(),
                 node_id: OnceCell::new(),
+                node_info: StdMutex::new((0, None)),
+                attaching: StdMutex::default(),
                 progress: progress::Tracker::default(),
                 stats: stats::StatsState::default(),
             }),
@@ -566,9 +573,16 @@ impl VolumeManager {
             Some(record) => record,
             None => VolumeRecord::new(&request.volume_id, Origin::PreProvisioned),
         };
+        let attached = !record.claims.is_empty() || record.state != VolumeState::Created;
         if let Some(published) = self.admit_publish(&mut guard, &mut record, &request)? {
             return Ok(published);
         }
+        // A second workload on an attached volume is no volume more (topology.rs).
+        let _attaching = if attached {
+            None
+        } else {
+            Some(self.reserve_attachment(&request.volume_id).await?)
+        };
         let owner = self.bind_owner(&request.volume_id, &request.workload);
         // Given back by every early return below, kept once a record names it.
         let reservation = match &request.bind_to {
@@ -1605,6 +1619,10 @@ impl VolumeManager {
         let mut caps = lock(&self.inner.caps);
         caps.0 = caps.0.wrapping_add(1);
         caps.1 = None;
+        drop(caps);
+        let mut node_info = lock(&self.inner.node_info);
+        node_info.0 = node_info.0.wrapping_add(1);
+        node_info.1 = None;
     }
 
     /// Waits for every RPC attempt to this plugin in flight to end, and keeps new ones from

@@ -325,6 +325,9 @@ pub struct VolumeRecord {
     /// JSON when none is.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expansion: Option<super::expand::Expansion>,
+    /// Where the volume is accessible from, as CreateVolume reported (empty: not said).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub accessible_topology: Vec<BTreeMap<String, String>>,
 }
 
 impl VolumeRecord {
@@ -346,6 +349,7 @@ impl VolumeRecord {
             bind_mounts: BTreeMap::new(),
             last_error: None,
             expansion: None,
+            accessible_topology: Vec::new(),
         }
     }
 

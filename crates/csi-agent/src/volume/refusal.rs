@@ -99,6 +99,18 @@ pub enum Conflict {
         claims: usize,
         max: usize,
     },
+    /// A publish of one volume more than the plugin takes on this node (NodeGetInfo's
+    /// `max_volumes_per_node`); refused before any RPC.
+    #[error(
+        "plugin {plugin} takes at most {max} volumes on this node (its NodeGetInfo max_volumes_per_node) and {} already hold them: {}; unpublish one of them before publishing volume {volume_id:?}",
+        attached.len(), attached.join(", ")
+    )]
+    TooManyVolumesOnNode {
+        plugin: String,
+        volume_id: String,
+        max: i64,
+        attached: Vec<String>,
+    },
     /// A delete of a volume still staged, published or claimed.
     #[error(
         "volume {volume_id:?} is {state} with {claims} claim(s): unpublish it before deleting it"

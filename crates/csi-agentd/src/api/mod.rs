@@ -27,6 +27,7 @@ mod expand;
 use crate::volume_list::{PluginPart, VolumePage};
 
 pub(crate) mod stats;
+mod topology;
 
 #[derive(Clone, Debug)]
 pub struct AppState {
@@ -302,6 +303,10 @@ async fn plugin_infos(state: &AppState) -> api::PluginList {
                 (components, volumes, version, ready)
             }
         };
+        let node = report
+            .plugin
+            .as_ref()
+            .and_then(|plugin| topology::node_info(&plugin.volumes, ready));
         let state_name = match (&report.error, &report.plugin) {
             (Some(_), _) => "failed",
             // Not initialized: before the gate opens, and while start-up initializes every
@@ -356,6 +361,7 @@ async fn plugin_infos(state: &AppState) -> api::PluginList {
                 })
                 .cloned()
                 .collect(),
+            node,
         });
     }
     api::PluginList {
@@ -923,12 +929,10 @@ async fn volume(
             format!("plugin {plugin_type} has no volume {volume_id:?} on this node"),
         )
     })?;
-    Ok(Json(volume_answer(
-        &state,
-        &plugin_type,
-        &plugin.volumes,
-        &record,
-    )))
+    let mut info = volume_answer(&state, &plugin_type, &plugin.volumes, &record);
+    // Only this single-volume read asks ControllerGetVolume (bounded, outside the volume lock).
+    info.controller = topology::controller_status(&plugin.volumes, &volume_id).await;
+    Ok(Json(info))
 }
 
 /// One tracked volume as the API shows it: its record, the operation in progress on it, and
@@ -967,14 +971,27 @@ async fn create_volume(
             &capability,
             request.parameters,
             BTreeMap::new(),
+            request
+                .accessibility_requirements
+                .as_ref()
+                .map(topology::requirements)
+                .as_ref(),
         )
-        .await?;
+        .await
+        .map_err(|err| {
+            topology::create_failure(
+                &plugin.volumes,
+                request.accessibility_requirements.is_some(),
+                err,
+            )
+        })?;
     Ok((
         StatusCode::CREATED,
         Json(api::CreateVolumeResponse {
             volume_id: created.volume_id,
             capacity_bytes: created.capacity_bytes,
             volume_context: created.volume_context,
+            accessible_topology: created.accessible_topology,
         }),
     ))
 }
@@ -1084,7 +1101,11 @@ async fn capacity(State(state): State<AppState>, body: Bytes) -> ApiResult<api::
     let plugin = state.server.plugin(&request.plugin).await?;
     let available = plugin
         .volumes
-        .get_capacity(&capabilities, request.parameters)
+        .get_capacity(
+            &capabilities,
+            request.parameters,
+            request.accessible_topology.as_ref(),
+        )
         .await?;
     Ok(Json(api::CapacityResponse {
         available_capacity: available,

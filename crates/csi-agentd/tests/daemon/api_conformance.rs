@@ -145,6 +145,7 @@ async fn an_optional_controller_rpc_the_plugin_does_not_advertise_is_a_501_befor
         plugin: PLUGIN.to_owned(),
         capabilities: Vec::new(),
         parameters: Default::default(),
+        accessible_topology: None,
     };
     let (status, body) = api_error(api.capacity(&capacity).await);
     assert_eq!(status, 501, "{body:?}");

@@ -35,3 +35,4 @@ mod reload;
 mod reload_race;
 mod startup;
 mod stats;
+mod topology;

@@ -255,6 +255,7 @@ async fn publish_through_the_daemon(daemon: &Daemon, plugin_type: &str) {
             capacity_bytes: 1 << 20,
             capability: capability(),
             parameters: Default::default(),
+            accessibility_requirements: None,
         })
         .await
         .unwrap();

@@ -5,6 +5,10 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 fn probe(versions: &str) -> serde_json::Value {
+    probe_with(versions, &[])
+}
+
+fn probe_with(versions: &str, flags: &[&str]) -> serde_json::Value {
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("csi.sock");
     let testplugin = csi_agent::binaries::required("csi-testplugin", None);
@@ -14,6 +18,7 @@ fn probe(versions: &str) -> serde_json::Value {
         .arg("--work-dir")
         .arg(dir.path().join("plugin"))
         .args(["--api-versions", versions, "--mount-mode", "none"])
+        .args(flags)
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
@@ -69,6 +74,41 @@ fn probe_reports_v1() {
             .iter()
             .any(|c| c == "CREATE_DELETE_VOLUME")
     );
+}
+
+#[test]
+fn probe_shows_the_node_topology_and_limit() {
+    let report = probe_with(
+        "v1",
+        &["--topology", "zone=a,rack=1", "--max-volumes-per-node", "2"],
+    );
+    assert!(
+        report["plugin_capabilities"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|c| c == "VOLUME_ACCESSIBILITY_CONSTRAINTS"),
+        "{report}"
+    );
+    assert_eq!(
+        report["node"],
+        serde_json::json!({
+            "node_id": report["node"]["node_id"].clone(),
+            "accessible_topology": {"zone": "a", "rack": "1"},
+            "max_volumes_per_node": 2
+        })
+    );
+    // The test plugin advertises no VolumeExpansion: absent, not an empty value.
+    assert!(report.get("volume_expansion").is_none(), "{report}");
+    // Without the flags: no topology, no limit (0, the spec's "no limit").
+    let plain = probe("v1");
+    assert!(
+        plain["node"].get("accessible_topology").is_none(),
+        "{plain}"
+    );
+    assert_eq!(plain["node"]["max_volumes_per_node"], 0);
+    // CSI 0.2 knows only the node id (NodeGetId).
+    assert!(probe("v0.2")["node"]["node_id"].is_string());
 }
 
 #[test]
