@@ -33,6 +33,7 @@ use crate::routes;
 use crate::types::*;
 
 // Streaming uploads (`import_image`): beside the JSON transport, with a connection of their own.
+mod snapshot;
 mod upload;
 
 /// Bodies larger than this are refused rather than buffered: no legitimate answer comes near

@@ -37,6 +37,13 @@ pub const IMAGES_PULLS: &str = "/v1/images/pulls";
 pub const IMAGES_PRUNE: &str = "/v1/images/prune";
 /// `POST ?name=REF`: import the images of the archive in the body (`application/x-tar`).
 pub const IMAGES_IMPORT: &str = "/v1/images/import";
+/// `POST`: create a snapshot (CreateSnapshot).
+pub const SNAPSHOTS: &str = "/v1/snapshots";
+/// `DELETE`: delete a snapshot (DeleteSnapshot).
+pub const SNAPSHOT: &str = "/v1/snapshots/{plugin}/{snapshot_id}";
+/// `GET /v1/plugins/{type}/snapshots?max_entries=&starting_token=&source_volume_id=&snapshot_id=`
+/// (ListSnapshots)
+pub const PLUGIN_SNAPSHOTS: &str = "/v1/plugins/{type}/snapshots";
 /// The media type of `POST /v1/images/import`'s body.
 pub const TAR_MEDIA_TYPE: &str = "application/x-tar";
 
@@ -66,6 +73,9 @@ pub const ALL_ROUTES: &[(&str, &str)] = &[
     ("GET", IMAGES_PULLS),
     ("POST", IMAGES_PRUNE),
     ("POST", IMAGES_IMPORT),
+    ("POST", SNAPSHOTS),
+    ("DELETE", SNAPSHOT),
+    ("GET", PLUGIN_SNAPSHOTS),
 ];
 
 /// `/v1/plugins/{type}` for one plugin type.
@@ -76,6 +86,20 @@ pub fn plugin(plugin_type: &str) -> String {
 /// `/v1/plugins/{type}/backend-volumes` for one plugin type, without a query.
 pub fn backend_volumes(plugin_type: &str) -> String {
     format!("{}/backend-volumes", plugin(plugin_type))
+}
+
+/// `/v1/snapshots/{plugin}/{snapshot_id}` for one snapshot.
+pub fn snapshot(plugin_type: &str, snapshot_id: &str) -> String {
+    format!(
+        "{SNAPSHOTS}/{}/{}",
+        encode_segment(plugin_type),
+        encode_segment(snapshot_id)
+    )
+}
+
+/// `/v1/plugins/{type}/snapshots` for one plugin type, without a query.
+pub fn plugin_snapshots(plugin_type: &str) -> String {
+    format!("{}/snapshots", plugin(plugin_type))
 }
 
 /// `/v1/volumes/{plugin}/{volume_id}` for one volume.

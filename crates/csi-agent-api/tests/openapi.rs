@@ -182,6 +182,16 @@ struct Case {
     kind: Kind,
 }
 
+fn snapshot_info(full: bool) -> SnapshotInfo {
+    SnapshotInfo {
+        snapshot_id: "s".to_owned(),
+        source_volume_id: "v".to_owned(),
+        size_bytes: 1,
+        creation_time: full.then(|| "2026-12-06T08:17:31Z".to_owned()),
+        ready_to_use: true,
+    }
+}
+
 fn parses<T: DeserializeOwned>(value: Value) -> bool {
     serde_json::from_value::<T>(value).is_ok()
 }
@@ -429,6 +439,10 @@ fn cases() -> Result<Vec<Case>> {
                     requisite: vec![map(&[("zone", "a")])],
                     preferred: vec![map(&[("zone", "a"), ("rack", "1")])],
                 }),
+                content_source: Some(ContentSource {
+                    snapshot_id: Some("s".to_owned()),
+                    volume_id: None,
+                }),
             },
         )?,
         response(
@@ -438,6 +452,39 @@ fn cases() -> Result<Vec<Case>> {
                 accessible_topology: vec![],
                 ..created
             },
+        )?,
+        request(
+            "ContentSource",
+            ContentSource {
+                snapshot_id: Some("s".to_owned()),
+                volume_id: Some("v".to_owned()),
+            },
+        )?,
+        request(
+            "CreateSnapshotRequest",
+            CreateSnapshotRequest {
+                plugin: "p".to_owned(),
+                source_volume_id: "v".to_owned(),
+                name: "n".to_owned(),
+                parameters: map(&[("k", "v")]),
+            },
+        )?,
+        response("SnapshotInfo", snapshot_info(true), snapshot_info(false))?,
+        response(
+            "SnapshotPage",
+            SnapshotPage {
+                snapshots: vec![snapshot_info(true)],
+                next_token: "t".to_owned(),
+            },
+            SnapshotPage {
+                snapshots: vec![],
+                next_token: String::new(),
+            },
+        )?,
+        response(
+            "DeleteSnapshotResponse",
+            DeleteSnapshotResponse { deleted: true },
+            DeleteSnapshotResponse { deleted: true },
         )?,
         response(
             "DeleteVolumeResponse",
@@ -694,6 +741,19 @@ const BODIES: &[(&str, &str, Option<&str>, Option<&str>)] = &[
         Some("CreateVolumeResponse"),
     ),
     ("GET", routes::VOLUME, None, Some("VolumeInfo")),
+    (
+        "POST",
+        routes::SNAPSHOTS,
+        Some("CreateSnapshotRequest"),
+        Some("SnapshotInfo"),
+    ),
+    (
+        "DELETE",
+        routes::SNAPSHOT,
+        None,
+        Some("DeleteSnapshotResponse"),
+    ),
+    ("GET", routes::PLUGIN_SNAPSHOTS, None, Some("SnapshotPage")),
     ("DELETE", routes::VOLUME, None, Some("DeleteVolumeResponse")),
     ("GET", routes::VOLUME_STATS, None, Some("VolumeStats")),
     (
@@ -772,7 +832,7 @@ fn each_route_carries_its_rust_types() -> Result<()> {
             }
         }
         // Exactly one success status: 201 for a creation, 200 for everything else.
-        let success = if (*method, *path) == ("POST", routes::VOLUMES) {
+        let success = if *method == "POST" && [routes::VOLUMES, routes::SNAPSHOTS].contains(path) {
             "201"
         } else {
             "200"

@@ -168,6 +168,6 @@ pub fn in_private_mount_namespace() -> bool {
 
 /// `YYYY-MM-DD HH:MM UTC`.
 pub fn utc_now() -> String {
-    let at = csi_agent_api::time::rfc3339(SystemTime::now());
+    let at = csi_agent_api::time::rfc3339_millis(SystemTime::now());
     format!("{} {} UTC", &at[..10], &at[11..16])
 }

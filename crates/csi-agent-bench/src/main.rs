@@ -7,7 +7,8 @@
 //! `supervision` (socket → ready, kill -9 → ready again), `stats` (the volume stats
 //! collector's CPU at 1,000 published volumes; not part of `all`), `images` (pulling and preparing a
 //! plugin image against skopeo + umoci; not part of `all`: it needs a registry and those
-//! tools) and `all` (everything else, plus a markdown report for `docs/benchmarks.md`).
+//! tools), `snapshot` (a snapshot create: daemon vs the raw RPC vs one durable write) and
+//! `all` (everything else, plus a markdown report for `docs/benchmarks.md`).
 //!
 //! Every subcommand is bounded, works only in a fresh temp dir (removed at the end), talks
 //! only over unix sockets, and kills every process it started, also on error or Ctrl-C.
@@ -24,6 +25,7 @@ mod procs;
 mod raw;
 mod report;
 mod restart;
+mod snapshot;
 mod stats;
 mod supervision;
 mod throughput;
@@ -93,6 +95,9 @@ enum Command {
     /// The volume stats collector's CPU at 1,000 published volumes, as % of one core at a
     /// 60 s interval. Not part of `all`.
     Stats(volume_stats::StatsArgs),
+    /// Snapshot create latency: the daemon against the raw CreateSnapshot RPC and one
+    /// durable write (target: raw + one durable write + 1 ms).
+    Snapshot(snapshot::SnapshotArgs),
     /// Everything, with the default sizes; prints markdown for docs/benchmarks.md.
     All(report::AllArgs),
 }
@@ -164,6 +169,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let report = volume_stats::run(&env, &args).await?;
             print!("{}", volume_stats::table(&report));
             env.write_json("stats", &report)?;
+        }
+        Command::Snapshot(args) => {
+            let report = snapshot::run(&env, &args).await?;
+            print!("{}", snapshot::table(&report));
+            env.write_json("snapshot", &report)?;
         }
         Command::All(args) => report::run_all(&env, &args).await?,
     }

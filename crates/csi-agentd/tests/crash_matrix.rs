@@ -471,6 +471,7 @@ async fn the_daemon_killed_at_every_failpoint_converges() {
         !MIGRATION_ONLY.contains(&p.as_str())
             && !OCI_ONLY.contains(&p.as_str())
             && !EXPAND_ONLY.contains(&p.as_str())
+            && !SNAPSHOT_ONLY.contains(&p.as_str())
     }) {
         let mut publish_hits = None;
         let mut found = Vec::new();
@@ -535,7 +536,12 @@ async fn the_daemon_killed_at_every_failpoint_converges() {
          {total} volume convergences, all full ({untracked} stopped an untracked plugin process), \
          {runs} cycles, {:.0} s",
         points.len(),
-        points.len() - unreached.len() - MIGRATION_ONLY.len() - OCI_ONLY.len() - EXPAND_ONLY.len(),
+        points.len()
+            - unreached.len()
+            - MIGRATION_ONLY.len()
+            - OCI_ONLY.len()
+            - EXPAND_ONLY.len()
+            - SNAPSHOT_ONLY.len(),
         unreached.len(),
         MIGRATION_ONLY.len(),
         pairs.len(),
@@ -989,5 +995,140 @@ async fn the_daemon_killed_at_each_expansion_failpoint_resumes_the_expansion() {
             "{point}"
         );
         println!("{point}: killed, resumed, converged");
+    }
+}
+
+/// The snapshot steps' failpoints, hit by a snapshot create or delete, not by a
+/// publish/unpublish cycle: [`the_daemon_killed_at_each_snapshot_failpoint_converges`].
+const SNAPSHOT_ONLY: &[&str] = &[
+    "snapshot.create.after_intent",
+    "snapshot.create.after_rpc",
+    "snapshot.delete.after_intent",
+    "snapshot.delete.after_rpc",
+];
+
+/// The snapshot rows of the daemon's database (read while it is dead or alive):
+/// `(snapshot name key, record)`.
+fn snapshot_rows(node: &Node) -> Vec<(String, serde_json::Value)> {
+    csi_agent::store::db::dump(&node.work)
+        .unwrap()
+        .into_iter()
+        .filter(|r| r.plugin_name.ends_with("/snapshots"))
+        .map(|r| (r.volume_key, serde_json::from_str(&r.record).unwrap()))
+        .collect()
+}
+
+/// The snapshots the plugin holds: its records (with `complete`) and its data directories.
+fn plugin_snapshots(node: &Node) -> (Vec<(String, bool)>, Vec<String>) {
+    let state = node.plugin_state();
+    let records = state["snapshots"]
+        .as_object()
+        .map(|m| {
+            m.iter()
+                .map(|(k, v)| (k.clone(), v["complete"] == json!(true)))
+                .collect()
+        })
+        .unwrap_or_default();
+    (records, dir_names(&node.plugin_dir.join("snapshots")))
+}
+
+/// The daemon SIGKILLed at each snapshot failpoint, then restarted without failpoints: the
+/// intent (or the delete mark) is on disk at the kill, recovery resumes it on its own, and
+/// the plugin ends with exactly one snapshot (create) or none (delete), the database with the
+/// matching record or none; the caller's repeated request then agrees, without another copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_daemon_killed_at_each_snapshot_failpoint_converges() {
+    require_private_mount_namespace();
+    let documented = documented_points();
+    for point in SNAPSHOT_ONLY {
+        assert!(
+            documented.iter().any(|p| p == point),
+            "{point} is not in docs/recovery.md"
+        );
+        let mut node = Node::new(&format!("{VOLUME}:1M"));
+        let mut config = managed_config(PLUGIN, &node.plugin_dir, &format!("{VOLUME}:1M"));
+        config["containers"][0]["command"]["arguments"]
+            .as_array_mut()
+            .unwrap()
+            .push("--snapshots".into());
+        node.add_config("test.json", &config);
+        node.start(Some(&format!("{point}=1*exit"))).await;
+        node.wait_recovered().await;
+        let request = csi_agent_api::CreateSnapshotRequest {
+            plugin: PLUGIN.to_owned(),
+            source_volume_id: VOLUME.to_owned(),
+            name: "snap".to_owned(),
+            parameters: Default::default(),
+        };
+        let creating = point.starts_with("snapshot.create.");
+        if creating {
+            let err = node.api().create_snapshot(&request).await.unwrap_err();
+            node.expect_failpoint_kill(point, &err).await;
+        } else {
+            let taken = node.api().create_snapshot(&request).await.unwrap();
+            let err = node
+                .api()
+                .delete_snapshot(PLUGIN, &taken.snapshot_id)
+                .await
+                .unwrap_err();
+            node.expect_failpoint_kill(point, &err).await;
+        }
+        // At the kill: the intent (or the delete mark) is durable.
+        let rows = snapshot_rows(&node);
+        assert_eq!(rows.len(), 1, "{point}: {rows:?}");
+        if creating {
+            assert_eq!(rows[0].1["source_volume_id"], json!(VOLUME), "{point}");
+        } else {
+            assert_eq!(rows[0].1["deleting"], json!(true), "{point}: {rows:?}");
+        }
+
+        node.start(None).await;
+        node.wait_recovered().await;
+        eventually(
+            &format!("{point}: recovery to finish the snapshot operation"),
+            Duration::from_secs(30),
+            || async {
+                let rows = snapshot_rows(&node);
+                let plugin = plugin_snapshots(&node);
+                let done = if creating {
+                    rows.len() == 1
+                        && rows[0].1["ready_to_use"] == json!(true)
+                        && plugin == (vec![("snap".to_owned(), true)], vec!["snap".to_owned()])
+                } else {
+                    rows.is_empty() && plugin == (Vec::new(), Vec::new())
+                };
+                if done {
+                    Ok(())
+                } else {
+                    Err(format!("rows {rows:?}, plugin {plugin:?}"))
+                }
+            },
+        )
+        .await;
+        if creating {
+            // The caller's retried request: the same snapshot, no second copy.
+            let calls_before = node
+                .calls()
+                .iter()
+                .filter(|c| c["method"] == "CreateSnapshot")
+                .count();
+            let taken = node.api().create_snapshot(&request).await.unwrap();
+            assert!(taken.ready_to_use, "{point}: {taken:?}");
+            assert_eq!(taken.snapshot_id, "snap");
+            let calls_after = node
+                .calls()
+                .iter()
+                .filter(|c| c["method"] == "CreateSnapshot")
+                .count();
+            assert_eq!(
+                calls_before, calls_after,
+                "{point}: answered from the record"
+            );
+            assert_eq!(plugin_snapshots(&node).1, ["snap"], "{point}");
+            node.api().delete_snapshot(PLUGIN, "snap").await.unwrap();
+        }
+        assert!(snapshot_rows(&node).is_empty(), "{point}");
+        assert_eq!(plugin_snapshots(&node), (Vec::new(), Vec::new()), "{point}");
+        println!("{point}: killed, recovered, converged");
     }
 }

@@ -153,6 +153,20 @@ pub struct Args {
     #[arg(long)]
     pub block: bool,
 
+    /// Advertise and serve CREATE_DELETE_SNAPSHOT and LIST_SNAPSHOTS (v1):
+    /// snapshots are copies of the volume's data under `<work-dir>/snapshots`.
+    #[arg(long)]
+    pub snapshots: bool,
+
+    /// Advertise CLONE_VOLUME (v1): CreateVolume from another volume copies its data.
+    #[arg(long)]
+    pub clones: bool,
+
+    /// With --snapshots: the first N CreateSnapshot answers for a new snapshot
+    /// say `ready_to_use: false` (a snapshot still being processed).
+    #[arg(long, default_value_t = 0)]
+    pub snapshot_ready_after: u32,
+
     /// Quirk: report an empty vendor_version.
     #[arg(long)]
     pub empty_vendor_version: bool,
@@ -259,6 +273,12 @@ pub struct Config {
     pub max_volumes_per_node: i64,
     /// `--get-volume`.
     pub get_volume: bool,
+    /// `--snapshots`.
+    pub snapshots: bool,
+    /// `--clones`.
+    pub clones: bool,
+    /// `--snapshot-ready-after`.
+    pub snapshot_ready_after: u32,
 }
 
 /// Sizes follow csi-agent's one convention ([`csi_agent_api::size`]): `1G` is 10^9 bytes,
@@ -394,6 +414,9 @@ impl Args {
             block: self.block,
             volume_stats: self.volume_stats,
             volume_condition: self.volume_condition,
+            snapshots: self.snapshots,
+            clones: self.clones,
+            snapshot_ready_after: self.snapshot_ready_after,
             hidden_controller_caps: self
                 .hide_controller_capabilities
                 .iter()

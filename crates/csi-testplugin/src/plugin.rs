@@ -30,7 +30,12 @@ use crate::faults::Faults;
 use crate::model::{ApiVersion, CapArg, Capability, Unsupported, validate_volume_name};
 use crate::mounts::{self, MountMode};
 use crate::rpc::Inflight;
-use crate::state::{ControllerPublication, Publication, Staging, Store, VolumeRecord};
+use crate::state::{
+    ContentSource, ControllerPublication, Publication, Staging, Store, VolumeRecord,
+};
+
+mod snapshots;
+pub use snapshots::{SnapshotArgs, SnapshotInfo};
 
 #[path = "expand.rs"]
 pub mod expand;
@@ -65,6 +70,7 @@ pub struct VolumeInfo {
     pub id: String,
     pub capacity_bytes: i64,
     pub context: HashMap<String, String>,
+    pub content_source: Option<ContentSource>,
 }
 
 /// A ListVolumes entry.
@@ -83,6 +89,9 @@ pub struct CreateArgs {
     pub capabilities: Vec<CapArg>,
     pub parameters: BTreeMap<String, String>,
     pub has_content_source: bool,
+    /// The source, where the adapter could read it (v1); `None` with
+    /// `has_content_source` is a source of an unsupported kind.
+    pub content_source: Option<ContentSource>,
     pub has_mutable_parameters: bool,
     /// `accessibility_requirements` (v1 only; `None` when not given).
     pub accessibility: Option<crate::topology::Requirements>,
@@ -155,6 +164,28 @@ fn decode_token(token: &str) -> Option<String> {
         .map(|i| u8::from_str_radix(hex.get(i..i + 2)?, 16).ok())
         .collect::<Option<Vec<u8>>>()?;
     String::from_utf8(bytes).ok()
+}
+
+/// The bounds of one page of ListVolumes or ListSnapshots: the id after which it starts and
+/// how many entries it holds at most. Both requests say of `max_entries`: "The value of this
+/// field MUST NOT be negative", and both tables: "Invalid starting_token | 10 ABORTED".
+fn page_bounds(max_entries: i32, starting_token: &str) -> Result<(Option<String>, usize), Status> {
+    if max_entries < 0 {
+        return Err(invalid("max_entries must not be negative"));
+    }
+    let after =
+        if starting_token.is_empty() {
+            None
+        } else {
+            Some(decode_token(starting_token).ok_or_else(|| {
+                Status::aborted(format!("invalid starting_token {starting_token:?}"))
+            })?)
+        };
+    let limit = usize::try_from(max_entries)
+        .ok()
+        .filter(|n| *n > 0)
+        .unwrap_or(usize::MAX);
+    Ok((after, limit))
 }
 
 fn read_boot_id() -> String {
@@ -292,6 +323,14 @@ impl Plugin {
             }
             changed
         })?;
+        let mut reconciled = Ok(());
+        store.update_now(|s| {
+            snapshots::reconcile_copies(&cfg, s, &volumes_dir).unwrap_or_else(|e| {
+                reconciled = Err(e);
+                false
+            })
+        })?;
+        reconciled.context("removing copies a crash interrupted")?;
         if cfg.volume_fs == VolumeFs::Tmpfs {
             mount_tmpfs_backings(&store, &volumes_dir)?;
         }
@@ -443,6 +482,13 @@ impl Plugin {
         if self.cfg.get_volume && version == ApiVersion::V1 {
             caps.push(CAP_GET_VOLUME);
         }
+        if self.cfg.snapshots && version == ApiVersion::V1 {
+            caps.push(snapshots::CAP_CREATE_DELETE_SNAPSHOT);
+            caps.push(snapshots::CAP_LIST_SNAPSHOTS);
+        }
+        if self.cfg.clones && version == ApiVersion::V1 {
+            caps.push(snapshots::CAP_CLONE_VOLUME);
+        }
         caps.retain(|c| !self.cfg.hidden_controller_caps.contains(c));
         self.quirk_caps(caps)
     }
@@ -481,6 +527,7 @@ impl Plugin {
                 id: id.to_owned(),
                 capacity_bytes: rec.capacity_bytes,
                 context: HashMap::new(),
+                content_source: rec.content_source.clone(),
             },
             published_nodes: rec.controller_published.keys().cloned().collect(),
         })
@@ -533,11 +580,27 @@ impl Plugin {
                 a.required_bytes, a.limit_bytes
             )));
         }
-        // "Source incompatible or not supported | 3 INVALID_ARGUMENT".
-        if a.has_content_source {
-            return Err(invalid(
-                "volume_content_source is not supported (no CREATE_DELETE_SNAPSHOT or CLONE_VOLUME)",
-            ));
+        // "Source incompatible or not supported | 3 INVALID_ARGUMENT" and
+        // "Source does not exist | 5 NOT_FOUND".
+        let source = match (&a.content_source, a.has_content_source) {
+            (Some(src), _) => Some((src.clone(), self.content_source_dir(src)?)),
+            (None, true) => {
+                return Err(invalid(
+                    "volume_content_source is not supported (no CREATE_DELETE_SNAPSHOT or CLONE_VOLUME)",
+                ));
+            }
+            (None, false) => None,
+        };
+        // "Unsupported capacity_range | 11 OUT_OF_RANGE": smaller than the
+        // data to restore.
+        if let Some((ContentSource::Snapshot(id), (_, bytes))) = &source
+            && a.required_bytes > 0
+            && a.required_bytes < *bytes
+        {
+            return Err(Status::out_of_range(format!(
+                "capacity_range.required_bytes {} is smaller than snapshot {id:?} ({bytes} bytes)",
+                a.required_bytes
+            )));
         }
         if a.has_mutable_parameters {
             return Err(invalid(
@@ -558,7 +621,12 @@ impl Plugin {
         let backing_file = self.backing_file(&a.name);
         let (name, required, limit, parameters) =
             (a.name, a.required_bytes, a.limit_bytes, a.parameters);
-        self.store
+        let (wanted_source, source_dir) = match source {
+            Some((src, (dir, _))) => (Some(src), Some(dir)),
+            None => (None, None),
+        };
+        let created = self
+            .store
             .update(|s| {
                 if let Some(v) = s.volumes.get(&name) {
                     // Spec: "If a volume corresponding to the specified volume
@@ -567,17 +635,31 @@ impl Plugin {
                     // parameters ..., the Plugin MUST reply 0 OK".
                     let fits = v.capacity_bytes >= required
                         && (limit == 0 || v.capacity_bytes <= limit);
-                    if fits && v.parameters == parameters && v.block == block {
+                    if fits
+                        && v.parameters == parameters
+                        && v.block == block
+                        && v.content_source == wanted_source
+                    {
+                        // "Operation pending for volume | 10 ABORTED".
+                        if v.populating {
+                            return Err(Status::aborted(format!(
+                                "volume {name:?} is being filled from its content source"
+                            )));
+                        }
                         let info = VolumeInfo {
                             id: name.clone(),
                             capacity_bytes: v.capacity_bytes,
                             context: HashMap::new(),
+                            content_source: v.content_source.clone(),
                         };
-                        return Ok((info, false));
+                        return Ok(((info, None), false));
                     }
                     return Err(Status::already_exists(format!(
-                        "volume {name:?} exists with {} bytes, parameters {:?} and {} access, incompatible with the request",
-                        v.capacity_bytes, v.parameters, if v.block { "block" } else { "mount" }
+                        "volume {name:?} exists with {} bytes, parameters {:?}, {} access and content source {:?}, incompatible with the request",
+                        v.capacity_bytes,
+                        v.parameters,
+                        if v.block { "block" } else { "mount" },
+                        v.content_source
                     )));
                 }
                 // A volume larger than the whole pool can never be made:
@@ -607,12 +689,15 @@ impl Plugin {
                         internal(&format!("creating {}", backing_file.display()), e)
                     })?;
                 }
+                // Intent first: `populating` is durable before the copy.
                 s.volumes.insert(
                     name.clone(),
                     VolumeRecord {
                         capacity_bytes: size,
                         parameters,
                         block,
+                        populating: source_dir.is_some(),
+                        content_source: wanted_source.clone(),
                         ..VolumeRecord::default()
                     },
                 );
@@ -620,10 +705,16 @@ impl Plugin {
                     id: name,
                     capacity_bytes: size,
                     context: HashMap::new(),
+                    content_source: wanted_source,
                 };
-                Ok((info, true))
+                Ok(((info, Some(source_dir)), true))
             })
-            .await
+            .await;
+        let (info, fresh) = created?;
+        if let Some(Some(from)) = fresh {
+            self.populate(&info.id, from).await?;
+        }
+        Ok(info)
     }
 
     pub async fn delete_volume(&self, id: &str) -> Result<(), Status> {
@@ -884,23 +975,7 @@ impl Plugin {
         max_entries: i32,
         starting_token: &str,
     ) -> Result<(Vec<ListedVolume>, String), Status> {
-        // ListVolumesRequest.max_entries: "The value of this field MUST NOT
-        // be negative."
-        if max_entries < 0 {
-            return Err(invalid("max_entries must not be negative"));
-        }
-        // "Invalid starting_token | 10 ABORTED".
-        let after = if starting_token.is_empty() {
-            None
-        } else {
-            Some(decode_token(starting_token).ok_or_else(|| {
-                Status::aborted(format!("invalid starting_token {starting_token:?}"))
-            })?)
-        };
-        let limit = usize::try_from(max_entries)
-            .ok()
-            .filter(|n| *n > 0)
-            .unwrap_or(usize::MAX);
+        let (after, limit) = page_bounds(max_entries, starting_token)?;
         self.store.read(|s| {
             let lower = match &after {
                 Some(a) => Bound::Excluded(a.clone()),
@@ -915,6 +990,7 @@ impl Plugin {
                         id: id.clone(),
                         capacity_bytes: v.capacity_bytes,
                         context: HashMap::new(),
+                        content_source: v.content_source.clone(),
                     },
                     published_nodes: v.controller_published.keys().cloned().collect(),
                 })

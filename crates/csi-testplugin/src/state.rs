@@ -43,6 +43,39 @@ pub struct StateFile {
     pub boot_id: String,
     #[serde(default)]
     pub volumes: BTreeMap<String, VolumeRecord>,
+    /// Snapshots by id (= name), their data in `<work-dir>/snapshots/<id>`.
+    #[serde(default)]
+    pub snapshots: BTreeMap<String, SnapshotRecord>,
+}
+
+/// One snapshot (`--snapshots`). Written with `complete: false` before its
+/// data is copied (intent first); a record still incomplete at start is
+/// dropped with its partial copy, so the CO's re-issue copies again.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct SnapshotRecord {
+    pub source_volume_id: String,
+    #[serde(default)]
+    pub parameters: BTreeMap<String, String>,
+    /// Bytes of data copied (regular files).
+    #[serde(default)]
+    pub size_bytes: i64,
+    /// Nanoseconds since the epoch.
+    #[serde(default)]
+    pub creation_time_ns: u64,
+    #[serde(default)]
+    pub complete: bool,
+    /// CreateSnapshot answers still to say `ready_to_use: false`
+    /// (`--snapshot-ready-after`).
+    #[serde(default)]
+    pub not_ready_answers: u32,
+}
+
+/// Where a volume's initial data came from (`volume_content_source`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ContentSource {
+    Snapshot(String),
+    Volume(String),
 }
 
 /// One volume. Its id is the key in [`StateFile::volumes`] and the name of
@@ -71,6 +104,13 @@ pub struct VolumeRecord {
     /// volume's (`crate::block`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loop_device: Option<String>,
+    /// The snapshot or volume this volume was created from.
+    #[serde(default)]
+    pub content_source: Option<ContentSource>,
+    /// Recorded before the source's data is copied in; still set at start
+    /// means the copy was interrupted, and the volume is removed.
+    #[serde(default)]
+    pub populating: bool,
 }
 
 impl VolumeRecord {

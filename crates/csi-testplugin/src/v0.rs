@@ -164,6 +164,7 @@ impl Controller for V0 {
                     capabilities: caps_from(r.volume_capabilities, v),
                     parameters: sorted(&r.parameters),
                     has_content_source: r.volume_content_source.is_some(),
+                    content_source: None,
                     has_mutable_parameters: false,
                     accessibility: None,
                 })

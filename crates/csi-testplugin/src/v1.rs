@@ -18,8 +18,9 @@ use pb::node_server::Node;
 use tonic::{Request, Response, Status};
 
 use crate::model::{AccessMode, AccessType, ApiVersion, CapArg, Capability};
-use crate::plugin::{CreateArgs, Plugin, PublishArgs};
+use crate::plugin::{CreateArgs, Plugin, PublishArgs, SnapshotArgs, SnapshotInfo};
 use crate::rpc::{self, CallCtx};
+use crate::state::ContentSource;
 use crate::topology;
 
 const V: ApiVersion = ApiVersion::V1;
@@ -115,6 +116,41 @@ fn requirements(r: &pb::TopologyRequirement) -> topology::Requirements {
     }
 }
 
+fn content_source_from(c: Option<pb::VolumeContentSource>) -> Option<ContentSource> {
+    use pb::volume_content_source::Type;
+    match c?.r#type? {
+        Type::Snapshot(s) => Some(ContentSource::Snapshot(s.snapshot_id)),
+        Type::Volume(v) => Some(ContentSource::Volume(v.volume_id)),
+    }
+}
+
+fn content_source_to(c: Option<ContentSource>) -> Option<pb::VolumeContentSource> {
+    use pb::volume_content_source::{SnapshotSource, Type, VolumeSource};
+    Some(pb::VolumeContentSource {
+        r#type: Some(match c? {
+            ContentSource::Snapshot(snapshot_id) => Type::Snapshot(SnapshotSource { snapshot_id }),
+            ContentSource::Volume(volume_id) => Type::Volume(VolumeSource { volume_id }),
+        }),
+    })
+}
+
+fn snapshot_to(s: SnapshotInfo) -> pb::Snapshot {
+    let mut out = pb::Snapshot {
+        size_bytes: s.size_bytes,
+        snapshot_id: s.id,
+        source_volume_id: s.source_volume_id,
+        ready_to_use: s.ready_to_use,
+        ..Default::default()
+    };
+    // The Timestamp type is named through the field, so that this crate
+    // needs no prost-types of its own.
+    let mut at = out.creation_time.take().unwrap_or_default();
+    at.seconds = i64::try_from(s.creation_time_ns / 1_000_000_000).unwrap_or(i64::MAX);
+    at.nanos = i32::try_from(s.creation_time_ns % 1_000_000_000).unwrap_or(0);
+    out.creation_time = Some(at);
+    out
+}
+
 fn rpc_caps<T>(caps: Vec<i32>, make: impl Fn(i32) -> T) -> Vec<T> {
     caps.into_iter().map(make).collect()
 }
@@ -203,6 +239,7 @@ impl Controller for V1 {
                     capabilities: caps_from(r.volume_capabilities),
                     parameters: sorted(&r.parameters),
                     has_content_source: r.volume_content_source.is_some(),
+                    content_source: content_source_from(r.volume_content_source),
                     has_mutable_parameters: !r.mutable_parameters.is_empty(),
                     accessibility: asked,
                 })
@@ -212,7 +249,7 @@ impl Controller for V1 {
                     capacity_bytes: v.capacity_bytes,
                     volume_id: v.id,
                     volume_context: v.context,
-                    content_source: None,
+                    content_source: content_source_to(v.content_source),
                     // "accessible_topology ... Specifies where (regions,
                     // zones, racks, etc.) the provisioned volume is
                     // accessible from."
@@ -336,7 +373,7 @@ impl Controller for V1 {
                             capacity_bytes: v.info.capacity_bytes,
                             volume_id: v.info.id,
                             volume_context: v.info.context,
-                            content_source: None,
+                            content_source: content_source_to(v.info.content_source),
                             accessible_topology: topologies(&p.config().topology),
                         }),
                         status: with_status.then_some(VolumeStatus {
@@ -405,22 +442,80 @@ impl Controller for V1 {
         &self,
         req: Request<pb::CreateSnapshotRequest>,
     ) -> Result<Response<pb::CreateSnapshotResponse>, Status> {
-        self.unimplemented("CreateSnapshot", &req.get_ref().source_volume_id)
-            .await
+        if !self.p.config().snapshots {
+            return self
+                .unimplemented("CreateSnapshot", &req.get_ref().source_volume_id)
+                .await;
+        }
+        let r = req.into_inner();
+        let ctx = self
+            .ctx("CreateSnapshot")
+            .volume(&r.source_volume_id)
+            .secrets(&self.p, &r.secrets);
+        rpc::run(&self.p, ctx, move |p| async move {
+            let s = p
+                .create_snapshot(SnapshotArgs {
+                    name: r.name,
+                    source_volume_id: r.source_volume_id,
+                    parameters: sorted(&r.parameters),
+                })
+                .await?;
+            Ok(pb::CreateSnapshotResponse {
+                snapshot: Some(snapshot_to(s)),
+            })
+        })
+        .await
+        .map(Response::new)
     }
 
     async fn delete_snapshot(
         &self,
-        _req: Request<pb::DeleteSnapshotRequest>,
+        req: Request<pb::DeleteSnapshotRequest>,
     ) -> Result<Response<pb::DeleteSnapshotResponse>, Status> {
-        self.unimplemented("DeleteSnapshot", "").await
+        if !self.p.config().snapshots {
+            return self.unimplemented("DeleteSnapshot", "").await;
+        }
+        let r = req.into_inner();
+        let ctx = self.ctx("DeleteSnapshot").secrets(&self.p, &r.secrets);
+        rpc::run(&self.p, ctx, move |p| async move {
+            p.delete_snapshot(&r.snapshot_id).await?;
+            Ok(pb::DeleteSnapshotResponse {})
+        })
+        .await
+        .map(Response::new)
     }
 
     async fn list_snapshots(
         &self,
-        _req: Request<pb::ListSnapshotsRequest>,
+        req: Request<pb::ListSnapshotsRequest>,
     ) -> Result<Response<pb::ListSnapshotsResponse>, Status> {
-        self.unimplemented("ListSnapshots", "").await
+        if !self.p.config().snapshots {
+            return self.unimplemented("ListSnapshots", "").await;
+        }
+        let r = req.into_inner();
+        let ctx = self
+            .ctx("ListSnapshots")
+            .volume(&r.source_volume_id)
+            .secrets(&self.p, &r.secrets);
+        rpc::run(&self.p, ctx, move |p| async move {
+            let (page, next_token) = p.list_snapshots(
+                r.max_entries,
+                &r.starting_token,
+                &r.snapshot_id,
+                &r.source_volume_id,
+            )?;
+            Ok(pb::ListSnapshotsResponse {
+                entries: page
+                    .into_iter()
+                    .map(|s| pb::list_snapshots_response::Entry {
+                        snapshot: Some(snapshot_to(s)),
+                    })
+                    .collect(),
+                next_token,
+            })
+        })
+        .await
+        .map(Response::new)
     }
 
     async fn get_snapshot(

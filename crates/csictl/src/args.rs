@@ -129,6 +129,10 @@ pub enum Command {
     /// Show a published volume's usage (bytes, inodes) and condition, as its plugin reports
     /// them (NodeGetVolumeStats; the latest background sample, or one taken now).
     Stats(VolumeRef),
+    /// Create, delete or list a plugin's snapshots (CreateSnapshot, DeleteSnapshot,
+    /// ListSnapshots).
+    #[command(subcommand)]
+    Snapshot(crate::snapshot::SnapshotCommand),
 }
 
 /// A volume named the same way by every command: `--plugin TYPE --volume VOLUME_ID`, or the
@@ -350,6 +354,12 @@ pub struct CreateArgs {
     /// A topology to try first, in order; repeat for several.
     #[arg(long = "preferred", value_name = "KEY=VALUE,...")]
     pub preferred: Vec<String>,
+    /// Restore this snapshot into the new volume (the plugin needs CREATE_DELETE_SNAPSHOT).
+    #[arg(long, value_name = "SNAPSHOT_ID", conflicts_with = "from_volume")]
+    pub from_snapshot: Option<String>,
+    /// Clone this volume of the same plugin (the plugin needs CLONE_VOLUME).
+    #[arg(long, value_name = "VOLUME_ID")]
+    pub from_volume: Option<String>,
 }
 
 #[derive(Debug, Args)]

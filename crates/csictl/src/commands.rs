@@ -48,6 +48,7 @@ pub async fn run(cli: Cli) -> Result<String, Failure> {
         Command::Stats(volume) => crate::stats::stats(&client, format, &volume).await,
         Command::Image(command) => crate::image::run(&client, format, command).await,
         Command::Expand(args) => crate::expand::run(&client, format, &args).await,
+        Command::Snapshot(command) => crate::snapshot::run(&client, format, command).await,
         Command::Publish(args) => {
             let request = publish_request(&args)?;
             render(format, &client.publish(&request).await?, output::publish)
@@ -88,6 +89,11 @@ pub async fn run(cli: Cli) -> Result<String, Failure> {
                     &args.requisite,
                     &args.preferred,
                 )?,
+                content_source: (args.from_snapshot.is_some() || args.from_volume.is_some())
+                    .then_some(csi_agent_api::ContentSource {
+                        snapshot_id: args.from_snapshot,
+                        volume_id: args.from_volume,
+                    }),
             };
             render(
                 format,

@@ -10,6 +10,7 @@ mod expand;
 mod failure;
 mod image;
 mod output;
+mod snapshot;
 mod stats;
 mod topology;
 

@@ -14,6 +14,8 @@ mod topology;
 pub use topology::{
     AccessibilityRequirements, ControllerVolumeStatus, PluginNodeInfo, TopologySegments,
 };
+mod snapshot;
+pub use snapshot::*;
 
 /// The one error shape of every failed request.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -625,6 +627,9 @@ pub struct CreateVolumeRequest {
     /// node's topology as the only requisite and preferred one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub accessibility_requirements: Option<AccessibilityRequirements>,
+    /// Restore a snapshot or clone a volume (`volume_content_source`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub content_source: Option<ContentSource>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

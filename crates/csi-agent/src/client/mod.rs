@@ -14,6 +14,7 @@ pub mod expand;
 pub mod stats;
 mod topology;
 pub use topology::NodeDescription;
+mod snapshot;
 pub mod v0;
 
 use std::collections::BTreeSet;

@@ -47,7 +47,7 @@ pub struct Validation {
 impl VolumeManager {
     /// One Controller RPC, retried on transient errors (except `final_codes`) with backoff
     /// until the operation timeout, waiting for the plugin through its restarts.
-    async fn controller_rpc<Req, T, F, Fut>(
+    pub(super) async fn controller_rpc<Req, T, F, Fut>(
         &self,
         final_codes: &[tonic::Code],
         request: Req,
@@ -92,6 +92,32 @@ impl VolumeManager {
         secrets: BTreeMap<String, String>,
         accessibility: Option<&super::topology::Requirements>,
     ) -> Result<CreatedVolume, VolumeError> {
+        self.create_volume_from(
+            name,
+            capacity_bytes,
+            capability,
+            parameters,
+            secrets,
+            accessibility,
+            None,
+        )
+        .await
+    }
+
+    /// [`Self::create_volume`] with a `volume_content_source` (a snapshot to restore or a
+    /// volume to clone, checked by `volume::snapshot`).
+    // The fields of CreateVolumeRequest, one argument each (as create_volume's callers give them).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn create_volume_from(
+        &self,
+        name: &str,
+        capacity_bytes: i64,
+        capability: &Capability,
+        parameters: BTreeMap<String, String>,
+        secrets: BTreeMap<String, String>,
+        accessibility: Option<&super::topology::Requirements>,
+        content_source: Option<v1::VolumeContentSource>,
+    ) -> Result<CreatedVolume, VolumeError> {
         validate_id("name", name)?;
         if capacity_bytes < 0 {
             return Err(InvalidRequest::NegativeCapacity(capacity_bytes).into());
@@ -109,6 +135,7 @@ impl VolumeManager {
             parameters: to_hash_map(&parameters),
             secrets: to_hash_map(&secrets),
             accessibility_requirements,
+            volume_content_source: content_source,
             ..Default::default()
         };
         // With topology requirements, RESOURCE_EXHAUSTED is the spec's "Unable to provision

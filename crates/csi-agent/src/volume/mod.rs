@@ -20,6 +20,7 @@ pub mod progress;
 pub mod record;
 pub mod recovery;
 pub mod refusal;
+pub mod snapshot;
 pub mod stats;
 pub mod topology;
 

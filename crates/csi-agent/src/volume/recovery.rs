@@ -183,6 +183,7 @@ impl VolumeManager {
             }
         }
         report.stray_mounts = self.collect_garbage(&table).await;
+        let snapshots = self.recover_snapshots().await;
         if let Some(metrics) = &self.inner.metrics {
             metrics
                 .recovery_seconds
@@ -194,6 +195,7 @@ impl VolumeManager {
             problems = report.problems.len(),
             reset_by_reboot = report.reset_by_reboot,
             reconciling = report.reconciling.len(),
+            snapshots_resumed = snapshots,
             "volumes recovered"
         );
         Ok(report)

@@ -120,6 +120,18 @@ pub enum Conflict {
         state: &'static str,
         claims: usize,
     },
+    /// A snapshot name already used with another source volume or other parameters.
+    #[error(
+        "snapshot name {name:?} is already used for volume {source_volume_id:?} with parameters {parameters:?}; choose another name, or repeat the request exactly"
+    )]
+    SnapshotNameTaken {
+        name: String,
+        source_volume_id: String,
+        parameters: std::collections::BTreeMap<String, String>,
+    },
+    /// A create of a snapshot whose delete is in progress.
+    #[error("snapshot {name:?} is being deleted; wait for the delete, then create it again")]
+    SnapshotBeingDeleted { name: String },
 }
 
 /// How a plugin that answered success broke a rule of the CSI spec.
@@ -142,6 +154,17 @@ pub enum ProtocolViolation {
     BadVolumeId(#[source] InvalidRequest),
     #[error("NodeGetInfo returned an empty node_id")]
     EmptyNodeId,
+    #[error("{rpc} returned no snapshot")]
+    NoSnapshot { rpc: &'static str },
+    /// A snapshot id csi-agent cannot keep (empty, too long).
+    #[error("{rpc} returned an unusable snapshot_id: {source}")]
+    BadSnapshotId {
+        rpc: &'static str,
+        #[source]
+        source: InvalidRequest,
+    },
+    #[error("CreateSnapshot for source volume {asked:?} returned a snapshot of volume {got:?}")]
+    SnapshotOfOtherVolume { asked: String, got: String },
 }
 
 #[cfg(test)]

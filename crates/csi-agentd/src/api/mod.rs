@@ -26,6 +26,7 @@ use crate::convert::{self, ApiFailure};
 mod expand;
 use crate::volume_list::{PluginPart, VolumePage};
 
+mod snapshot;
 pub(crate) mod stats;
 mod topology;
 
@@ -161,6 +162,9 @@ fn handler(method: &str, path: &str) -> Option<MethodRouter<AppState>> {
         ("GET", r::IMAGES_PULLS) => get(image_pulls),
         ("POST", r::IMAGES_PRUNE) => post(prune_images),
         ("POST", r::IMAGES_IMPORT) => post(import_images),
+        ("POST", r::SNAPSHOTS) => post(snapshot::create_snapshot),
+        ("DELETE", r::SNAPSHOT) => delete(snapshot::delete_snapshot),
+        ("GET", r::PLUGIN_SNAPSHOTS) => get(snapshot::list_snapshots),
         _ => return None,
     })
 }
@@ -962,29 +966,48 @@ async fn create_volume(
     let request: api::CreateVolumeRequest = parse_body("POST /v1/volumes", &body)?;
     let capability = convert::capability(&request.capability)?;
     state.server.refuse_if_drained()?;
+    let source = snapshot::content_source(request.content_source)?;
     let plugin = state.server.plugin(&request.plugin).await?;
-    let created = plugin
-        .volumes
-        .create_volume(
-            &request.name,
-            request.capacity_bytes,
-            &capability,
-            request.parameters,
-            BTreeMap::new(),
-            request
-                .accessibility_requirements
-                .as_ref()
-                .map(topology::requirements)
-                .as_ref(),
+    let requirements = request
+        .accessibility_requirements
+        .as_ref()
+        .map(topology::requirements);
+    let created = match source {
+        None => {
+            plugin
+                .volumes
+                .create_volume(
+                    &request.name,
+                    request.capacity_bytes,
+                    &capability,
+                    request.parameters,
+                    BTreeMap::new(),
+                    requirements.as_ref(),
+                )
+                .await
+        }
+        Some(source) => {
+            plugin
+                .volumes
+                .create_volume_with_source(
+                    &request.name,
+                    request.capacity_bytes,
+                    &capability,
+                    request.parameters,
+                    BTreeMap::new(),
+                    requirements.as_ref(),
+                    source,
+                )
+                .await
+        }
+    }
+    .map_err(|err| {
+        topology::create_failure(
+            &plugin.volumes,
+            request.accessibility_requirements.is_some(),
+            err,
         )
-        .await
-        .map_err(|err| {
-            topology::create_failure(
-                &plugin.volumes,
-                request.accessibility_requirements.is_some(),
-                err,
-            )
-        })?;
+    })?;
     Ok((
         StatusCode::CREATED,
         Json(api::CreateVolumeResponse {

@@ -56,7 +56,7 @@ fn stats_of(sample: &Sample) -> api::VolumeStats {
         bytes: sample.stats.bytes.map(figures),
         inodes: sample.stats.inodes.map(figures),
         condition: sample.stats.condition.as_ref().map(condition),
-        collected_at: api::time::rfc3339(sample.collected_at),
+        collected_at: api::time::rfc3339_millis(sample.collected_at),
     }
 }
 

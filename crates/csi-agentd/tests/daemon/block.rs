@@ -77,6 +77,8 @@ impl Scene {
         self.daemon
             .api()
             .create_volume(&CreateVolumeRequest {
+                accessibility_requirements: None,
+                content_source: None,
                 plugin: PLUGIN.to_owned(),
                 name: name.to_owned(),
                 capacity_bytes: 4 * MIB as i64,
@@ -348,6 +350,8 @@ async fn a_plugin_without_block_refuses_it_clearly() {
             .daemon
             .api()
             .create_volume(&CreateVolumeRequest {
+                accessibility_requirements: None,
+                content_source: None,
                 plugin: PLUGIN.to_owned(),
                 name: "blk".to_owned(),
                 capacity_bytes: MIB as i64,

@@ -169,6 +169,8 @@ async fn offline_expansion_is_refused_while_published() {
     let api = daemon.api();
     // A created volume: its record outlives its claims (a pre-provisioned one is forgotten).
     api.create_volume(&csi_agent_api::CreateVolumeRequest {
+        accessibility_requirements: None,
+        content_source: None,
         plugin: PLUGIN.to_owned(),
         name: "made".to_owned(),
         capacity_bytes: MI,

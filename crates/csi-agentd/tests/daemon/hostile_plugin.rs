@@ -271,6 +271,7 @@ async fn a_wrong_volume_id_is_refused_and_duplicates_are_listed_once() {
         capability: publish_with_secrets("x", "y").capability,
         parameters: Default::default(),
         accessibility_requirements: None,
+        content_source: None,
     };
     for (answer, wanted) in [
         (String::new(), "CreateVolume returned an empty volume_id"),

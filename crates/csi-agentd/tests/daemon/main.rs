@@ -33,6 +33,7 @@ mod readme;
 mod reads;
 mod reload;
 mod reload_race;
+mod snapshots;
 mod startup;
 mod stats;
 mod topology;

@@ -256,6 +256,7 @@ async fn publish_through_the_daemon(daemon: &Daemon, plugin_type: &str) {
             capability: capability(),
             parameters: Default::default(),
             accessibility_requirements: None,
+            content_source: None,
         })
         .await
         .unwrap();

@@ -258,6 +258,8 @@ async fn stats_follow_writes_and_an_abnormal_condition_shows_everywhere_once() {
     // A volume known but not published: 409, and the plugin is never asked about it.
     let created = api
         .create_volume(&csi_agent_api::CreateVolumeRequest {
+            accessibility_requirements: None,
+            content_source: None,
             plugin: PLUGIN.to_owned(),
             name: "idle".to_owned(),
             capacity_bytes: MIB as i64,

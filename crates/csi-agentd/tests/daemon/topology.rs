@@ -55,6 +55,7 @@ fn calls_of(dir: &Path, method: &str) -> Vec<serde_json::Value> {
 
 fn create(name: &str, requirements: Option<AccessibilityRequirements>) -> CreateVolumeRequest {
     CreateVolumeRequest {
+        content_source: None,
         plugin: PLUGIN.to_owned(),
         name: name.to_owned(),
         capacity_bytes: 1 << 20,
