@@ -824,6 +824,7 @@ impl Inner {
                             &container_dir,
                         )
                         .await;
+                        runtime::process::forget_stray(&container_dir).await;
                     }
                     clean_runtime_files(&container_dir);
                 }
@@ -838,6 +839,7 @@ impl Inner {
                             &container_dir,
                         )
                         .await;
+                        runtime::process::forget_stray(&container_dir).await;
                     }
                     if let Err((path, err)) = remove_container_dir(&container_dir) {
                         tracing::warn!(plugin = self.plugin(), path = %path.display(), "cannot remove: {err}");

@@ -221,13 +221,14 @@ enum Phase {
 }
 
 /// The kill that leaves a plugin process no record names: the daemon killed at the publish's
-/// second durable write, the component record of the plugin it has just launched (renamed into
-/// place after the launch). The process carries its component's marker, and the next daemon
-/// kills it before it launches the component again (issue #12, item 6): the convergence check
-/// after the restart, which allows exactly one plugin process, proves it. This is the one case
+/// first durable write, the component record of the plugin it has just launched (renamed into
+/// place after the launch; the publish asks the plugin's NodeGetInfo, for its volume limit,
+/// before it writes anything of its own). The process carries its component's marker, and the
+/// next daemon's recovery kills it (issue #12, item 6): the convergence check after the
+/// restart, which allows no plugin process the daemon does not report, proves it. This is the one case
 /// where an untracked process is expected; the check fails if one appears anywhere else, or no
 /// longer appears here (then the window moved and this entry must follow it).
-const UNTRACKED_LAUNCH: (&str, Phase, u64) = ("store.write.before_rename", Phase::Publish, 2);
+const UNTRACKED_LAUNCH: (&str, Phase, u64) = ("store.write.before_rename", Phase::Publish, 1);
 
 /// One kill, as observed.
 #[derive(Debug)]

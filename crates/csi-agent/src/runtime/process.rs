@@ -179,6 +179,15 @@ pub fn find_marked_owned_by(marker: &str, user: Option<u32>) -> Vec<Pid> {
     found
 }
 
+/// At recovery, for a component dir without a record: kills the processes a launch
+/// interrupted before its record was durable left running (marked with this dir, owned by
+/// the daemon's user), so that they do not outlive the crash until the component's next
+/// launch, which may never come (nothing claims a volume of the plugin). A component with
+/// `command.user` runs as another uid: its stray is stopped at its next launch instead.
+pub async fn forget_stray(container_dir: &Path) {
+    stop_untracked(&container_dir.display().to_string(), None).await;
+}
+
 /// Kills the component's untracked processes (see the module doc) and waits, bounded, until
 /// they are gone.
 async fn stop_untracked(marker: &str, user: Option<u32>) {

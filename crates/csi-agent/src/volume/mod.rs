@@ -360,7 +360,7 @@ struct Inner {
     /// replaces the plugin's components: a reload is ordered after the attempts in flight,
     /// and the attempts after it see the new components (docs/reliability.md, "Reload").
     steps: Arc<tokio::sync::RwLock<()>>,
-    node_id: OnceCell<String>,
+
     /// NodeGetInfo and GetPluginCapabilities (topology.rs), by the same generation as `caps`.
     node_info: StdMutex<(u64, Option<Arc<topology::NodeInfo>>)>,
     /// Publishes of volumes not attached yet, in flight (topology.rs, the volume limit).
@@ -431,7 +431,6 @@ impl VolumeManager {
                 snapshot: std::sync::RwLock::new(BTreeMap::new()),
                 caps: StdMutex::new((0, None)),
                 steps: Arc::default(),
-                node_id: OnceCell::new(),
                 node_info: StdMutex::new((0, None)),
                 attaching: StdMutex::default(),
                 progress: progress::Tracker::default(),
@@ -1725,23 +1724,12 @@ impl VolumeManager {
         if let Some(id) = &self.inner.config.node_id {
             return Ok(id.clone());
         }
-        let endpoints = &self.inner.endpoints;
-        let retry = self.inner.config.retry;
-        self.inner
-            .node_id
-            .get_or_try_init(|| async move {
-                let info = retry_transient(retry, deadline, || async {
-                    let client = endpoints.client(Service::Node).await?;
-                    client.node_get_info().await
-                })
-                .await?;
-                if info.node_id.is_empty() {
-                    return Err(refusal::ProtocolViolation::EmptyNodeId.into());
-                }
-                Ok(info.node_id)
-            })
-            .await
-            .cloned()
+        // One NodeGetInfo serves the node id, the topology and the volume limit.
+        let info = self.node_info(deadline).await?;
+        if info.node_id.is_empty() {
+            return Err(refusal::ProtocolViolation::EmptyNodeId.into());
+        }
+        Ok(info.node_id.clone())
     }
 
     fn observe_operation<T>(
