@@ -84,6 +84,20 @@ fn backs_onto(name: &str, backing: &Path) -> bool {
 /// The loop device attached to `backing` with this `readonly`: an existing one (a repeated
 /// call, or one attached just before a crash, before it was recorded), else a new one.
 ///
+/// util-linux's `losetup`: from a system directory when it is there, because the plugin may run
+/// with a user's `PATH` (a test run through `sudo env PATH=...`), which lacks `/usr/sbin`.
+fn losetup() -> &'static str {
+    [
+        "/usr/sbin/losetup",
+        "/sbin/losetup",
+        "/usr/bin/losetup",
+        "/bin/losetup",
+    ]
+    .into_iter()
+    .find(|path| Path::new(path).is_file())
+    .unwrap_or("losetup")
+}
+
 /// Read-only is the device's own flag (`losetup --read-only`), not the mount's: a read-only
 /// mount does not stop writes to a device node on it (the kernel's `sb_permission` refuses
 /// writes on a read-only mount only for regular files, directories and symlinks), so a
@@ -99,7 +113,7 @@ pub fn attach(backing: &Path, readonly: bool) -> io::Result<String> {
     {
         return Ok(dev);
     }
-    let mut cmd = Command::new("losetup");
+    let mut cmd = Command::new(losetup());
     cmd.arg("--find").arg("--show");
     if readonly {
         cmd.arg("--read-only");
@@ -124,7 +138,7 @@ pub fn attach(backing: &Path, readonly: bool) -> io::Result<String> {
 /// Detaches every loop device backed by `backing`, and nothing else.
 pub fn detach_all(backing: &Path) -> io::Result<()> {
     for (dev, _) in devices_backed_by(backing)? {
-        let out = Command::new("losetup").arg("--detach").arg(&dev).output()?;
+        let out = Command::new(losetup()).arg("--detach").arg(&dev).output()?;
         // Checked again: detached meanwhile (or reused) is not ours to complain about.
         let name = dev.trim_start_matches("/dev/");
         if !out.status.success() && backs_onto(name, backing) {
