@@ -85,7 +85,7 @@ impl Drop for LoopGuard {
             if let Ok(b) = std::fs::read_to_string(format!("/sys/block/{name}/loop/backing_file"))
                 && Path::new(b.trim_end()).starts_with(&self.0)
             {
-                let _ = std::process::Command::new("losetup")
+                let _ = std::process::Command::new(losetup_path())
                     .arg("-d")
                     .arg(format!("/dev/{name}"))
                     .status();
@@ -411,7 +411,7 @@ async fn restart_keeps_the_loop_device_and_never_detaches_a_foreign_one() -> any
     // A foreign loop device, and a hand-edited record naming it as ours.
     let foreign_file = p.path("foreign.img");
     std::fs::File::create(&foreign_file)?.set_len(1 << 20)?;
-    let out = std::process::Command::new("losetup")
+    let out = std::process::Command::new(losetup_path())
         .args(["--find", "--show"])
         .arg(&foreign_file)
         .output()?;
@@ -443,4 +443,18 @@ async fn restart_keeps_the_loop_device_and_never_detaches_a_foreign_one() -> any
         "the foreign device named by the record is still attached"
     );
     Ok(())
+}
+
+/// util-linux's `losetup` from a system directory: the tests may run with a user's `PATH`
+/// (through `sudo env PATH=...`), which lacks `/usr/sbin`.
+fn losetup_path() -> &'static str {
+    [
+        "/usr/sbin/losetup",
+        "/sbin/losetup",
+        "/usr/bin/losetup",
+        "/bin/losetup",
+    ]
+    .into_iter()
+    .find(|path| std::path::Path::new(path).is_file())
+    .unwrap_or("losetup")
 }

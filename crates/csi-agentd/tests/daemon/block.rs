@@ -103,7 +103,7 @@ impl Drop for Scene {
             if let Ok(b) = std::fs::read_to_string(format!("/sys/block/{name}/loop/backing_file"))
                 && Path::new(b.trim_end()).starts_with(&self.plugin_dir)
             {
-                let _ = Command::new("losetup")
+                let _ = Command::new(losetup_path())
                     .arg("-d")
                     .arg(format!("/dev/{name}"))
                     .status();
@@ -527,4 +527,18 @@ async fn an_existing_file_at_bind_to_is_used_and_kept() {
     assert!(!is_mounted(&bind));
     assert_eq!(std::fs::read(&bind).unwrap(), b"the workload's");
     assert_released(&scene, "blk").await;
+}
+
+/// util-linux's `losetup` from a system directory: the tests may run with a user's `PATH`
+/// (through `sudo env PATH=...`), which lacks `/usr/sbin`.
+fn losetup_path() -> &'static str {
+    [
+        "/usr/sbin/losetup",
+        "/sbin/losetup",
+        "/usr/bin/losetup",
+        "/bin/losetup",
+    ]
+    .into_iter()
+    .find(|path| std::path::Path::new(path).is_file())
+    .unwrap_or("losetup")
 }
