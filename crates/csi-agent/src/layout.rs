@@ -101,6 +101,11 @@ impl Layout {
         &self.work_dir
     }
 
+    /// `<work_dir>/named`: the secrets files of the front doors' volume names (`crate::named`).
+    pub fn named_dir(&self) -> PathBuf {
+        self.work_dir.join("named")
+    }
+
     /// `<work_dir>/csi`: the root of all per-plugin state.
     pub fn csi_root(&self) -> PathBuf {
         self.work_dir.join("csi")

@@ -40,6 +40,15 @@ use crate::metrics::Metrics;
 use db::{Database, Key, Op};
 use rusqlite::types::ValueRef;
 
+/// The records of the volume names ([`Store::load_named`]).
+#[derive(Debug)]
+pub struct LoadedNames<T> {
+    /// `(name, record)`, sorted by name.
+    pub records: Vec<(String, T)>,
+    /// Rows this build cannot read, left in the database: `(the row's key, why)`.
+    pub unreadable: Vec<(String, Unreadable)>,
+}
+
 /// Durable volume records and secrets of every plugin under one work dir.
 #[derive(Clone, Debug)]
 pub struct Store {
@@ -418,6 +427,97 @@ impl Store {
                 }
             }
         })
+    }
+
+    /// Writes the record of the front doors' volume `name` (`crate::named`) durably.
+    pub async fn save_named<T: Record>(&self, name: &str, record: &T) -> Result<(), StoreError> {
+        let json = serde_json::to_string(record).map_err(|source| StoreError::Encode {
+            path: self.db_path().to_path_buf(),
+            source,
+        })?;
+        let op = Op::PutNamed {
+            name_key: encode_id(name),
+            schema_version: T::SCHEMA_VERSION,
+            record: json,
+        };
+        Ok(self.db.commit(vec![op]).await?)
+    }
+
+    /// Forgets the volume name durably: its record, then its secrets file.
+    pub async fn delete_named(&self, name: &str) -> Result<(), StoreError> {
+        self.db
+            .commit(vec![Op::DeleteNamed {
+                name_key: encode_id(name),
+            }])
+            .await?;
+        self.files.delete_named_secrets(name)
+    }
+
+    /// Every volume name's record, sorted by name. A row that cannot be read (a key that
+    /// does not decode, a corrupt record, an unknown version) is reported beside the others
+    /// and left in place for an operator: a name is never forgotten because this build cannot
+    /// read its record. Secrets files of names without a row (a crash between the two
+    /// deletes of [`Self::delete_named`], or secrets written before a create's first commit)
+    /// are removed.
+    pub fn load_named<T: Record>(&self) -> Result<LoadedNames<T>, StoreError> {
+        let rows: Vec<(String, u32, String)> = self
+            .db
+            .read(|conn| {
+                let mut stmt = conn.prepare(
+                    "SELECT name, schema_version, record FROM named_volumes ORDER BY name",
+                )?;
+                stmt.query_map([], |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?)))?
+                    .collect()
+            })
+            .map_err(|source| self.read_error(source))?;
+        let mut loaded = LoadedNames {
+            records: Vec::new(),
+            unreadable: Vec::new(),
+        };
+        for (name_key, version, json) in rows {
+            let Some(name) = decode_id(&name_key) else {
+                loaded.unreadable.push((
+                    name_key,
+                    Unreadable::Corrupt("the row's name is not an encoded id".to_owned()),
+                ));
+                continue;
+            };
+            match decode_row::<T>(version, &json) {
+                Ok(record) => loaded.records.push((name, record)),
+                Err(reason) => loaded.unreadable.push((name_key, reason)),
+            }
+        }
+        let known: std::collections::HashSet<String> = loaded
+            .records
+            .iter()
+            .map(|(name, _)| name.clone())
+            .chain(
+                loaded
+                    .unreadable
+                    .iter()
+                    .filter_map(|(key, _)| decode_id(key)),
+            )
+            .collect();
+        self.files.sweep_named_secrets(&known);
+        Ok(loaded)
+    }
+
+    /// Writes the secrets of volume name `name` to a 0600 file (see
+    /// [`FileStore::save_named_secrets`]).
+    pub fn save_named_secrets<S: Serialize>(
+        &self,
+        name: &str,
+        secrets: &S,
+    ) -> Result<(), StoreError> {
+        self.files.save_named_secrets(name, secrets)
+    }
+
+    /// Reads the secrets of volume name `name` (`Ok(None)`: none).
+    pub fn load_named_secrets<S: DeserializeOwned>(
+        &self,
+        name: &str,
+    ) -> Result<Option<S>, StoreError> {
+        self.files.load_named_secrets(name)
     }
 
     fn row_path(&self, key: &Key) -> PathBuf {

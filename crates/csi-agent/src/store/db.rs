@@ -52,6 +52,11 @@ CREATE TABLE IF NOT EXISTS volumes (
     record TEXT NOT NULL,
     PRIMARY KEY (plugin_type, plugin_name, volume_key)
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS named_volumes (
+    name TEXT PRIMARY KEY NOT NULL,
+    schema_version INTEGER NOT NULL,
+    record TEXT NOT NULL
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS quarantine (
     id INTEGER PRIMARY KEY,
     plugin_type TEXT NOT NULL,
@@ -103,6 +108,23 @@ pub enum Op {
     Delete {
         key: Key,
     },
+    /// A row of `named_volumes` (the volume names of the front doors, `crate::named`), keyed
+    /// by the name's encoding (`layout::encode_id`).
+    PutNamed {
+        name_key: String,
+        schema_version: u32,
+        record: String,
+    },
+    DeleteNamed {
+        name_key: String,
+    },
+}
+
+/// The row an [`Op`] writes, for keeping the last write of each row.
+#[derive(PartialEq, Eq, Hash)]
+enum Row<'a> {
+    Volume(&'a Key),
+    Named(&'a str),
 }
 
 /// Why a batch did not commit; cloned to every waiter of the batch.
@@ -146,9 +168,10 @@ impl Drop for Database {
 }
 
 impl Op {
-    fn key(&self) -> &Key {
+    fn row(&self) -> Row<'_> {
         match self {
-            Op::Put { key, .. } | Op::Delete { key } => key,
+            Op::Put { key, .. } | Op::Delete { key } => Row::Volume(key),
+            Op::PutNamed { name_key, .. } | Op::DeleteNamed { name_key } => Row::Named(name_key),
         }
     }
 }
@@ -161,7 +184,7 @@ pub fn last_per_row(ops: &mut Vec<Op>) {
     let mut keep = vec![false; ops.len()];
     let mut seen = std::collections::HashSet::with_capacity(ops.len());
     for (index, op) in ops.iter().enumerate().rev() {
-        keep[index] = seen.insert(op.key());
+        keep[index] = seen.insert(op.row());
     }
     let mut keep = keep.into_iter();
     ops.retain(|_| keep.next().unwrap_or(true));
@@ -382,6 +405,12 @@ fn apply_inner(
         let mut delete = tx.prepare_cached(
             "DELETE FROM volumes WHERE plugin_type = ?1 AND plugin_name = ?2 AND volume_key = ?3",
         )?;
+        let mut put_named = tx.prepare_cached(
+            "INSERT INTO named_volumes (name, schema_version, record) VALUES (?1, ?2, ?3)
+             ON CONFLICT (name)
+             DO UPDATE SET schema_version = excluded.schema_version, record = excluded.record",
+        )?;
+        let mut delete_named = tx.prepare_cached("DELETE FROM named_volumes WHERE name = ?1")?;
         for op in ops {
             match op {
                 Op::Put {
@@ -399,6 +428,16 @@ fn apply_inner(
                 }
                 Op::Delete { key } => {
                     delete.execute(params![key.plugin_type, key.plugin_name, key.volume_key])?;
+                }
+                Op::PutNamed {
+                    name_key,
+                    schema_version,
+                    record,
+                } => {
+                    put_named.execute(params![name_key, schema_version, record])?;
+                }
+                Op::DeleteNamed { name_key } => {
+                    delete_named.execute(params![name_key])?;
                 }
             }
         }
@@ -527,6 +566,10 @@ mod tests {
             .map(|op| match op {
                 Op::Put { key, record, .. } => format!("put {} {record}", key.volume_key),
                 Op::Delete { key } => format!("delete {}", key.volume_key),
+                Op::PutNamed {
+                    name_key, record, ..
+                } => format!("put name {name_key} {record}"),
+                Op::DeleteNamed { name_key } => format!("delete name {name_key}"),
             })
             .collect()
     }

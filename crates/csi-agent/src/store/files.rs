@@ -48,7 +48,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::durable::{self, IoError, io_err};
 use crate::failpoint::{self, FailpointError};
-use crate::layout::{Layout, decode_id};
+use crate::layout::{Layout, decode_id, encode_id};
 use crate::metrics::Metrics;
 
 /// Failpoint hit after the temp file is written and fsynced, before it replaces the target.
@@ -574,16 +574,22 @@ impl FileStore {
         volume_id: &str,
         secrets: &S,
     ) -> Result<(), StoreError> {
-        let path = self.secrets_path(plugin_type, plugin_name, volume_id);
+        self.save_secrets_at(
+            &self.secrets_path(plugin_type, plugin_name, volume_id),
+            secrets,
+        )
+    }
+
+    fn save_secrets_at<S: Serialize>(&self, path: &Path, secrets: &S) -> Result<(), StoreError> {
         let bytes = serde_json::to_vec(&SecretsOut {
             schema_version: SECRETS_SCHEMA_VERSION,
             secrets,
         })
         .map_err(|source| StoreError::Encode {
-            path: path.clone(),
+            path: path.to_path_buf(),
             source,
         })?;
-        write_atomic(&path, &bytes, self.metrics())
+        write_atomic(path, &bytes, self.metrics())
     }
 
     /// Reads the volume's secrets; `Ok(None)` if there are none. A parse error never quotes
@@ -594,7 +600,10 @@ impl FileStore {
         plugin_name: &str,
         volume_id: &str,
     ) -> Result<Option<S>, StoreError> {
-        let path = self.secrets_path(plugin_type, plugin_name, volume_id);
+        self.load_secrets_at(self.secrets_path(plugin_type, plugin_name, volume_id))
+    }
+
+    fn load_secrets_at<S: DeserializeOwned>(&self, path: PathBuf) -> Result<Option<S>, StoreError> {
         let Some(bytes) = read_optional(&path)? else {
             return Ok(None);
         };
@@ -626,10 +635,13 @@ impl FileStore {
         plugin_name: &str,
         volume_id: &str,
     ) -> Result<(), StoreError> {
-        let path = self.secrets_path(plugin_type, plugin_name, volume_id);
-        if remove_optional(&path)? {
+        self.delete_secrets_at(&self.secrets_path(plugin_type, plugin_name, volume_id))
+    }
+
+    fn delete_secrets_at(&self, path: &Path) -> Result<(), StoreError> {
+        if remove_optional(path)? {
             let mut fsync_time = Duration::ZERO;
-            fsync_time += durable::sync_dir(durable::parent_of(&path))?;
+            fsync_time += durable::sync_dir(durable::parent_of(path))?;
             if let Some(metrics) = self.metrics() {
                 metrics.checkpoint_writes.inc();
                 metrics
@@ -638,6 +650,64 @@ impl FileStore {
             }
         }
         Ok(())
+    }
+
+    /// `<work_dir>/named/<enc name>.secrets.json`: the secrets of a front door's volume name
+    /// (`crate::named`), given to CreateVolume, DeleteVolume, NodeStage and NodePublish.
+    pub fn named_secrets_path(&self, name: &str) -> PathBuf {
+        self.layout
+            .named_dir()
+            .join(format!("{}.{SECRETS_FILE}", encode_id(name)))
+    }
+
+    /// Writes the secrets of volume name `name` to a 0600 file, as [`Self::save_secrets`].
+    pub fn save_named_secrets<S: Serialize>(
+        &self,
+        name: &str,
+        secrets: &S,
+    ) -> Result<(), StoreError> {
+        self.save_secrets_at(&self.named_secrets_path(name), secrets)
+    }
+
+    /// Reads the secrets of volume name `name`; `Ok(None)` if there are none.
+    pub fn load_named_secrets<S: DeserializeOwned>(
+        &self,
+        name: &str,
+    ) -> Result<Option<S>, StoreError> {
+        self.load_secrets_at(self.named_secrets_path(name))
+    }
+
+    /// Removes the secrets of volume name `name` durably; succeeds if there were none.
+    pub fn delete_named_secrets(&self, name: &str) -> Result<(), StoreError> {
+        self.delete_secrets_at(&self.named_secrets_path(name))
+    }
+
+    /// Removes the secrets files (and dead writers' temp files) of `named/` whose name is not
+    /// in `known`. Best effort: what cannot be removed is logged and retried at the next start.
+    pub fn sweep_named_secrets(&self, known: &std::collections::HashSet<String>) {
+        let dir = self.layout.named_dir();
+        if let Err(err) = remove_stale_temps(&dir) {
+            tracing::warn!(dir = %dir.display(), error = %err, "stale temp files not removed; retried at the next start");
+        }
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            return;
+        };
+        let suffix = format!(".{SECRETS_FILE}");
+        for entry in entries.flatten() {
+            let file_name = entry.file_name();
+            let Some(name) = file_name
+                .to_str()
+                .and_then(|f| f.strip_suffix(&suffix))
+                .and_then(decode_id)
+            else {
+                continue;
+            };
+            if !known.contains(&name)
+                && let Err(err) = self.delete_named_secrets(&name)
+            {
+                tracing::warn!(file = %entry.path().display(), error = %err, "secrets of a forgotten volume name not removed; retried at the next start");
+            }
+        }
     }
 
     /// Loads every volume record of a plugin, for recovery. Never fails because of one

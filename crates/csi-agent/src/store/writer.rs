@@ -264,6 +264,7 @@ mod tests {
         ops.iter()
             .map(|op| match op {
                 Op::Put { key, .. } | Op::Delete { key } => key.volume_key.clone(),
+                Op::PutNamed { name_key, .. } | Op::DeleteNamed { name_key } => name_key.clone(),
             })
             .collect()
     }
