@@ -407,6 +407,22 @@ impl ApiClient {
         self.post_json(routes::CAPACITY, request).await
     }
 
+    /// `POST path` with a JSON `body`, answered with the status and the body as they came:
+    /// for a protocol served beside the API on a socket of its own (the Docker volume plugin
+    /// protocol of `--volume-plugin-socket`, docs/docker-podman.md), whose answers are not in
+    /// the API's shape.
+    pub async fn post_raw(
+        &self,
+        path: &str,
+        body: &serde_json::Value,
+    ) -> Result<(u16, serde_json::Value), ApiError> {
+        let body = serde_json::to_vec(body).map_err(ApiError::Encode)?;
+        let (status, bytes) = self.send(Method::POST, path, Some(body)).await?;
+        let value = serde_json::from_slice(&bytes)
+            .map_err(|err| ApiError::decode(status, format!("not JSON: {err}"), &bytes))?;
+        Ok((status, value))
+    }
+
     async fn get_json<T: DeserializeOwned>(&self, path: &str) -> Result<T, ApiError> {
         self.call_json(Method::GET, path, None).await
     }

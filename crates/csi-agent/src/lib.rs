@@ -20,6 +20,7 @@ pub mod layout;
 pub mod logs;
 pub mod metrics;
 pub mod mounts;
+pub mod named;
 pub mod runtime;
 pub mod secrets;
 pub mod server;

@@ -318,6 +318,8 @@ struct Inner {
     /// `<work_dir>/images`, shared by every plugin; `None` when it could not be opened (a
     /// plugin naming an image then fails to launch, saying so; the others are unaffected).
     images: Option<Arc<crate::image::store::ImageStore>>,
+    /// The front doors' volume names (`crate::named`).
+    named: crate::named::NamedState,
 }
 
 impl CsiServer {
@@ -339,6 +341,7 @@ impl CsiServer {
                 None
             }
         };
+        let named = crate::named::NamedState::load(&store)?;
         let server = Self {
             inner: Arc::new(Inner {
                 options,
@@ -355,6 +358,7 @@ impl CsiServer {
                 table: Mutex::new(Table::default()),
                 reload_lock: Mutex::new(()),
                 images,
+                named,
             }),
         };
         Ok(server)
@@ -362,6 +366,14 @@ impl CsiServer {
 
     pub fn metrics(&self) -> &Arc<Metrics> {
         &self.inner.metrics
+    }
+
+    pub(crate) fn named_state(&self) -> &crate::named::NamedState {
+        &self.inner.named
+    }
+
+    pub(crate) fn store(&self) -> &Store {
+        &self.inner.store
     }
 
     pub fn work_dir(&self) -> &Path {

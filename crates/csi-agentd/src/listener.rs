@@ -243,15 +243,22 @@ pub fn read_token(path: &Path) -> anyhow::Result<String> {
     Ok(token)
 }
 
-/// Binds the API's unix socket at `path`, created with mode 0600 (no window in which it is
+/// Binds a unix socket of the daemon (the API's, or the volume plugin protocol's: `flag`
+/// names its option, `--api-socket` or `--volume-plugin-socket`) at `path`, created with mode 0600 (no window in which it is
 /// more open). Only a stale socket (a socket nobody accepts on) is replaced; a live socket or
 /// any other file (regular file, directory, symlink: never followed) is refused and left alone.
-pub async fn bind_unix(path: &Path) -> anyhow::Result<UnixListener> {
+pub async fn bind_unix(path: &Path, flag: &str) -> anyhow::Result<UnixListener> {
+    let what = if flag == "--api-socket" {
+        "API"
+    } else {
+        "volume plugin"
+    };
     let shown = path.display();
     match std::fs::symlink_metadata(path) {
         Err(err) if err.kind() == io::ErrorKind::NotFound => {}
         Err(err) => {
-            return Err(err).with_context(|| format!("cannot inspect the API socket path {shown}"));
+            return Err(err)
+                .with_context(|| format!("cannot inspect the {what} socket path {shown}"));
         }
         Ok(meta) if meta.file_type().is_socket() => {
             let probe = tokio::time::timeout(
@@ -261,22 +268,23 @@ pub async fn bind_unix(path: &Path) -> anyhow::Result<UnixListener> {
             .await;
             match probe {
                 Ok(Err(err)) if err.kind() == io::ErrorKind::ConnectionRefused => {
-                    tracing::info!(socket = %shown, "replacing a stale API socket");
-                    std::fs::remove_file(path)
-                        .with_context(|| format!("cannot remove the stale API socket {shown}"))?;
+                    tracing::info!(socket = %shown, "replacing a stale {what} socket");
+                    std::fs::remove_file(path).with_context(|| {
+                        format!("cannot remove the stale {what} socket {shown}")
+                    })?;
                 }
                 Ok(Ok(_)) => bail!(
-                    "another process is serving on the API socket {shown} (is another csi-agentd \
-                     running with this work dir?); stop it, or give this daemon another --api-socket"
+                    "another process is serving on the {what} socket {shown} (is another csi-agentd \
+                     running with this work dir?); stop it, or give this daemon another {flag}"
                 ),
                 Ok(Err(err)) => bail!(
                     "{shown} is a unix socket that may be in use (connecting to it failed: {err}); \
                      csi-agentd only replaces a socket that refuses connections: remove it if it is \
-                     stale, or give another --api-socket"
+                     stale, or give another {flag}"
                 ),
                 Err(_) => bail!(
                     "{shown} is a unix socket that accepts no connection within 2 s, so it may be \
-                     in use; remove it if it is stale, or give another --api-socket"
+                     in use; remove it if it is stale, or give another {flag}"
                 ),
             }
         }
@@ -291,7 +299,7 @@ pub async fn bind_unix(path: &Path) -> anyhow::Result<UnixListener> {
                 "a special file"
             };
             bail!(
-                "refusing to use --api-socket {shown}: it is {kind}, not a unix socket, and \
+                "refusing to use {flag} {shown}: it is {kind}, not a unix socket, and \
                  csi-agentd only replaces a stale socket; move it away or choose another path"
             );
         }
@@ -310,20 +318,20 @@ pub async fn bind_unix(path: &Path) -> anyhow::Result<UnixListener> {
     rustix::process::umask(previous);
     let listener = bound.with_context(|| format!("cannot listen on {shown}"))?;
     let mode = std::fs::symlink_metadata(bind_at)
-        .with_context(|| format!("cannot inspect the new API socket {shown}"))?
+        .with_context(|| format!("cannot inspect the new {what} socket {shown}"))?
         .permissions()
         .mode()
         & 0o777;
     if mode != 0o600 {
         let _ = std::fs::remove_file(bind_at);
-        bail!("the API socket {shown} has mode {mode:04o}, not 0600");
+        bail!("the {what} socket {shown} has mode {mode:04o}, not 0600");
     }
     if let Some(staged) = &staged
         && let Err(err) = std::fs::rename(staged, path)
     {
         let _ = std::fs::remove_file(staged);
         return Err(err)
-            .with_context(|| format!("cannot move the API socket into place at {shown}"));
+            .with_context(|| format!("cannot move the {what} socket into place at {shown}"));
     }
     Ok(listener)
 }

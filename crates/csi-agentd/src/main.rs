@@ -7,6 +7,7 @@ mod listener;
 mod probe;
 mod serve;
 mod volume_list;
+mod volume_plugin;
 
 use std::process::ExitCode;
 

@@ -56,6 +56,11 @@ pub struct ServeArgs {
     /// The API's unix socket (mode 0600). Default: `<work-dir>/api.sock`.
     #[arg(long)]
     api_socket: Option<PathBuf>,
+    /// Also serve the Docker volume plugin protocol on this unix socket (mode 0600), for Docker
+    /// and Podman (docs/docker-podman.md), e.g. `/run/docker/plugins/csi.sock`: the file's name
+    /// without `.sock` is the driver's name for Docker. Off by default.
+    #[arg(long)]
+    volume_plugin_socket: Option<PathBuf>,
     /// Also listen on TCP at this address (requires --token-file; loopback only, unless
     /// --allow-insecure-listen).
     #[arg(long)]
@@ -198,6 +203,7 @@ struct FileSettings {
     work_dir: Option<PathBuf>,
     plugin_config_dir: Option<PathBuf>,
     api_socket: Option<PathBuf>,
+    volume_plugin_socket: Option<PathBuf>,
     listen: Option<SocketAddr>,
     allow_insecure_listen: Option<bool>,
     max_connections: Option<NonZeroUsize>,
@@ -241,6 +247,8 @@ pub struct Settings {
     pub work_dir: PathBuf,
     pub plugin_config_dir: Option<PathBuf>,
     pub api_socket: PathBuf,
+    /// `--volume-plugin-socket`: where the Docker volume plugin protocol is served, if at all.
+    pub volume_plugin_socket: Option<PathBuf>,
     pub listen: Option<SocketAddr>,
     pub limits: Limits,
     pub token_file: Option<PathBuf>,
@@ -390,6 +398,11 @@ pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
             .map(|d| absolute(&d))
             .transpose()?,
         api_socket,
+        volume_plugin_socket: args
+            .volume_plugin_socket
+            .or(file.volume_plugin_socket)
+            .map(|p| absolute(&p))
+            .transpose()?,
         listen,
         limits: Limits {
             upload: Some(Upload {
@@ -684,8 +697,14 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     // Before the store is opened: a live socket means another daemon may be using this work dir.
     let socket = &settings.api_socket;
     let mut limits = settings.limits;
-    limits.fit_fd_limit(1 + usize::from(token.is_some()));
-    let unix = listener::bind_unix(socket).await?;
+    limits.fit_fd_limit(
+        1 + usize::from(token.is_some()) + usize::from(settings.volume_plugin_socket.is_some()),
+    );
+    let unix = listener::bind_unix(socket, "--api-socket").await?;
+    let volume_plugin = match &settings.volume_plugin_socket {
+        Some(path) => Some(listener::bind_unix(path, "--volume-plugin-socket").await?),
+        None => None,
+    };
     let boot_id = csi_agent::bootid::BootIdSource::boot_id(
         &csi_agent::bootid::ProcBootId::with_path(&settings.boot_id_file),
     )?;
@@ -745,6 +764,17 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         } else {
             tracing::warn!(%addr, "listening on TCP on a non-loopback address (--allow-insecure-listen): plain HTTP, the bearer token and volume secrets cross the network in the clear");
         }
+    }
+    if let (Some(listener), Some(path)) = (volume_plugin, &settings.volume_plugin_socket) {
+        let app = listener::guard(crate::volume_plugin::router(server.clone()), &limits);
+        servers.spawn(listener::serve(
+            listener,
+            "volume-plugin",
+            app,
+            limits,
+            shutdown_rx.clone(),
+        ));
+        tracing::info!(socket = %path.display(), "serving the Docker volume plugin protocol");
     }
     servers.spawn(listener::serve(unix, "unix", app, limits, shutdown_rx));
     tracing::info!(socket = %socket.display(), work_dir = %settings.work_dir.display(), "csi-agentd serving");

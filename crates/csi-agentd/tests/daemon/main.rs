@@ -37,3 +37,4 @@ mod snapshots;
 mod startup;
 mod stats;
 mod topology;
+mod volume_plugin;
