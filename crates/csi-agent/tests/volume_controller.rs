@@ -8,7 +8,7 @@ mod volume_support;
 use std::collections::BTreeMap;
 
 use csi_agent::volume::refusal::Conflict;
-use csi_agent::volume::{Origin, VolumeError, VolumeState};
+use csi_agent::volume::{NewVolume, Origin, VolumeError, VolumeState};
 use serde_json::json;
 use volume_support::*;
 
@@ -22,14 +22,7 @@ async fn create_publish_delete_with_the_creation_context() {
     let work = dir.path().join("agent");
     let manager = manager(&work, &plugin.socket, "boot-a");
     let created = manager
-        .create_volume(
-            "new-vol",
-            1 << 20,
-            &mount_capability(),
-            BTreeMap::new(),
-            BTreeMap::new(),
-            None,
-        )
+        .create_volume(NewVolume::new("new-vol", 1 << 20, &mount_capability()))
         .await
         .unwrap();
     assert_eq!(
@@ -41,14 +34,7 @@ async fn create_publish_delete_with_the_creation_context() {
     assert!(created.capacity_bytes >= 1 << 20);
     // Idempotent by name.
     let again = manager
-        .create_volume(
-            "new-vol",
-            1 << 20,
-            &mount_capability(),
-            BTreeMap::new(),
-            BTreeMap::new(),
-            None,
-        )
+        .create_volume(NewVolume::new("new-vol", 1 << 20, &mount_capability()))
         .await
         .unwrap();
     assert_eq!(again.volume_id, created.volume_id);

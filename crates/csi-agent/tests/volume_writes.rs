@@ -16,7 +16,7 @@ use csi_agent::endpoints::FixedEndpoints;
 use csi_agent::layout::Layout;
 use csi_agent::metrics::Metrics;
 use csi_agent::store::Store;
-use csi_agent::volume::{NodeContext, PluginEndpoints, VolumeConfig, VolumeManager};
+use csi_agent::volume::{NewVolume, NodeContext, PluginEndpoints, VolumeConfig, VolumeManager};
 use volume_support::*;
 
 fn counted_manager(
@@ -136,14 +136,7 @@ async fn a_node_only_deployment_never_calls_the_controller() {
         .collect();
     assert!(controller_calls.is_empty(), "{controller_calls:?}");
     let err = manager
-        .create_volume(
-            "x",
-            0,
-            &mount_capability(),
-            Default::default(),
-            Default::default(),
-            None,
-        )
+        .create_volume(NewVolume::new("x", 0, &mount_capability()))
         .await
         .unwrap_err();
     assert!(err.to_string().contains("no CONTROLLER_SERVICE"), "{err}");

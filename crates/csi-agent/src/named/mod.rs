@@ -35,7 +35,7 @@ use crate::failpoint;
 use crate::server::{CsiServer, ServerError};
 use crate::store::{Record, Store, StoreError, Unreadable};
 use crate::volume::{
-    Capability, PluginEndpoints, PublishRequest, VolumeError, VolumeSecrets, VolumeState,
+    Capability, NewVolume, PluginEndpoints, PublishRequest, VolumeError, VolumeSecrets, VolumeState,
 };
 
 /// Failpoint: a create's intent (the name without a volume id) is committed; no
@@ -404,14 +404,11 @@ impl CsiServer {
         let secrets = self.named_secrets(name, record)?;
         let created = plugin
             .volumes
-            .create_volume(
-                name,
-                record.capacity_bytes,
-                &record.capability,
-                record.parameters.clone(),
+            .create_volume(NewVolume {
+                parameters: record.parameters.clone(),
                 secrets,
-                None,
-            )
+                ..NewVolume::new(name, record.capacity_bytes, &record.capability)
+            })
             .await
             .map_err(NamedError::volume(name))?;
         failpoint::hit(FP_NAME_CREATE_AFTER_RPC).map_err(|source| NamedError::Failpoint {

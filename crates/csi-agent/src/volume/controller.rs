@@ -30,6 +30,37 @@ pub struct CreatedVolume {
     pub accessible_topology: Vec<BTreeMap<String, String>>,
 }
 
+/// A CreateVolume as csi-agent sends it: the fields of CreateVolumeRequest it fills.
+#[derive(Clone, Debug)]
+pub struct NewVolume<'a> {
+    /// The CSI name: the idempotency key.
+    pub name: &'a str,
+    /// `required_bytes` (0: the plugin's default).
+    pub capacity_bytes: i64,
+    pub capability: &'a Capability,
+    pub parameters: BTreeMap<String, String>,
+    pub secrets: BTreeMap<String, String>,
+    pub accessibility: Option<&'a super::topology::Requirements>,
+    /// A snapshot to restore or a volume to clone.
+    pub content_source: Option<super::snapshot::ContentSource>,
+}
+
+impl<'a> NewVolume<'a> {
+    /// A volume of `capacity_bytes` with this capability, no parameters, secrets, topology or
+    /// source.
+    pub fn new(name: &'a str, capacity_bytes: i64, capability: &'a Capability) -> Self {
+        Self {
+            name,
+            capacity_bytes,
+            capability,
+            parameters: BTreeMap::new(),
+            secrets: BTreeMap::new(),
+            accessibility: None,
+            content_source: None,
+        }
+    }
+}
+
 /// One page of the plugin's volumes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct VolumePage {
@@ -82,42 +113,31 @@ impl VolumeManager {
         }
     }
 
-    /// CreateVolume, idempotent by name (the plugin guarantees it; retries rely on it).
-    pub async fn create_volume(
+    /// CreateVolume, idempotent by name (the plugin guarantees it; retries rely on it). A
+    /// `content_source` (a snapshot to restore, a volume to clone) is refused before any RPC
+    /// when the plugin lacks the capability it needs (`volume::snapshot`).
+    pub async fn create_volume(&self, new: NewVolume<'_>) -> Result<CreatedVolume, VolumeError> {
+        let content_source = match new.content_source.clone() {
+            None => None,
+            Some(source) => Some(self.content_source(source).await?),
+        };
+        self.send_create_volume(&new, content_source).await
+    }
+
+    async fn send_create_volume(
         &self,
-        name: &str,
-        capacity_bytes: i64,
-        capability: &Capability,
-        parameters: BTreeMap<String, String>,
-        secrets: BTreeMap<String, String>,
-        accessibility: Option<&super::topology::Requirements>,
+        new: &NewVolume<'_>,
+        content_source: Option<v1::VolumeContentSource>,
     ) -> Result<CreatedVolume, VolumeError> {
-        self.create_volume_from(
+        let NewVolume {
             name,
             capacity_bytes,
             capability,
-            parameters,
-            secrets,
+            ref parameters,
+            ref secrets,
             accessibility,
-            None,
-        )
-        .await
-    }
-
-    /// [`Self::create_volume`] with a `volume_content_source` (a snapshot to restore or a
-    /// volume to clone, checked by `volume::snapshot`).
-    // The fields of CreateVolumeRequest, one argument each (as create_volume's callers give them).
-    #[allow(clippy::too_many_arguments)]
-    pub(super) async fn create_volume_from(
-        &self,
-        name: &str,
-        capacity_bytes: i64,
-        capability: &Capability,
-        parameters: BTreeMap<String, String>,
-        secrets: BTreeMap<String, String>,
-        accessibility: Option<&super::topology::Requirements>,
-        content_source: Option<v1::VolumeContentSource>,
-    ) -> Result<CreatedVolume, VolumeError> {
+            ..
+        } = *new;
         validate_id("name", name)?;
         if capacity_bytes < 0 {
             return Err(InvalidRequest::NegativeCapacity(capacity_bytes).into());
@@ -132,8 +152,8 @@ impl VolumeManager {
                 limit_bytes: 0,
             }),
             volume_capabilities: vec![capability.to_v1()],
-            parameters: to_hash_map(&parameters),
-            secrets: to_hash_map(&secrets),
+            parameters: to_hash_map(parameters),
+            secrets: to_hash_map(secrets),
             accessibility_requirements,
             volume_content_source: content_source,
             ..Default::default()

@@ -48,6 +48,7 @@ use crate::mounts::MountTable;
 use crate::store::{Record, Store, StoreError};
 use crate::sys;
 use bind::{BindError, BindMount, BindOwner, Binder};
+pub use controller::NewVolume;
 use machine::{LifecycleCaps, LifecycleRpc, Step, next_step};
 pub use record::{
     AccessMode, AccessType, Capability, ClaimLimits, ClaimLimitsError, Origin, VolumeRecord,

@@ -551,21 +551,14 @@ pub enum ContentSource {
 }
 
 impl VolumeManager {
-    /// CreateVolume from a snapshot (restore; needs CREATE_DELETE_SNAPSHOT) or from a volume
-    /// (clone; needs CLONE_VOLUME), refused before any RPC when the plugin lacks it. The
-    /// source is the plugin's own id: a volume of another plugin is unknown to it.
-    // The fields of CreateVolumeRequest, one argument each, like create_volume's.
-    #[allow(clippy::too_many_arguments)]
-    pub async fn create_volume_with_source(
+    /// The `volume_content_source` of a CreateVolume from a snapshot (restore; needs
+    /// CREATE_DELETE_SNAPSHOT) or from a volume (clone; needs CLONE_VOLUME), refused before any
+    /// RPC when the plugin lacks it. The source is the plugin's own id: a volume of another
+    /// plugin is unknown to it.
+    pub(super) async fn content_source(
         &self,
-        name: &str,
-        capacity_bytes: i64,
-        capability: &super::Capability,
-        parameters: BTreeMap<String, String>,
-        secrets: BTreeMap<String, String>,
-        accessibility: Option<&super::topology::Requirements>,
         source: ContentSource,
-    ) -> Result<super::controller::CreatedVolume, VolumeError> {
+    ) -> Result<v1::VolumeContentSource, VolumeError> {
         use v1::volume_content_source::{SnapshotSource, Type, VolumeSource};
         let source = match source {
             ContentSource::Snapshot(snapshot_id) => {
@@ -584,17 +577,8 @@ impl VolumeManager {
                 Type::Volume(VolumeSource { volume_id })
             }
         };
-        self.create_volume_from(
-            name,
-            capacity_bytes,
-            capability,
-            parameters,
-            secrets,
-            accessibility,
-            Some(v1::VolumeContentSource {
-                r#type: Some(source),
-            }),
-        )
-        .await
+        Ok(v1::VolumeContentSource {
+            r#type: Some(source),
+        })
     }
 }

@@ -17,7 +17,7 @@ use csi_agent::image::store::{ImageStore, PullPolicy};
 use csi_agent::metrics::ComponentLabels;
 use csi_agent::server::CsiServer;
 use csi_agent::service_manager::ComponentState;
-use csi_agent::volume::{PublishRequest, VolumeError, VolumeSecrets};
+use csi_agent::volume::{NewVolume, PublishRequest, VolumeError, VolumeSecrets};
 use csi_agent_api as api;
 use serde::de::DeserializeOwned;
 
@@ -972,42 +972,22 @@ async fn create_volume(
         .accessibility_requirements
         .as_ref()
         .map(topology::requirements);
-    let created = match source {
-        None => {
-            plugin
-                .volumes
-                .create_volume(
-                    &request.name,
-                    request.capacity_bytes,
-                    &capability,
-                    request.parameters,
-                    BTreeMap::new(),
-                    requirements.as_ref(),
-                )
-                .await
-        }
-        Some(source) => {
-            plugin
-                .volumes
-                .create_volume_with_source(
-                    &request.name,
-                    request.capacity_bytes,
-                    &capability,
-                    request.parameters,
-                    BTreeMap::new(),
-                    requirements.as_ref(),
-                    source,
-                )
-                .await
-        }
-    }
-    .map_err(|err| {
-        topology::create_failure(
-            &plugin.volumes,
-            request.accessibility_requirements.is_some(),
-            err,
-        )
-    })?;
+    let created = plugin
+        .volumes
+        .create_volume(NewVolume {
+            parameters: request.parameters,
+            accessibility: requirements.as_ref(),
+            content_source: source,
+            ..NewVolume::new(&request.name, request.capacity_bytes, &capability)
+        })
+        .await
+        .map_err(|err| {
+            topology::create_failure(
+                &plugin.volumes,
+                request.accessibility_requirements.is_some(),
+                err,
+            )
+        })?;
     Ok((
         StatusCode::CREATED,
         Json(api::CreateVolumeResponse {

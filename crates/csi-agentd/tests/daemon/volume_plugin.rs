@@ -321,9 +321,19 @@ async fn the_daemon_killed_between_mount_and_unmount_loses_nothing() {
     std::fs::write(target.join("f"), "kept").unwrap();
     daemon.kill9();
     daemon.start();
-    // The name, its mount and its data are all there after the restart.
+    // The name, its mount and its data are all there after the restart: listed at once (its
+    // plugin still loading), with its mount once recovery has read the volume's record.
     let engine = Engine::of(tmp.path());
-    let status = engine.status("v1").await;
+    assert_eq!(engine.names().await, ["v1"]);
+    let mut status = json!(null);
+    for _ in 0..400 {
+        status = engine.status("v1").await;
+        if status["state"] != "not_loaded" {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(25)).await;
+    }
+    assert_eq!(status["state"], "PUBLISHED", "{status}");
     assert_eq!(status["mounts"], json!(["mount:c1"]));
     assert_eq!(status["options"]["secret.token"], "<secret>");
     // A mount repeated by the engine's retry after the restart is the same claim.
