@@ -322,13 +322,14 @@ async fn the_daemon_killed_between_mount_and_unmount_loses_nothing() {
     daemon.kill9();
     daemon.start();
     // The name, its mount and its data are all there after the restart: listed at once (its
-    // plugin still loading), with its mount once recovery has read the volume's record.
+    // plugin still loading), with its mount once recovery has read the volume's record, and
+    // published again once recovery has repeated the steps whose progress notes the kill lost.
     let engine = Engine::of(tmp.path());
     assert_eq!(engine.names().await, ["v1"]);
     let mut status = json!(null);
     for _ in 0..400 {
         status = engine.status("v1").await;
-        if status["state"] != "not_loaded" {
+        if status["state"] == "PUBLISHED" {
             break;
         }
         tokio::time::sleep(std::time::Duration::from_millis(25)).await;
