@@ -91,7 +91,7 @@ target_dir() {
 }
 
 # Installs, through apt, the commands the tests and the demo need that this machine lacks.
-# Each entry: command:package, or a bare package that has no command of its own (such as
+# Each entry: command:package (the command by name on PATH, or by absolute path), or a bare package that has no command of its own (such as
 # python3-venv), looked up in dpkg's database. Not root: through sudo, when it can.
 install_missing() {
     local missing=() entry
@@ -117,5 +117,11 @@ SCHEMATHESIS_DEPS=(python3:python3 python3-venv)
 
 # What the test suite runs besides cargo. crun: the oci runtime's tests run again with it
 # (.ci/run, CSI_TEST_OCI_RUNTIME=crun). busybox-static: a static sh and mount for the plugin
-# images of tests/image_roots.rs.
-TEST_DEPS=(unshare:util-linux mount:mount umount:mount curl:curl pgrep:procps pkill:procps runc:runc crun:crun docker-registry:docker-registry skopeo:skopeo busybox:busybox-static)
+# images of tests/image_roots.rs and of the container engines' tests. docker.io and podman: the
+# volume plugin front door's tests run a real dockerd and podman (csi-agent-testkit's engines),
+# named by absolute path here as there: dockerd is in /usr/sbin, off a user's PATH, and a `docker`
+# or `podman` elsewhere on PATH (/usr/local/bin) is not Debian's. On a machine with systemd,
+# installing docker.io starts a system dockerd and containerd: the tests share nothing with them
+# (own containerd, data and exec roots; /run/docker, /run/containerd and /etc/docker private).
+TEST_DEPS=(unshare:util-linux mount:mount umount:mount curl:curl pgrep:procps pkill:procps runc:runc crun:crun docker-registry:docker-registry skopeo:skopeo busybox:busybox-static
+    /usr/sbin/dockerd:docker.io /usr/bin/docker:docker.io /usr/bin/podman:podman)

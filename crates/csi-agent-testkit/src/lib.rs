@@ -1,9 +1,11 @@
 //! The one harness of the daemon-level tests: the real `csi-agentd` started by a builder
-//! ([`Daemon`], flags, plugin configs, bind roots, a registry; room for etcd and container
-//! engines), the real `csi-testplugin` as its managed plugin, the API client, publish and
-//! unpublish requests, mount-table and process checks, the crash matrix's observed node
-//! ([`node::Node`]), the image tests' plugin images ([`image`]) and the loopback registries and
-//! image builders ([`registry`]).
+//! ([`Daemon`], flags, plugin configs, bind roots, a registry; room for etcd), the real
+//! `csi-testplugin` as its managed plugin, the API client, publish and unpublish requests,
+//! mount-table and process checks, the crash matrix's observed node ([`node::Node`]), the
+//! image tests' plugin images ([`image`]) and the loopback registries and
+//! image builders ([`registry`]), and real container engines — Debian's `dockerd` and
+//! `podman` on the test's dir, with a busybox image — for the volume plugin front door
+//! ([`engines`]).
 //!
 //! Owns: starting, observing and cleaning up what a test runs (processes by pid, mounts under
 //! the test's dir), never anything outside the test's dir. Must not: be a dependency of a
@@ -15,6 +17,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 pub mod daemon;
+pub mod engines;
 pub mod image;
 pub mod node;
 pub mod registry;
