@@ -996,7 +996,9 @@ fn head_len(request: &Request) -> usize {
     })
 }
 
-/// `Content-Type` absent (taken as JSON) or `application/json`, with any parameters.
+/// `Content-Type` absent (taken as JSON), `application/json`, or a JSON-based type with the
+/// `+json` suffix (RFC 6839: Podman sends `application/vnd.docker.plugins.v1.1+json` to the
+/// volume plugin socket), with any parameters.
 fn is_json(headers: &HeaderMap) -> bool {
     match headers.get(header::CONTENT_TYPE) {
         None => true,
@@ -1004,7 +1006,11 @@ fn is_json(headers: &HeaderMap) -> bool {
             .to_str()
             .ok()
             .and_then(|v| v.split(';').next())
-            .is_some_and(|media| media.trim().eq_ignore_ascii_case("application/json")),
+            .map(|media| media.trim().to_ascii_lowercase())
+            .is_some_and(|media| {
+                media == "application/json"
+                    || media.starts_with("application/") && media.ends_with("+json")
+            }),
     }
 }
 
