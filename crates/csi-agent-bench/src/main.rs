@@ -18,6 +18,7 @@
 mod cpu;
 mod cycle;
 mod daemon;
+mod docker;
 mod env;
 mod expand;
 mod images;
@@ -89,6 +90,10 @@ enum Command {
     /// Plugin images: csi-agent's pull + unpack against skopeo + umoci from a loopback
     /// registry, and the warm start of a cached image (needs docker-registry, skopeo, umoci).
     Images(images::ImagesArgs),
+    /// `docker run` of a short container on a csi-agent volume (the volume plugin protocol)
+    /// against a local volume, on a real dockerd the run starts; the raw CSI publish +
+    /// unpublish beside them. Not part of `all` (needs docker.io).
+    Docker(docker::DockerArgs),
     /// Volume expansion: the raw ControllerExpandVolume + NodeExpandVolume against the
     /// daemon's `POST …/expand`, and the cost of one durable write.
     Expand(expand::ExpandArgs),
@@ -159,6 +164,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let report = images::run(&env, &args).await?;
             print!("{}", images::table(&report));
             env.write_json("images", &report)?;
+        }
+        Command::Docker(args) => {
+            let report = docker::run(&env, &args).await?;
+            print!("{}", docker::table(&report));
+            env.write_json("docker", &report)?;
         }
         Command::Expand(args) => {
             let report = expand::run(&env, &args).await?;
