@@ -38,6 +38,11 @@ pub struct DockerReport {
     pub csi: Summary,
     /// ControllerPublish? + NodeStage + NodePublish, then the reverse, on the plugin's socket.
     pub raw_publish_unpublish: Summary,
+    /// `VolumeDriver.Mount` alone, sent to the socket as an engine sends it (the first mount
+    /// of the volume: the whole publish); Podman's default bound on it is 5 s.
+    pub mount: Summary,
+    /// `Plugin.Activate` (Podman sends one from every CLI process).
+    pub activate: Summary,
     /// csi p50 − local p50, in ms.
     pub overhead_p50_ms: f64,
     /// raw publish + unpublish p50 + 20 ms.
@@ -126,7 +131,35 @@ pub async fn run(env: &Env, args: &DockerArgs) -> anyhow::Result<DockerReport> {
         raw.unpublish("pre").await?;
         cycles.push(started.elapsed());
     }
+    // The protocol's calls alone, as an engine sends them.
+    let door = csi_agent_api::ApiClient::unix(&socket);
+    let (mut mounts, mut activations) = (Vec::new(), Vec::new());
+    door.post_raw(
+        "/VolumeDriver.Create",
+        &serde_json::json!({"Name": "direct", "Opts": {"plugin": PLUGIN_TYPE}}),
+    )
+    .await?;
+    for i in 0..rounds {
+        let started = Instant::now();
+        door.post_raw("/Plugin.Activate", &serde_json::json!(null))
+            .await?;
+        activations.push(started.elapsed());
+        let call = serde_json::json!({"Name": "direct", "ID": format!("m{i}")});
+        let started = Instant::now();
+        let (status, answer) = door.post_raw("/VolumeDriver.Mount", &call).await?;
+        mounts.push(started.elapsed());
+        if status != 200 {
+            bail!("Mount answered {status}: {answer}");
+        }
+        door.post_raw("/VolumeDriver.Unmount", &call).await?;
+    }
+    door.post_raw(
+        "/VolumeDriver.Remove",
+        &serde_json::json!({"Name": "direct"}),
+    )
+    .await?;
     daemon.stop().await?;
+    let (mount, activate) = (Summary::of(&mounts), Summary::of(&activations));
     let (local, csi, raw_publish_unpublish) =
         (Summary::of(&local), Summary::of(&csi), Summary::of(&cycles));
     Ok(DockerReport {
@@ -136,6 +169,8 @@ pub async fn run(env: &Env, args: &DockerArgs) -> anyhow::Result<DockerReport> {
         local,
         csi,
         raw_publish_unpublish,
+        mount,
+        activate,
     })
 }
 
@@ -156,6 +191,8 @@ pub fn table(r: &DockerReport) -> String {
         "raw CSI publish + unpublish",
         &r.raw_publish_unpublish,
     ));
+    out.push_str(&row("`VolumeDriver.Mount` alone (a first mount)", &r.mount));
+    out.push_str(&row("`Plugin.Activate`", &r.activate));
     out.push_str(&format!(
         "\n{} runs each, alternating; csi − local at p50: {:.1} ms ({:.2}× local); target (raw publish + unpublish + 20 ms) at p50: {:.1} ms: {}\n",
         r.rounds,
