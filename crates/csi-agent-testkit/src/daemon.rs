@@ -354,6 +354,22 @@ impl Daemon {
         ApiClient::unix(&self.socket).with_timeout(Some(Duration::from_secs(60)))
     }
 
+    /// The ids of the test plugin's own volumes (one page of ListVolumes through the API),
+    /// sorted: what a create or a delete changed in the plugin.
+    pub async fn backend_volume_ids(&self) -> Vec<String> {
+        let mut ids: Vec<String> = self
+            .api()
+            .backend_volumes(PLUGIN, None, None)
+            .await
+            .unwrap()
+            .volumes
+            .into_iter()
+            .map(|v| v.volume_id)
+            .collect();
+        ids.sort();
+        ids
+    }
+
     pub fn csictl(&self, args: &[&str]) -> std::process::Output {
         Command::new(binary("csictl"))
             .arg("--socket")

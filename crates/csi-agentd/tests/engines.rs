@@ -27,21 +27,6 @@ fn daemon(dir: &Path, socket: &Path) -> Daemon {
         .start()
 }
 
-/// The ids of the plugin's own volumes (ListVolumes).
-async fn backend_ids(daemon: &Daemon) -> Vec<String> {
-    let mut ids: Vec<String> = daemon
-        .api()
-        .backend_volumes(PLUGIN, None, None)
-        .await
-        .unwrap()
-        .volumes
-        .into_iter()
-        .map(|v| v.volume_id)
-        .collect();
-    ids.sort();
-    ids
-}
-
 /// The claims on the named volume's CSI volume, and whether its target is mounted.
 async fn claims_and_mounted(daemon: &Daemon, volume_id: &str) -> (Vec<String>, bool) {
     let info = daemon.api().volume(PLUGIN, volume_id).await.unwrap();
@@ -75,7 +60,7 @@ async fn docker_runs_containers_on_a_csi_volume_through_restarts_of_either_side(
     let mut daemon = daemon(tmp.path(), &socket);
     let mut docker = Dockerd::start(&tmp.path().join("docker"));
     docker.import_busybox();
-    let before = backend_ids(&daemon).await;
+    let before = daemon.backend_volume_ids().await;
 
     docker.run_ok([
         "volume",
@@ -88,7 +73,7 @@ async fn docker_runs_containers_on_a_csi_volume_through_restarts_of_either_side(
         "size=16Mi",
         "v1",
     ]);
-    let after = backend_ids(&daemon).await;
+    let after = daemon.backend_volume_ids().await;
     assert_eq!(after.len(), before.len() + 1, "one CSI volume: {after:?}");
     let inspect = docker.run_ok(["volume", "inspect", "v1"]);
     let inspect: serde_json::Value = serde_json::from_str(&inspect).unwrap();
@@ -186,7 +171,7 @@ async fn docker_runs_containers_on_a_csi_volume_through_restarts_of_either_side(
 
     // Removed: the CSI volume csi-agent created is deleted.
     docker.run_ok(["volume", "rm", "v1"]);
-    assert_eq!(backend_ids(&daemon).await, before);
+    assert_eq!(daemon.backend_volume_ids().await, before);
 
     // A bad option: a clear error from `docker volume create`, and nothing created.
     let refused = docker.docker([
@@ -203,7 +188,7 @@ async fn docker_runs_containers_on_a_csi_volume_through_restarts_of_either_side(
     assert!(!refused.status.success());
     let stderr = String::from_utf8_lossy(&refused.stderr);
     assert!(stderr.contains("unknown option \"colour\""), "{stderr}");
-    assert_eq!(backend_ids(&daemon).await, before);
+    assert_eq!(daemon.backend_volume_ids().await, before);
     drop(docker);
     assert!(mounts_under(&tmp.path().join("work")).is_empty());
     drop(daemon);
@@ -218,7 +203,7 @@ async fn podman_runs_containers_on_a_csi_volume() {
     let mut podman = Podman::new(&tmp.path().join("podman"));
     podman.volume_plugin("csi", &socket);
     podman.import_busybox();
-    let before = backend_ids(&daemon).await;
+    let before = daemon.backend_volume_ids().await;
 
     podman.run_ok([
         "volume",
@@ -231,7 +216,7 @@ async fn podman_runs_containers_on_a_csi_volume() {
         "size=16Mi",
         "v1",
     ]);
-    assert_eq!(backend_ids(&daemon).await.len(), before.len() + 1);
+    assert_eq!(daemon.backend_volume_ids().await.len(), before.len() + 1);
     let run = |args: &[&str]| {
         let mut all = vec!["run", "--rm"];
         all.extend_from_slice(args);
@@ -247,7 +232,7 @@ async fn podman_runs_containers_on_a_csi_volume() {
     assert!(mounts_under(&tmp.path().join("work")).is_empty());
 
     podman.run_ok(["volume", "rm", "v1"]);
-    assert_eq!(backend_ids(&daemon).await, before);
+    assert_eq!(daemon.backend_volume_ids().await, before);
 
     let refused = podman.podman([
         "volume",
@@ -263,5 +248,5 @@ async fn podman_runs_containers_on_a_csi_volume() {
     assert!(!refused.status.success());
     let stderr = String::from_utf8_lossy(&refused.stderr);
     assert!(stderr.contains("option size=\"lots\""), "{stderr}");
-    assert_eq!(backend_ids(&daemon).await, before);
+    assert_eq!(daemon.backend_volume_ids().await, before);
 }

@@ -189,6 +189,13 @@ impl NamedError {
         }
     }
 
+    fn failpoint(name: &str) -> impl FnOnce(failpoint::FailpointError) -> Self + '_ {
+        move |source| Self::Failpoint {
+            name: name.to_owned(),
+            source,
+        }
+    }
+
     fn store(name: &str) -> impl FnOnce(StoreError) -> Self + '_ {
         move |source| Self::Store {
             name: name.to_owned(),
@@ -372,12 +379,7 @@ impl CsiServer {
             .map_err(NamedError::store(name))?;
         named.set(name, Some(record.clone()));
         if record.volume_id.is_none() {
-            failpoint::hit(FP_NAME_CREATE_AFTER_INTENT).map_err(|source| {
-                NamedError::Failpoint {
-                    name: name.to_owned(),
-                    source,
-                }
-            })?;
+            failpoint::hit(FP_NAME_CREATE_AFTER_INTENT).map_err(NamedError::failpoint(name))?;
             if let Err(err) = self.finish_create(name, &record).await {
                 // Nothing was created (or the plugin refused): the name goes, so that the
                 // engine's create can simply be tried again. A plugin that created the volume
@@ -411,10 +413,7 @@ impl CsiServer {
             })
             .await
             .map_err(NamedError::volume(name))?;
-        failpoint::hit(FP_NAME_CREATE_AFTER_RPC).map_err(|source| NamedError::Failpoint {
-            name: name.to_owned(),
-            source,
-        })?;
+        failpoint::hit(FP_NAME_CREATE_AFTER_RPC).map_err(NamedError::failpoint(name))?;
         let mut done = record.clone();
         done.volume_id = Some(created.volume_id.clone());
         self.store()
@@ -546,10 +545,7 @@ impl CsiServer {
                 .delete_volume(&volume_id, secrets)
                 .await
                 .map_err(NamedError::volume(name))?;
-            failpoint::hit(FP_NAME_REMOVE_AFTER_RPC).map_err(|source| NamedError::Failpoint {
-                name: name.to_owned(),
-                source,
-            })?;
+            failpoint::hit(FP_NAME_REMOVE_AFTER_RPC).map_err(NamedError::failpoint(name))?;
         }
         self.store()
             .delete_named(name)

@@ -93,21 +93,6 @@ impl Engine {
     }
 }
 
-/// The ids of the plugin's own volumes (ListVolumes through the API).
-async fn backend_ids(daemon: &Daemon) -> Vec<String> {
-    let mut ids: Vec<String> = daemon
-        .api()
-        .backend_volumes(PLUGIN, None, None)
-        .await
-        .unwrap()
-        .volumes
-        .into_iter()
-        .map(|v| v.volume_id)
-        .collect();
-    ids.sort();
-    ids
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn a_name_is_created_mounted_twice_unmounted_in_either_order_and_removed() {
     let tmp = tempfile::tempdir().unwrap();
@@ -117,7 +102,7 @@ async fn a_name_is_created_mounted_twice_unmounted_in_either_order_and_removed()
     assert_eq!(activated["Implements"], json!(["VolumeDriver"]));
     let caps = engine.ok("/VolumeDriver.Capabilities", json!(null)).await;
     assert_eq!(caps["Capabilities"]["Scope"], "local");
-    let before = backend_ids(&daemon).await;
+    let before = daemon.backend_volume_ids().await;
 
     engine
         .create(
@@ -137,7 +122,7 @@ async fn a_name_is_created_mounted_twice_unmounted_in_either_order_and_removed()
     assert_eq!(status["state"], "CREATED");
     assert_eq!(status["capacity_bytes"], 2 << 20);
     let volume_id = status["volume_id"].as_str().unwrap().to_owned();
-    let after = backend_ids(&daemon).await;
+    let after = daemon.backend_volume_ids().await;
     assert_eq!(after.len(), before.len() + 1, "{before:?} → {after:?}");
     assert!(after.contains(&volume_id));
     assert_eq!(engine.names().await, ["v1"]);
@@ -186,7 +171,7 @@ async fn a_name_is_created_mounted_twice_unmounted_in_either_order_and_removed()
         .ok("/VolumeDriver.Remove", json!({"Name": "v1"}))
         .await;
     assert_eq!(
-        backend_ids(&daemon).await,
+        daemon.backend_volume_ids().await,
         before,
         "the CSI volume is deleted"
     );
@@ -207,7 +192,7 @@ async fn bad_options_and_hostile_calls_are_refused_clearly_and_create_nothing() 
     let tmp = tempfile::tempdir().unwrap();
     let daemon = daemon(tmp.path());
     let engine = Engine::of(tmp.path());
-    let before = backend_ids(&daemon).await;
+    let before = daemon.backend_volume_ids().await;
     let long_name = "x".repeat(129);
     for (name, opts, expected) in [
         ("v1", json!({}), "option plugin is missing"),
@@ -281,7 +266,7 @@ async fn bad_options_and_hostile_calls_are_refused_clearly_and_create_nothing() 
 
     // Nothing but v2 was created, here or in the plugin.
     assert_eq!(engine.names().await, ["v2"]);
-    assert_eq!(backend_ids(&daemon).await.len(), before.len() + 1);
+    assert_eq!(daemon.backend_volume_ids().await.len(), before.len() + 1);
     assert!(mounts_under(tmp.path()).is_empty());
 }
 
@@ -305,7 +290,12 @@ async fn an_adopted_volume_is_mounted_and_forgotten_never_deleted() {
     engine
         .ok("/VolumeDriver.Remove", json!({"Name": "data"}))
         .await;
-    assert!(backend_ids(&daemon).await.contains(&"vol1".to_owned()));
+    assert!(
+        daemon
+            .backend_volume_ids()
+            .await
+            .contains(&"vol1".to_owned())
+    );
     assert!(engine.names().await.is_empty());
 }
 
@@ -365,7 +355,7 @@ async fn the_daemon_killed_inside_a_create_or_a_remove_leaves_one_volume_or_none
     ] {
         let tmp = tempfile::tempdir().unwrap();
         let mut daemon = daemon(tmp.path());
-        let before = backend_ids(&daemon).await;
+        let before = daemon.backend_volume_ids().await;
         daemon.stop_and_set_env("CSI_AGENT_FAILPOINTS", &format!("{point}=exit"));
         daemon.start();
         let engine = Engine::of(tmp.path());
@@ -390,14 +380,14 @@ async fn the_daemon_killed_inside_a_create_or_a_remove_leaves_one_volume_or_none
             .as_str()
             .unwrap()
             .to_owned();
-        let after = backend_ids(&daemon).await;
+        let after = daemon.backend_volume_ids().await;
         assert_eq!(after.len(), before.len() + 1, "{point}: {after:?}");
         assert!(after.contains(&volume_id), "{point}");
     }
 
     let tmp = tempfile::tempdir().unwrap();
     let mut daemon = daemon(tmp.path());
-    let before = backend_ids(&daemon).await;
+    let before = daemon.backend_volume_ids().await;
     let engine = Engine::of(tmp.path());
     engine.create("v1", json!({"plugin": PLUGIN})).await;
     daemon.stop_and_set_env(
@@ -422,5 +412,5 @@ async fn the_daemon_killed_inside_a_create_or_a_remove_leaves_one_volume_or_none
         .ok("/VolumeDriver.Remove", json!({"Name": "v1"}))
         .await;
     assert!(engine.names().await.is_empty());
-    assert_eq!(backend_ids(&daemon).await, before);
+    assert_eq!(daemon.backend_volume_ids().await, before);
 }
