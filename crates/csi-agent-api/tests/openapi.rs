@@ -91,6 +91,10 @@ fn volume_info(full: bool) -> VolumeInfo {
         },
         controller: full.then(|| ControllerVolumeStatus {
             published_node_ids: vec!["node-1".to_owned()],
+            condition: Some(VolumeCondition {
+                abnormal: true,
+                message: "disk on fire".to_owned(),
+            }),
             error: Some("ControllerGetVolume did not answer within 2s".to_owned()),
         }),
     }
@@ -531,6 +535,10 @@ fn cases() -> Result<Vec<Case>> {
             "ControllerVolumeStatus",
             ControllerVolumeStatus {
                 published_node_ids: vec!["node-1".to_owned()],
+                condition: Some(VolumeCondition {
+                    abnormal: false,
+                    message: String::new(),
+                }),
                 error: Some("timed out".to_owned()),
             },
             ControllerVolumeStatus::default(),

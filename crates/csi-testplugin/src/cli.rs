@@ -191,8 +191,9 @@ pub struct Args {
     #[arg(long)]
     pub volume_stats: bool,
 
-    /// Advertise VOLUME_CONDITION: NodeGetVolumeStats also reports the volume's
-    /// condition, abnormal when the fault file's `abnormal` names the volume.
+    /// Advertise VOLUME_CONDITION: NodeGetVolumeStats (and, with --get-volume,
+    /// ControllerGetVolume) also reports the volume's condition, abnormal when the fault
+    /// file's `abnormal` names the volume.
     #[arg(long)]
     pub volume_condition: bool,
 

@@ -55,6 +55,8 @@ pub const CAP_PUBLISH_READONLY: i32 = 8;
 pub const CAP_LIST_VOLUMES_PUBLISHED_NODES: i32 = 10;
 /// v1 only (`--get-volume`).
 pub const CAP_GET_VOLUME: i32 = 12;
+/// ControllerServiceCapability VOLUME_CONDITION: ControllerGetVolume reports the condition.
+pub const CAP_VOLUME_CONDITION: i32 = 11;
 /// Plugin capability `VOLUME_ACCESSIBILITY_CONSTRAINTS` (v1 only here: `--topology`).
 pub const PLUGIN_CAP_VOLUME_ACCESSIBILITY_CONSTRAINTS: i32 = 2;
 /// Node capability `STAGE_UNSTAGE_VOLUME` (v1 and v0).
@@ -481,6 +483,9 @@ impl Plugin {
         }
         if self.cfg.get_volume && version == ApiVersion::V1 {
             caps.push(CAP_GET_VOLUME);
+            if self.cfg.volume_condition {
+                caps.push(CAP_VOLUME_CONDITION);
+            }
         }
         if self.cfg.snapshots && version == ApiVersion::V1 {
             caps.push(snapshots::CAP_CREATE_DELETE_SNAPSHOT);

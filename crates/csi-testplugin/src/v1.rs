@@ -572,9 +572,22 @@ impl Controller for V1 {
                 // "status ... This field is REQUIRED."; published_node_ids
                 // "MUST be specified if the PUBLISH_UNPUBLISH_VOLUME
                 // controller capability is supported by the SP."
+                // "This field MUST be specified if the VOLUME_CONDITION controller capability
+                // is supported by the SP" (advertised with --get-volume --volume-condition).
                 status: Some(VolumeStatus {
                     published_node_ids: v.published_nodes,
-                    volume_condition: None,
+                    volume_condition: p.config().volume_condition.then(|| {
+                        match p.faults().abnormal(&r.volume_id) {
+                            Some(message) => pb::VolumeCondition {
+                                abnormal: true,
+                                message,
+                            },
+                            None => pb::VolumeCondition {
+                                abnormal: false,
+                                message: String::new(),
+                            },
+                        }
+                    }),
                 }),
             })
         })

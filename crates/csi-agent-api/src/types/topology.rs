@@ -43,6 +43,10 @@ pub struct ControllerVolumeStatus {
     /// The nodes the volume is controller-published to.
     #[serde(default)]
     pub published_node_ids: Vec<String>,
+    /// The volume's condition, from plugins that advertise VOLUME_CONDITION (the controller
+    /// capability); absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub condition: Option<super::VolumeCondition>,
     /// Why the call failed (the volume's other fields are still shown); absent on success.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,

@@ -58,6 +58,9 @@ impl NodeInfo {
 pub enum ControllerView {
     Answered {
         published_node_ids: Vec<String>,
+        /// `(abnormal, message)`, from plugins with the VOLUME_CONDITION controller
+        /// capability.
+        condition: Option<(bool, String)>,
     },
     /// The call failed or timed out: said on the volume, which is shown all the same.
     Failed(String),
@@ -317,12 +320,13 @@ impl VolumeManager {
         };
         let remaining = deadline.saturating_duration_since(Instant::now());
         Some(match tokio::time::timeout(remaining, call).await {
-            Ok(Ok(response)) => ControllerView::Answered {
-                published_node_ids: response
-                    .status
-                    .map(|s| s.published_node_ids)
-                    .unwrap_or_default(),
-            },
+            Ok(Ok(response)) => {
+                let status = response.status.unwrap_or_default();
+                ControllerView::Answered {
+                    published_node_ids: status.published_node_ids,
+                    condition: status.volume_condition.map(|c| (c.abnormal, c.message)),
+                }
+            }
             Ok(Err(err)) => ControllerView::Failed(err.to_string()),
             Err(_) => ControllerView::Failed(format!(
                 "ControllerGetVolume did not answer within {GET_VOLUME_TIMEOUT:?}"

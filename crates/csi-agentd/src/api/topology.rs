@@ -39,12 +39,18 @@ pub(super) async fn controller_status(
     volume_id: &str,
 ) -> Option<api::ControllerVolumeStatus> {
     Some(match volumes.controller_view(volume_id).await? {
-        ControllerView::Answered { published_node_ids } => api::ControllerVolumeStatus {
+        ControllerView::Answered {
             published_node_ids,
+            condition,
+        } => api::ControllerVolumeStatus {
+            published_node_ids,
+            condition: condition
+                .map(|(abnormal, message)| api::VolumeCondition { abnormal, message }),
             error: None,
         },
         ControllerView::Failed(error) => api::ControllerVolumeStatus {
             published_node_ids: Vec::new(),
+            condition: None,
             error: Some(error),
         },
     })

@@ -219,7 +219,11 @@ async fn a_volume_beyond_max_volumes_per_node_is_refused_before_any_rpc() {
 #[tokio::test]
 async fn controller_get_volume_shows_the_node_while_published() {
     let dir = tempfile::tempdir().unwrap();
-    let daemon = daemon_with(dir.path(), "vol1:1M", &["--get-volume"]);
+    let daemon = daemon_with(
+        dir.path(),
+        "vol1:1M",
+        &["--get-volume", "--volume-condition"],
+    );
     let api = daemon.api();
     api.create_volume(&create("cg1", None)).await.unwrap();
     // Shown once the plugin's capabilities are known (a status read does not wait for them).
@@ -232,6 +236,25 @@ async fn controller_get_volume_shows_the_node_while_published() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     assert_eq!(before.published_node_ids, Vec::<String>::new());
+    // The controller's condition (VOLUME_CONDITION), normal until one is injected.
+    assert_eq!(before.condition.map(|c| c.abnormal), Some(false));
+    std::fs::write(
+        dir.path().join("plugin/faults.json"),
+        r#"{"abnormal": {"cg1": "backend degraded"}}"#,
+    )
+    .unwrap();
+    let condition = api
+        .volume(PLUGIN, "cg1")
+        .await
+        .unwrap()
+        .controller
+        .unwrap()
+        .condition;
+    assert_eq!(
+        condition.map(|c| (c.abnormal, c.message)),
+        Some((true, "backend degraded".to_owned()))
+    );
+    std::fs::write(dir.path().join("plugin/faults.json"), r#"{"abnormal": {}}"#).unwrap();
 
     api.publish(&publish_request("cg1", "w1")).await.unwrap();
     let during = api.volume(PLUGIN, "cg1").await.unwrap().controller.unwrap();
