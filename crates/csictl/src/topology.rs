@@ -94,6 +94,9 @@ pub fn volume_fields(
                 None => c.published_node_ids.join(", "),
             },
         ));
+        if let Some(condition) = &c.condition {
+            out.push(("controller condition", crate::stats::condition(condition)));
+        }
     }
     out
 }

@@ -254,6 +254,12 @@ async fn controller_get_volume_shows_the_node_while_published() {
         condition.map(|c| (c.abnormal, c.message)),
         Some((true, "backend degraded".to_owned()))
     );
+    let shown = daemon.csictl(&["volumes", PLUGIN, "cg1"]);
+    let shown = String::from_utf8_lossy(&shown.stdout);
+    assert!(
+        shown.contains("controller condition") && shown.contains("backend degraded"),
+        "{shown}"
+    );
     std::fs::write(dir.path().join("plugin/faults.json"), r#"{"abnormal": {}}"#).unwrap();
 
     api.publish(&publish_request("cg1", "w1")).await.unwrap();
