@@ -61,7 +61,7 @@ async fn round_trip(versions: &str) {
     let info = client.get_plugin_info().await.unwrap();
     assert_eq!(info.name, "org.example.test");
     assert!(client.probe().await.unwrap());
-    let services = client.get_plugin_capabilities().await.unwrap();
+    let services = client.get_plugin_capabilities().await.unwrap().services;
     assert!(services.contains(&v1::plugin_capability::service::Type::ControllerService));
     let controller = client.controller_get_capabilities().await.unwrap();
     assert!(controller.contains(&v1::controller_service_capability::rpc::Type::CreateDeleteVolume));

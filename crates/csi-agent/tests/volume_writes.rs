@@ -118,6 +118,7 @@ async fn a_node_only_deployment_never_calls_the_controller() {
         node.get_plugin_capabilities()
             .await
             .unwrap()
+            .services
             .contains(&csi_proto::v1::plugin_capability::service::Type::ControllerService)
     );
     let endpoints: Arc<dyn PluginEndpoints> = Arc::new(FixedEndpoints::new(

@@ -39,22 +39,6 @@ pub fn fold_volume_expansion(
 }
 
 impl CsiClient {
-    /// `GetPluginCapabilities`, folded into the `VolumeExpansion` type advertised (`None`:
-    /// none, and always on CSI 0.x).
-    pub async fn get_volume_expansion(&self) -> Result<Option<ExpansionType>, RpcError> {
-        if self.version.is_v0() {
-            return Ok(None);
-        }
-        let response = self
-            .call("GetPluginCapabilities", |ch, d| async move {
-                v1::identity_client::IdentityClient::new(ch)
-                    .get_plugin_capabilities(request(v1::GetPluginCapabilitiesRequest {}, d))
-                    .await
-            })
-            .await?;
-        Ok(fold_volume_expansion(&response))
-    }
-
     pub async fn controller_expand_volume(
         &self,
         req: v1::ControllerExpandVolumeRequest,

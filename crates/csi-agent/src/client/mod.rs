@@ -87,6 +87,14 @@ impl Default for ClientOptions {
 
 /// Plugin services advertised by `GetPluginCapabilities`.
 pub type PluginServices = BTreeSet<v1::plugin_capability::service::Type>;
+
+/// `GetPluginCapabilities`, folded: the services and the `VolumeExpansion` type (`None`: not
+/// advertised, and always on CSI 0.x, which has no such capability).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PluginCapabilities {
+    pub services: PluginServices,
+    pub volume_expansion: Option<v1::plugin_capability::volume_expansion::Type>,
+}
 /// RPCs advertised by `ControllerGetCapabilities`.
 pub type ControllerCapabilities = BTreeSet<v1::controller_service_capability::rpc::Type>;
 /// RPCs advertised by `NodeGetCapabilities`.
@@ -302,9 +310,10 @@ impl CsiClient {
         }
     }
 
-    /// `GetPluginCapabilities`, folded into the set of advertised services; duplicate and
-    /// `UNKNOWN` entries are tolerated (real plugins send both).
-    pub async fn get_plugin_capabilities(&self) -> Result<PluginServices, RpcError> {
+    /// `GetPluginCapabilities`, folded into the advertised services and expansion type;
+    /// duplicate and `UNKNOWN` entries are tolerated (real plugins send both). The one call of
+    /// this RPC: every caller (topology, expansion, probe) reads what it needs of its answer.
+    pub async fn get_plugin_capabilities(&self) -> Result<PluginCapabilities, RpcError> {
         if self.version.is_v0() {
             let response = self
                 .call("GetPluginCapabilities", |ch, d| async move {
@@ -316,7 +325,10 @@ impl CsiClient {
                         .await
                 })
                 .await?;
-            Ok(v0::plugin_services_to_v1(&response))
+            Ok(PluginCapabilities {
+                services: v0::plugin_services_to_v1(&response),
+                volume_expansion: None,
+            })
         } else {
             let response = self
                 .call("GetPluginCapabilities", |ch, d| async move {
@@ -325,7 +337,10 @@ impl CsiClient {
                         .await
                 })
                 .await?;
-            Ok(fold_plugin_services(&response))
+            Ok(PluginCapabilities {
+                services: fold_plugin_services(&response),
+                volume_expansion: expand::fold_volume_expansion(&response),
+            })
         }
     }
 
@@ -826,10 +841,10 @@ impl CsiClient {
     pub async fn describe(&self) -> Result<PluginDescription, RpcError> {
         let info = self.get_plugin_info().await?;
         let ready = self.probe().await?;
-        let plugin_capabilities = self
-            .get_plugin_capabilities()
-            .await?
-            .into_iter()
+        let capabilities = self.get_plugin_capabilities().await?;
+        let plugin_capabilities = capabilities
+            .services
+            .iter()
             .map(|c| c.as_str_name().to_owned())
             .collect();
         let controller_capabilities =
@@ -843,7 +858,9 @@ impl CsiClient {
                 .map(|c| c.as_str_name().to_owned())
                 .collect()
         });
-        let volume_expansion = self.volume_expansion().await?;
+        let volume_expansion = capabilities
+            .volume_expansion
+            .map(|t| t.as_str_name().to_owned());
         let node = optional(self.describe_node().await)?;
         Ok(PluginDescription {
             version: self.version,

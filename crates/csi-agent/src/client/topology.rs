@@ -53,31 +53,4 @@ impl CsiClient {
             max_volumes_per_node: info.max_volumes_per_node,
         })
     }
-
-    /// The VolumeExpansion plugin capability (`ONLINE`, `OFFLINE`), which the folded
-    /// services of [`CsiClient::get_plugin_capabilities`] leave out; `None` when not
-    /// advertised, and always on CSI 0.x (which has no such capability).
-    pub(super) async fn volume_expansion(&self) -> Result<Option<String>, RpcError> {
-        use v1::plugin_capability::{Type, volume_expansion};
-        if self.version.is_v0() {
-            return Ok(None);
-        }
-        let response = self
-            .call("GetPluginCapabilities", |ch, d| async move {
-                v1::identity_client::IdentityClient::new(ch)
-                    .get_plugin_capabilities(request(v1::GetPluginCapabilitiesRequest {}, d))
-                    .await
-            })
-            .await?;
-        Ok(response
-            .capabilities
-            .iter()
-            .find_map(|cap| match &cap.r#type {
-                Some(Type::VolumeExpansion(e)) => volume_expansion::Type::try_from(e.r#type)
-                    .ok()
-                    .filter(|t| *t != volume_expansion::Type::Unknown)
-                    .map(|t| t.as_str_name().to_owned()),
-                _ => None,
-            }))
-    }
 }

@@ -98,11 +98,8 @@ impl VolumeManager {
                     } else {
                         Service::Node
                     };
-                    endpoints
-                        .client(service)
-                        .await?
-                        .get_volume_expansion()
-                        .await
+                    let client = endpoints.client(service).await?;
+                    Ok(client.get_plugin_capabilities().await?.volume_expansion)
                 })
                 .await
             })

@@ -122,7 +122,7 @@ impl VolumeManager {
             let _step = steps.read().await;
             let client = endpoints.client(Service::Node).await?;
             let info = client.node_get_info().await?;
-            let services = client.get_plugin_capabilities().await?;
+            let services = client.get_plugin_capabilities().await?.services;
             Ok((info, services))
         })
         .await?;
