@@ -55,6 +55,18 @@ pub use record::{
     VolumeState,
 };
 
+/// What a plugin told about itself, asked once per configuration of its components and
+/// forgotten together when a reload replaces them. `generation` counts the replacements: an
+/// answer of the old components that arrives after a reload is not kept as the new ones'.
+#[derive(Debug, Default)]
+struct Learned {
+    generation: u64,
+    /// NodeGetCapabilities and ControllerGetCapabilities.
+    caps: Option<Arc<Advertised>>,
+    /// NodeGetInfo and GetPluginCapabilities' services (topology.rs).
+    node_info: Option<Arc<topology::NodeInfo>>,
+}
+
 /// The capabilities a plugin advertises, as asked of its current components.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Advertised {
@@ -353,17 +365,14 @@ struct Inner {
     /// Every record as last written (durably or as a note), for reads that must never wait
     /// for an operation in progress (docs/design.md: reads come from a snapshot).
     snapshot: std::sync::RwLock<BTreeMap<String, Arc<VolumeRecord>>>,
-    /// Asked once, forgotten when the plugin's configuration changes. The number is the
-    /// endpoints' generation the answer belongs to: an answer of the old components that
-    /// arrives after a reload forgot the caps is not cached as the new ones'.
-    caps: StdMutex<(u64, Option<Arc<Advertised>>)>,
+    /// What the plugin told about itself (capabilities, NodeGetInfo), asked once per
+    /// configuration and forgotten together when it changes.
+    learned: StdMutex<Learned>,
     /// Held (read) by every attempt of an RPC to the plugin, and (write) by a reload while it
     /// replaces the plugin's components: a reload is ordered after the attempts in flight,
     /// and the attempts after it see the new components (docs/reliability.md, "Reload").
     steps: Arc<tokio::sync::RwLock<()>>,
 
-    /// NodeGetInfo and GetPluginCapabilities (topology.rs), by the same generation as `caps`.
-    node_info: StdMutex<(u64, Option<Arc<topology::NodeInfo>>)>,
     /// Publishes of volumes not attached yet, in flight (topology.rs, the volume limit).
     attaching: StdMutex<std::collections::BTreeSet<String>>,
     /// What each operation in progress is doing, for status reads (never waits).
@@ -430,9 +439,8 @@ impl VolumeManager {
                 claim_limits: context.claim_limits,
                 slots: StdMutex::new(HashMap::new()),
                 snapshot: std::sync::RwLock::new(BTreeMap::new()),
-                caps: StdMutex::new((0, None)),
+                learned: StdMutex::default(),
                 steps: Arc::default(),
-                node_info: StdMutex::new((0, None)),
                 attaching: StdMutex::default(),
                 progress: progress::Tracker::default(),
                 stats: stats::StatsState::default(),
@@ -1617,13 +1625,11 @@ impl VolumeManager {
     /// Forgets the plugin's capabilities (after its configuration changed): they are asked
     /// again before the next step.
     pub fn forget_capabilities(&self) {
-        let mut caps = lock(&self.inner.caps);
-        caps.0 = caps.0.wrapping_add(1);
-        caps.1 = None;
-        drop(caps);
-        let mut node_info = lock(&self.inner.node_info);
-        node_info.0 = node_info.0.wrapping_add(1);
-        node_info.1 = None;
+        let mut learned = lock(&self.inner.learned);
+        *learned = Learned {
+            generation: learned.generation.wrapping_add(1),
+            ..Learned::default()
+        };
     }
 
     /// Waits for every RPC attempt to this plugin in flight to end, and keeps new ones from
@@ -1636,11 +1642,11 @@ impl VolumeManager {
     /// What the plugin advertises, asked once (and retried while it is unavailable).
     async fn caps(&self, deadline: Instant) -> Result<Arc<Advertised>, VolumeError> {
         let generation = {
-            let cached = lock(&self.inner.caps);
-            if let Some(caps) = &cached.1 {
+            let learned = lock(&self.inner.learned);
+            if let Some(caps) = &learned.caps {
                 return Ok(Arc::clone(caps));
             }
-            cached.0
+            learned.generation
         };
         let endpoints = &self.inner.endpoints;
         let steps = &self.inner.steps;
@@ -1668,9 +1674,9 @@ impl VolumeManager {
             controller,
             expansion: OnceCell::new(),
         });
-        let mut cached = lock(&self.inner.caps);
-        if cached.0 == generation {
-            cached.1 = Some(Arc::clone(&caps));
+        let mut learned = lock(&self.inner.learned);
+        if learned.generation == generation {
+            learned.caps = Some(Arc::clone(&caps));
         }
         // Else the components were replaced while this was asked: this step still acts on
         // what it asked (consistently), the next one asks the new components.

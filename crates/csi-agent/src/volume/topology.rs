@@ -102,18 +102,18 @@ fn topology(s: &Segments) -> v1::Topology {
 impl VolumeManager {
     /// NodeGetInfo and GetPluginCapabilities, as last asked (no RPC): for status reads.
     pub fn cached_node_info(&self) -> Option<Arc<NodeInfo>> {
-        lock(&self.inner.node_info).1.clone()
+        lock(&self.inner.learned).node_info.clone()
     }
 
     /// NodeGetInfo and GetPluginCapabilities, asked once per plugin configuration (retried
     /// while the plugin is unavailable, until `deadline`).
     pub async fn node_info(&self, deadline: Instant) -> Result<Arc<NodeInfo>, VolumeError> {
         let generation = {
-            let cached = lock(&self.inner.node_info);
-            if let Some(info) = &cached.1 {
+            let learned = lock(&self.inner.learned);
+            if let Some(info) = &learned.node_info {
                 return Ok(Arc::clone(info));
             }
-            cached.0
+            learned.generation
         };
         let endpoints = &self.inner.endpoints;
         let steps = &self.inner.steps;
@@ -142,9 +142,9 @@ impl VolumeManager {
             node.accessible_topology = None;
         }
         let node = Arc::new(node);
-        let mut cached = lock(&self.inner.node_info);
-        if cached.0 == generation {
-            cached.1 = Some(Arc::clone(&node));
+        let mut learned = lock(&self.inner.learned);
+        if learned.generation == generation {
+            learned.node_info = Some(Arc::clone(&node));
         }
         Ok(node)
     }
@@ -294,7 +294,7 @@ impl VolumeManager {
         let deadline = Instant::now() + GET_VOLUME_TIMEOUT;
         // Only capabilities already known: a status read must not wait for a plugin that is
         // still starting to tell what it advertises.
-        let Some(caps) = lock(&self.inner.caps).1.clone() else {
+        let Some(caps) = lock(&self.inner.learned).caps.clone() else {
             // Asked in the background, so that the next read can show it.
             let manager = self.clone();
             tokio::spawn(async move {
