@@ -47,6 +47,7 @@
 //! | `stop_grace_ms` | 10000 | SIGTERM → SIGKILL grace period when a component is stopped |
 //! | `restart_backoff` | `{"initial_ms": 1000, "max_ms": 60000, "reset_after_ms": 60000}` | restart delays of a crashing component |
 //! | `node_id` | the daemon's | node id given to the plugin (`CSI_NODE_ID`) |
+//! | `cluster` | `false` | the plugin's storage is shared between nodes: with `--cluster-etcd`, its volumes are claimed across nodes in etcd before use (docs/cluster.md); without it, the field changes nothing |
 //!
 //! Unknown fields are errors (they are usually typos of the fields above).
 //!
@@ -433,6 +434,8 @@ pub struct PluginConfig {
     pub stop_grace: Duration,
     pub restart_backoff: RestartBackoff,
     pub node_id: Option<String>,
+    /// Shared storage: claimed across nodes in cluster mode (docs/cluster.md).
+    pub cluster: bool,
 }
 
 impl PluginConfig {
@@ -857,6 +860,7 @@ impl Parser<'_> {
                 "stop_grace_ms",
                 "restart_backoff",
                 "node_id",
+                "cluster",
             ],
         )?;
         let plugin_type = self
@@ -914,6 +918,7 @@ impl Parser<'_> {
         let target_path_exists = self
             .boolean(obj, "", "target_path_exists")?
             .unwrap_or(false);
+        let cluster = self.boolean(obj, "", "cluster")?.unwrap_or(false);
 
         let node_id = match self.string(obj, "", "node_id")? {
             None => None,
@@ -958,6 +963,7 @@ impl Parser<'_> {
                 .unwrap_or(DEFAULT_STOP_GRACE),
             restart_backoff,
             node_id,
+            cluster,
         })
     }
 

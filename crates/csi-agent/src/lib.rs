@@ -10,6 +10,7 @@ pub mod beneath;
 pub mod binaries;
 pub mod bootid;
 pub mod client;
+pub mod cluster;
 pub mod config;
 pub mod durable;
 pub mod endpoints;

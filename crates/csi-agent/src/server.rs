@@ -68,7 +68,22 @@ pub struct ServerOptions {
     pub fetch: crate::fetch::FetchOptions,
     /// `--secret-dir`: where REFERENCE secrets of plugin configs are read at each launch.
     pub secret_dir: Option<PathBuf>,
+    /// Cluster mode (`--cluster-etcd`): the cluster's settings and its etcd.
+    pub cluster: Option<ClusterSetup>,
 }
+
+/// What cluster mode needs from the daemon (docs/cluster.md).
+#[derive(Clone, Debug)]
+pub struct ClusterSetup {
+    pub options: crate::cluster::ClusterOptions,
+    pub store: Arc<dyn crate::cluster::store::ClusterStore>,
+}
+
+/// `meta` keys of the node's cluster identity (docs/on-disk-format.md).
+const META_CLUSTER_NAME: &str = "cluster_name";
+const META_CLUSTER_NODE: &str = "cluster_node_name";
+const META_CLUSTER_INSTANCE: &str = "cluster_instance_id";
+const META_ETCD_CLUSTER_ID: &str = "etcd_cluster_id";
 
 /// The image store's dir in the work dir (docs/operations.md, "Image store").
 pub const IMAGES_DIR: &str = "images";
@@ -115,6 +130,27 @@ pub enum ServerError {
         "the node is drained: it publishes nothing and starts no plugin; restart csi-agentd to serve again"
     )]
     Drained,
+    /// The work dir belongs to another cluster or node name than the flags say.
+    #[error(
+        "the work dir joined cluster {recorded_cluster:?} as node {recorded_node:?}, but the flags say cluster {cluster:?}, node {node:?}: its volumes' claims in etcd are under the recorded names; start with --cluster-name {recorded_cluster} --node-name {recorded_node}, or use another --work-dir"
+    )]
+    ClusterIdentity {
+        recorded_cluster: String,
+        recorded_node: String,
+        cluster: String,
+        node: String,
+    },
+    /// Cluster mode is off (no `--cluster-etcd`).
+    #[error("cluster mode is off: start csi-agentd with --cluster-etcd (docs/cluster.md)")]
+    NoCluster,
+    #[error(transparent)]
+    Cluster(Box<crate::cluster::ClusterError>),
+}
+
+impl From<crate::cluster::ClusterError> for ServerError {
+    fn from(err: crate::cluster::ClusterError) -> Self {
+        ServerError::Cluster(Box::new(err))
+    }
 }
 
 /// How long a drain waits, by default, for the operations in flight, and then again for the
@@ -249,6 +285,9 @@ pub struct Plugin {
     pub endpoints: Arc<ManagedEndpoints>,
     pub volumes: VolumeManager,
     pub recovery: RecoveryReport,
+    /// The session's way to this plugin's volumes (cluster plugins in cluster mode): held
+    /// here, registered weakly, so that a removed plugin drops out of the cluster's list.
+    pub cluster_volumes: Option<Arc<dyn crate::cluster::ClusterPlugin>>,
 }
 
 impl Plugin {
@@ -320,6 +359,8 @@ struct Inner {
     images: Option<Arc<crate::image::store::ImageStore>>,
     /// The front doors' volume names (`crate::named`).
     named: crate::named::NamedState,
+    /// Cluster mode's handle (`--cluster-etcd`).
+    cluster: Option<crate::cluster::Cluster>,
 }
 
 impl CsiServer {
@@ -342,6 +383,10 @@ impl CsiServer {
             }
         };
         let named = crate::named::NamedState::load(&store)?;
+        let cluster = match &options.cluster {
+            Some(setup) => Some(open_cluster(setup, &store)?),
+            None => None,
+        };
         let server = Self {
             inner: Arc::new(Inner {
                 options,
@@ -359,9 +404,15 @@ impl CsiServer {
                 reload_lock: Mutex::new(()),
                 images,
                 named,
+                cluster,
             }),
         };
         Ok(server)
+    }
+
+    /// Cluster mode's handle, when the daemon runs in cluster mode.
+    pub fn cluster(&self) -> Result<&crate::cluster::Cluster, ServerError> {
+        self.inner.cluster.as_ref().ok_or(ServerError::NoCluster)
     }
 
     pub fn metrics(&self) -> &Arc<Metrics> {
@@ -422,6 +473,11 @@ impl CsiServer {
             self.inner
                 .recovered
                 .store(true, std::sync::atomic::Ordering::Release);
+            if let Some(cluster) = &self.inner.cluster {
+                // After the plugins registered: the first join releases what a fence took
+                // and sweeps orphans for each of them.
+                cluster.run();
+            }
             if self.inner.options.start_plugins {
                 self.launch_all_components().await;
             }
@@ -863,11 +919,20 @@ impl CsiServer {
             .recover()
             .await
             .map_err(|e| init_err(format!("recovering its volumes failed: {e}")))?;
+        let cluster_volumes = match (&self.inner.cluster, config.cluster) {
+            (Some(cluster), true) => {
+                let handle = crate::volume::cluster::ClusterVolumes::handle(volumes.clone());
+                cluster.register(&handle);
+                Some(handle)
+            }
+            _ => None,
+        };
         Ok(Arc::new(Plugin {
             loaded,
             endpoints,
             volumes,
             recovery,
+            cluster_volumes,
         }))
     }
 
@@ -889,6 +954,9 @@ impl CsiServer {
         volume_config.target_path_exists = config.target_path_exists;
         volume_config.target_path_root = config.target_path_root.clone();
         volume_config.node_id = config.node_id.clone();
+        if config.cluster {
+            volume_config.cluster = self.inner.cluster.clone();
+        }
         volume_config
     }
 
@@ -996,6 +1064,9 @@ impl CsiServer {
                         endpoints: plugin.endpoints.clone(),
                         volumes: plugin.volumes.clone(),
                         recovery: plugin.recovery.clone(),
+                        // The volume manager (and its `cluster` setting) stays: changing
+                        // `cluster` takes a restart (docs/cluster.md).
+                        cluster_volumes: plugin.cluster_volumes.clone(),
                     });
                     let mut table = self.inner.table.lock().await;
                     // Only over the entry this reload replaced (the reload lock keeps other
@@ -1312,4 +1383,53 @@ fn lock_std<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Builds the cluster handle from the flags and the node's recorded identity: the first
+/// start in cluster mode records the names and a fresh instance id; a later start with other
+/// names is refused (the claims in etcd are under the recorded ones).
+fn open_cluster(
+    setup: &ClusterSetup,
+    store: &Store,
+) -> Result<crate::cluster::Cluster, ServerError> {
+    let options = &setup.options;
+    let recorded_cluster = store.meta(META_CLUSTER_NAME)?;
+    let recorded_node = store.meta(META_CLUSTER_NODE)?;
+    if let (Some(cluster), Some(node)) = (&recorded_cluster, &recorded_node)
+        && (*cluster != options.name || *node != options.node)
+    {
+        return Err(ServerError::ClusterIdentity {
+            recorded_cluster: cluster.clone(),
+            recorded_node: node.clone(),
+            cluster: options.name.clone(),
+            node: options.node.clone(),
+        });
+    }
+    let instance_id = match store.meta(META_CLUSTER_INSTANCE)? {
+        Some(id) => id,
+        None => {
+            let id = crate::cluster::random_id();
+            store.set_meta(META_CLUSTER_INSTANCE, &id)?;
+            id
+        }
+    };
+    store.set_meta(META_CLUSTER_NAME, &options.name)?;
+    store.set_meta(META_CLUSTER_NODE, &options.node)?;
+    let etcd_cluster_id = store
+        .meta(META_ETCD_CLUSTER_ID)?
+        .and_then(|id| u64::from_str_radix(&id, 16).ok());
+    let remember = store.clone();
+    Ok(crate::cluster::Cluster::new(
+        options.clone(),
+        setup.store.clone(),
+        crate::cluster::Identity {
+            instance_id,
+            etcd_cluster_id,
+        },
+        Box::new(move |id| {
+            remember
+                .set_meta(META_ETCD_CLUSTER_ID, &format!("{id:x}"))
+                .map_err(|e| e.to_string())
+        }),
+    ))
 }

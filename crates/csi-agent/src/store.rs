@@ -381,6 +381,40 @@ impl Store {
         Ok(())
     }
 
+    /// A value of the database's `meta` table (the node's cluster identity lives there:
+    /// docs/on-disk-format.md).
+    pub fn meta(&self, key: &str) -> Result<Option<String>, StoreError> {
+        use rusqlite::OptionalExtension;
+        self.db
+            .read(|conn| {
+                conn.query_row("SELECT value FROM meta WHERE key = ?1", [key], |row| {
+                    row.get::<_, String>(0)
+                })
+                .optional()
+            })
+            .map_err(|source| StoreError::Read {
+                path: self.db_path().to_path_buf(),
+                source,
+            })
+    }
+
+    /// Sets a `meta` value, committed (FULL synchronous) before this returns.
+    pub fn set_meta(&self, key: &str, value: &str) -> Result<(), StoreError> {
+        self.db
+            .read(|conn| {
+                conn.execute(
+                    "INSERT INTO meta (key, value) VALUES (?1, ?2)
+                     ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                    [key, value],
+                )
+            })
+            .map(|_| ())
+            .map_err(|source| StoreError::Read {
+                path: self.db_path().to_path_buf(),
+                source,
+            })
+    }
+
     /// When `--reinitialize-state` created this database (Unix milliseconds), if it did.
     fn reinitialized_at(&self) -> Option<u64> {
         self.db

@@ -117,6 +117,7 @@ fn managed(plugin_type: &str, command: CommandConfig) -> PluginConfig {
             reset_after: Duration::from_secs(10),
         },
         node_id: None,
+        cluster: false,
     }
 }
 

@@ -4,6 +4,7 @@
 use std::path::Path;
 
 use csi_agent::client::{RpcErrorKind, code_name};
+use csi_agent::cluster::ClusterError;
 use csi_agent::image::blobs::BlobError;
 use csi_agent::image::import::ImportError;
 use csi_agent::image::pull::PullError;
@@ -69,7 +70,37 @@ impl From<VolumeError> for ApiFailure {
             | VolumeError::Mounts(_)
             | VolumeError::Failpoint(_) => Self::new(api::ErrorCode::Internal, message),
             VolumeError::Draining(_) => Self::new(api::ErrorCode::Unavailable, message),
+            VolumeError::Cluster(cluster) => Self::new(cluster_code(cluster), message),
+            // Only a drive going down meets it; an unpublish answers success (released here).
+            VolumeError::ClusterReleasePending(_) => {
+                Self::new(api::ErrorCode::Unavailable, message)
+            }
         }
+    }
+}
+
+/// A cluster refusal's code: 503 when etcd (or the node's session) cannot answer now, 400
+/// for a bad fence request, 409 for every hold that stands in the way (it names the holder).
+/// Exhaustive: a new variant must be given its code here.
+pub fn cluster_code(err: &ClusterError) -> api::ErrorCode {
+    match err {
+        _ if err.is_unavailable() => api::ErrorCode::Unavailable,
+        ClusterError::BadFence { .. } => api::ErrorCode::InvalidRequest,
+        ClusterError::Held { .. }
+        | ClusterError::OtherCapability { .. }
+        | ClusterError::OtherReadonly { .. }
+        | ClusterError::Lost { .. }
+        | ClusterError::Unreadable { .. }
+        | ClusterError::TooManyNodes { .. }
+        | ClusterError::Contention { .. }
+        | ClusterError::Alive { .. } => api::ErrorCode::Conflict,
+        ClusterError::Unavailable { .. } | ClusterError::Store(_) => api::ErrorCode::Internal,
+    }
+}
+
+impl From<ClusterError> for ApiFailure {
+    fn from(err: ClusterError) -> Self {
+        Self::new(cluster_code(&err), err.to_string())
     }
 }
 
@@ -89,6 +120,11 @@ impl From<ServerError> for ApiFailure {
             ServerError::Store(_) => Self::new(api::ErrorCode::Internal, err.to_string()),
             ServerError::Drained => Self::new(api::ErrorCode::Unavailable, err.to_string()),
             ServerError::PruneUnsafe { .. } => Self::new(api::ErrorCode::Conflict, err.to_string()),
+            ServerError::ClusterIdentity { .. } => {
+                Self::new(api::ErrorCode::Internal, err.to_string())
+            }
+            ServerError::NoCluster => Self::new(api::ErrorCode::NotFound, err.to_string()),
+            ServerError::Cluster(cluster) => (*cluster).into(),
             ServerError::ImagesUnavailable
             | ServerError::ImageStore(_)
             | ServerError::ListComponents { .. } => {

@@ -726,6 +726,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
             image_limits: settings.image_limits.clone(),
             fetch: settings.fetch.clone(),
             secret_dir: settings.secret_dir.clone(),
+            cluster: None,
         },
         metrics,
     )

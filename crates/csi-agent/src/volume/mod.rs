@@ -11,6 +11,7 @@
 //! must not parse or format the API.
 
 pub mod bind;
+pub mod cluster;
 pub mod controller;
 pub mod expand;
 pub mod gate;
@@ -158,6 +159,9 @@ pub struct VolumeConfig {
     pub target_path_root: Option<PathBuf>,
     /// The node id for ControllerPublish, instead of asking NodeGetInfo.
     pub node_id: Option<String>,
+    /// Set for a plugin of shared storage (`"cluster": true`) on a daemon in cluster mode:
+    /// its volumes are claimed in etcd before they are used (docs/cluster.md).
+    pub cluster: Option<crate::cluster::Cluster>,
 }
 
 impl VolumeConfig {
@@ -170,6 +174,7 @@ impl VolumeConfig {
             target_path_exists: false,
             target_path_root: None,
             node_id: None,
+            cluster: None,
         }
     }
 }
@@ -254,6 +259,21 @@ pub enum VolumeError {
     /// The node is draining: no new operation starts (docs/operations.md, "Draining a node").
     #[error(transparent)]
     Draining(#[from] gate::Closed),
+    /// A cluster plugin's claim was refused or etcd could not answer (docs/cluster.md).
+    /// (Boxed: the refusals carry the holders' names, and every `Result` of the volume
+    /// manager would otherwise carry their size.)
+    #[error(transparent)]
+    Cluster(Box<crate::cluster::ClusterError>),
+    /// The volume went down on this node, but etcd could not be told: the release completes
+    /// when etcd answers again (the reconciler retries it).
+    #[error("released on this node; the cluster release is pending: {0}")]
+    ClusterReleasePending(#[source] Box<crate::cluster::ClusterError>),
+}
+
+impl From<crate::cluster::ClusterError> for VolumeError {
+    fn from(err: crate::cluster::ClusterError) -> Self {
+        VolumeError::Cluster(Box::new(err))
+    }
 }
 
 impl From<failpoint::FailpointError> for VolumeError {
@@ -586,6 +606,10 @@ impl VolumeManager {
         if let Some(published) = self.admit_publish(&mut guard, &mut record, &request)? {
             return Ok(published);
         }
+        // The hold across nodes first: etcd may claim more than this node uses, never less.
+        let deadline = Instant::now() + self.inner.config.operation_timeout;
+        self.cluster_claim(&mut record, &request.workload, deadline)
+            .await?;
         // A second workload on an attached volume is no volume more (topology.rs).
         let _attaching = if attached {
             None
@@ -845,8 +869,18 @@ impl VolumeManager {
         let up = record.wants_published();
         // The other workloads' binds are theirs to check: one of them broken must not
         // block this unpublish (issue #24, M2).
-        self.drive(&mut guard, record, up, Binds::None).await?;
-        Ok(())
+        match self.drive(&mut guard, record, up, Binds::None).await {
+            Ok(_) => Ok(()),
+            Err(VolumeError::ClusterReleasePending(err)) => {
+                // Unpublished on this node; etcd still shows the hold (an over-claim: the
+                // volume cannot move yet, which is safe) until the reconciler tells it.
+                tracing::warn!(plugin = %self.inner.config.plugin_type, volume_id = ?volume_id, error = %err, "unpublished on this node; the cluster release is pending");
+                drop(guard);
+                self.spawn_reconcile(volume_id);
+                Ok(())
+            }
+            Err(err) => Err(err),
+        }
     }
 
     /// Registers an operation on the node's door ([`gate`]) before it touches a volume or the
@@ -1081,6 +1115,7 @@ impl VolumeManager {
         }
         let mut dirty = slot.record.as_deref() != Some(&record);
         let mut ran_rpc = false;
+        let mut confirmed = false;
         loop {
             let caps = if next_step(record.state, up, ALL_CAPS) == Step::Done {
                 // No step needed whatever the plugin can do: don't ask it.
@@ -1110,6 +1145,22 @@ impl VolumeManager {
                     dirty = true;
                 }
                 Step::Rpc(rpc) => {
+                    if up && !confirmed {
+                        // Every step up needs the hold to be this node's still.
+                        self.cluster_confirm(&record).await?;
+                        confirmed = true;
+                    }
+                    if rpc == LifecycleRpc::ControllerUnpublish
+                        && let cluster::BeforeDetach::Skip =
+                            self.cluster_before_detach(&record).await?
+                    {
+                        // Freed after a fence: the volume may be another node's now.
+                        record.state = VolumeState::Created;
+                        record.publish_context.clear();
+                        record.node_id = None;
+                        dirty = true;
+                        continue;
+                    }
                     ran_rpc = true;
                     let points = rpc.failpoints();
                     failpoint::hit(points.before_intent)?;
@@ -1152,6 +1203,9 @@ impl VolumeManager {
                         record.publish_context.clear();
                         record.node_id = None;
                     }
+                    if rpc == LifecycleRpc::ControllerPublish {
+                        self.cluster_attached(&record).await?;
+                    }
                     if !record.state.is_node_side() && record.state != VolumeState::VolReady {
                         record.boot_id = None;
                     }
@@ -1160,6 +1214,9 @@ impl VolumeManager {
             }
         }
         if record.claims.is_empty() && record.state == VolumeState::Created {
+            if self.cluster_release(&mut record).await? {
+                dirty = true;
+            }
             self.cleanup_mount_dir(&record.volume_id);
             if record.origin == Origin::PreProvisioned {
                 failpoint::hit("volume.record.before_delete")?;
@@ -1786,6 +1843,7 @@ fn same_desire(a: &VolumeRecord, b: &VolumeRecord) -> bool {
         && a.volume_context == b.volume_context
         && a.has_secrets == b.has_secrets
         && a.origin == b.origin
+        && a.cluster_claim == b.cluster_claim
         && a.bind_mounts.len() == b.bind_mounts.len()
         && a.bind_mounts
             .iter()

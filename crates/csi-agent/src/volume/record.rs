@@ -328,6 +328,10 @@ pub struct VolumeRecord {
     /// Where the volume is accessible from, as CreateVolume reported (empty: not said).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub accessible_topology: Vec<BTreeMap<String, String>>,
+    /// This node's claim id on the volume in etcd (cluster plugins only): written with the
+    /// node's own claim, after the claim in etcd; cleared after the entry's removal.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cluster_claim: Option<String>,
 }
 
 impl VolumeRecord {
@@ -350,6 +354,7 @@ impl VolumeRecord {
             last_error: None,
             expansion: None,
             accessible_topology: Vec::new(),
+            cluster_claim: None,
         }
     }
 
