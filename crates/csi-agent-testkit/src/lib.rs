@@ -1,5 +1,6 @@
 //! The one harness of the daemon-level tests: the real `csi-agentd` started by a builder
-//! ([`Daemon`], flags, plugin configs, bind roots, a registry; room for etcd), the real
+//! ([`Daemon`], flags, plugin configs, bind roots, a registry), real etcd
+//! members and a fault-injecting proxy in front of them ([`etcd`]), the real
 //! `csi-testplugin` as its managed plugin, the API client, publish and unpublish requests,
 //! mount-table and process checks, the crash matrix's observed node ([`node::Node`]), the
 //! image tests' plugin images ([`image`]) and the loopback registries and
@@ -18,6 +19,7 @@
 
 pub mod daemon;
 pub mod engines;
+pub mod etcd;
 pub mod image;
 pub mod node;
 pub mod registry;
