@@ -4,7 +4,8 @@
 //! `csi-testplugin` as its managed plugin, the API client, publish and unpublish requests,
 //! mount-table and process checks, the crash matrix's observed node ([`node::Node`]), the
 //! image tests' plugin images ([`image`]) and the loopback registries and
-//! image builders ([`registry`]), and real container engines — Debian's `dockerd` and
+//! image builders ([`registry`]), the judge of double attach that reads the test plugin's
+//! shared backend ([`backend::BackendJudge`]), and real container engines — Debian's `dockerd` and
 //! `podman` on the test's dir, with a busybox image — for the volume plugin front door
 //! ([`engines`]).
 //!
@@ -17,6 +18,7 @@
 //! A test crate, so it panics on the unexpected: `unwrap`/`expect` are allowed here.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+pub mod backend;
 pub mod daemon;
 pub mod engines;
 pub mod etcd;
@@ -27,6 +29,7 @@ pub mod registry;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+pub use backend::{BackendJudge, Call};
 use csi_agent::mounts::MountTable;
 pub use csi_agent::mounts::require_private_mount_namespace;
 use csi_agent_api::{

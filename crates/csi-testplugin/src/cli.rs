@@ -40,6 +40,12 @@ pub struct Args {
     #[arg(long, env = "CSI_NODE_ID")]
     pub node_id: Option<String>,
 
+    /// A backend shared with the plugin instances of other nodes, as networked storage is:
+    /// the volumes, their catalogue and their attachments live under DIR, and every
+    /// Controller/Node RPC and every refused attach is recorded there (see the README).
+    #[arg(long, env = "CSI_TESTPLUGIN_BACKEND_DIR")]
+    pub backend_dir: Option<PathBuf>,
+
     /// CSI versions to serve on the socket, comma-separated: `v1`, `v0.3`,
     /// `v0.2` (at most one v0 flavour).
     #[arg(long, default_value = "v1,v0.3")]
@@ -236,6 +242,8 @@ pub struct Config {
     pub socket: PathBuf,
     pub work_dir: PathBuf,
     pub node_id: String,
+    /// `--backend-dir`: the backend shared with other nodes' instances (absolute).
+    pub backend_dir: Option<PathBuf>,
     pub serve_v1: bool,
     pub v0: Option<ApiVersion>,
     pub volumes: Vec<(String, i64)>,
@@ -324,7 +332,43 @@ fn hostname() -> String {
 }
 
 impl Args {
+    /// `--backend-dir`, made absolute, refused with the flags whose data or devices would
+    /// stay on one node (a tmpfs or loop device lives in one node's kernel, snapshots in its
+    /// work dir) and without the controller publication that records attachments.
+    fn check_backend(&self, dir: PathBuf) -> anyhow::Result<PathBuf> {
+        let refused = [
+            (
+                self.no_controller_publish,
+                "--no-controller-publish (attachments are recorded by ControllerPublishVolume)",
+            ),
+            (
+                self.volume_fs == VolumeFsArg::Tmpfs,
+                "--volume-fs tmpfs (a tmpfs is one node's memory)",
+            ),
+            (self.block, "--block (a loop device is one node's)"),
+            (
+                self.snapshots,
+                "--snapshots (snapshots live in the work dir)",
+            ),
+        ];
+        if let Some((_, flag)) = refused.iter().find(|(given, _)| *given) {
+            bail!("--backend-dir cannot be combined with {flag}; drop one of the two");
+        }
+        if dir.as_os_str().is_empty() {
+            bail!("--backend-dir must not be empty");
+        }
+        Ok(if dir.is_absolute() {
+            dir
+        } else {
+            std::env::current_dir()?.join(dir)
+        })
+    }
+
     pub fn into_config(self) -> anyhow::Result<Config> {
+        let backend_dir = match self.backend_dir.clone() {
+            Some(dir) => Some(self.check_backend(dir)?),
+            None => None,
+        };
         let socket = parse_endpoint(&self.endpoint)?;
         let mut serve_v1 = false;
         let mut v0: Option<ApiVersion> = None;
@@ -370,9 +414,9 @@ impl Args {
         let capacity = parse_size(&mesos_bytes(&self.capacity))?;
 
         let work_dir = if self.work_dir.is_absolute() {
-            self.work_dir
+            self.work_dir.clone()
         } else {
-            std::env::current_dir()?.join(self.work_dir)
+            std::env::current_dir()?.join(&self.work_dir)
         };
         let faults_path = self.faults.unwrap_or_else(|| work_dir.join("faults.json"));
         let call_log_path = self
@@ -381,6 +425,7 @@ impl Args {
         Ok(Config {
             socket,
             node_id,
+            backend_dir,
             serve_v1,
             v0,
             volumes,

@@ -112,6 +112,14 @@ impl Plugin {
                         total - used
                     )));
                 }
+                // The size other nodes' instances see (`--backend-dir`).
+                if let Some(b) = self.backend() {
+                    b.with_lock(|shared| {
+                        let entry = shared.catalogue.get_mut(id).ok_or_else(|| Self::not_found(id))?;
+                        entry.capacity_bytes = target;
+                        Ok(((), true))
+                    })?;
+                }
                 v.capacity_bytes = target;
                 Ok((target, true))
             })

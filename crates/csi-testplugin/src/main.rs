@@ -6,6 +6,7 @@
 //! core), `rpc` (faults, in-flight tracking and call log around every RPC),
 //! `state` (durable bookkeeping), `faults`, `calllog`, `mounts`, `model`.
 
+mod backend;
 mod backing;
 mod block;
 mod calllog;

@@ -22,6 +22,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use tonic::Status;
 
+use crate::backend::{Backend, CatalogueEntry};
 use crate::backing::{self, VolumeFs};
 use crate::block;
 use crate::calllog::CallLog;
@@ -231,6 +232,28 @@ fn mount_tmpfs_backings(store: &Store, volumes_dir: &Path) -> anyhow::Result<()>
     Ok(())
 }
 
+/// The node holding a volume against a publication `wanted` to one more node, if any: every
+/// node, when either side is single-node; the writer, when both are
+/// MULTI_NODE_SINGLE_WRITER and both would write; none otherwise (readers, multi-writers).
+fn holder_against(
+    published: &BTreeMap<String, ControllerPublication>,
+    wanted: &ControllerPublication,
+) -> Option<String> {
+    use crate::model::AccessMode::MultiNodeSingleWriter;
+    let writes = |p: &ControllerPublication| !p.readonly && !p.capability.mode.is_read_only();
+    published
+        .iter()
+        .find(|(_, p)| {
+            !wanted.capability.mode.is_multi_node()
+                || !p.capability.mode.is_multi_node()
+                || ((wanted.capability.mode == MultiNodeSingleWriter
+                    || p.capability.mode == MultiNodeSingleWriter)
+                    && writes(wanted)
+                    && writes(p))
+        })
+        .map(|(node, _)| node.clone())
+}
+
 /// The core plugin.
 #[derive(Debug)]
 pub struct Plugin {
@@ -243,18 +266,39 @@ pub struct Plugin {
     faults: Faults,
     calls: CallLog,
     inflight: Inflight,
+    /// `--backend-dir`: the backend shared with other nodes' instances.
+    backend: Option<Backend>,
 }
 
 impl Plugin {
     /// Opens the work dir: loads `state.json`, reconciles it with the volume
     /// directories and the boot id, and creates the pre-provisioned volumes.
     pub fn open(cfg: Config) -> anyhow::Result<Arc<Self>> {
-        let volumes_dir = cfg.work_dir.join("volumes");
-        let trash_dir = cfg.work_dir.join("trash");
+        // The volumes may live in the backend: the work dir is made for the rest.
+        std::fs::create_dir_all(&cfg.work_dir)
+            .with_context(|| format!("creating {}", cfg.work_dir.display()))?;
+        let backend = match &cfg.backend_dir {
+            Some(dir) => Some(Backend::open(dir, &cfg.node_id)?),
+            None => None,
+        };
+        let (volumes_dir, trash_dir) = match &backend {
+            Some(b) => (b.volumes_dir(), b.trash_dir()),
+            None => (cfg.work_dir.join("volumes"), cfg.work_dir.join("trash")),
+        };
         std::fs::create_dir_all(&volumes_dir)
             .with_context(|| format!("creating {}", volumes_dir.display()))?;
-        // Leftovers of deletions interrupted by a crash.
-        if trash_dir.exists() {
+        // Leftovers of deletions interrupted by a crash. A shared trash may hold another
+        // instance's deletion in progress: its entries go one by one, and one that another
+        // instance removes meanwhile is no error.
+        if backend.is_some() {
+            std::fs::create_dir_all(&trash_dir)?;
+            for entry in std::fs::read_dir(&trash_dir)? {
+                let path = entry?.path();
+                if let Err(e) = std::fs::remove_dir_all(&path) {
+                    tracing::warn!(path = %path.display(), "emptying the shared trash: {e}");
+                }
+            }
+        } else if trash_dir.exists() {
             std::fs::remove_dir_all(&trash_dir)
                 .with_context(|| format!("emptying {}", trash_dir.display()))?;
         }
@@ -343,7 +387,7 @@ impl Plugin {
 
         let faults = Faults::new(&cfg.faults_path, cfg.quirks);
         let calls = CallLog::open(&cfg.call_log_path)?;
-        Ok(Arc::new(Self {
+        let plugin = Self {
             blocks_dir: cfg.work_dir.join("blocks"),
             cfg,
             volumes_dir,
@@ -352,7 +396,112 @@ impl Plugin {
             faults,
             calls,
             inflight: Inflight::default(),
-        }))
+            backend,
+        };
+        if let Some(b) = &plugin.backend {
+            // The volumes found in the shared directory (pre-provisioned here, or left by
+            // an instance that crashed before cataloguing them) join the catalogue.
+            let found: Vec<(String, i64)> = plugin.store.read(|s| {
+                s.volumes
+                    .iter()
+                    .map(|(id, v)| (id.clone(), v.capacity_bytes))
+                    .collect()
+            });
+            b.with_lock(|shared| {
+                let mut changed = false;
+                for (id, capacity_bytes) in found {
+                    shared.catalogue.entry(id).or_insert_with(|| {
+                        changed = true;
+                        CatalogueEntry {
+                            capacity_bytes,
+                            ..CatalogueEntry::default()
+                        }
+                    });
+                }
+                Ok(((), changed))
+            })
+            .map_err(|s| anyhow::anyhow!("{}", s.message()))?;
+            plugin
+                .sync_backend()
+                .map_err(|s| anyhow::anyhow!("{}", s.message()))?;
+        }
+        Ok(Arc::new(plugin))
+    }
+
+    pub fn backend(&self) -> Option<&Backend> {
+        self.backend.as_ref()
+    }
+
+    /// Takes the shared backend's truth into this instance's records, before every call:
+    /// the volumes other nodes' instances created or deleted, and the nodes each volume is
+    /// controller-published to. This node's staging and publications stay its own.
+    pub fn sync_backend(&self) -> Result<(), Status> {
+        let Some(b) = &self.backend else {
+            return Ok(());
+        };
+        let mut outcome = Ok(());
+        self.store
+            .update_now(|s| {
+                let synced = b.with_lock(|shared| {
+                    let mut changed = false;
+                    let before = s.volumes.len();
+                    s.volumes.retain(|id, _| shared.catalogue.contains_key(id));
+                    changed |= s.volumes.len() != before;
+                    for (id, entry) in &shared.catalogue {
+                        let v = s.volumes.entry(id.clone()).or_default();
+                        let publications = shared
+                            .attachments
+                            .get(id)
+                            .map(|a| a.publications.clone())
+                            .unwrap_or_default();
+                        if v.capacity_bytes != entry.capacity_bytes
+                            || v.parameters != entry.parameters
+                            || v.content_source != entry.content_source
+                            || v.controller_published != publications
+                        {
+                            v.capacity_bytes = entry.capacity_bytes;
+                            v.parameters.clone_from(&entry.parameters);
+                            v.content_source.clone_from(&entry.content_source);
+                            v.controller_published = publications;
+                            changed = true;
+                        }
+                    }
+                    Ok((changed, false))
+                });
+                match synced {
+                    Ok(changed) => changed,
+                    Err(e) => {
+                        outcome = Err(e);
+                        false
+                    }
+                }
+            })
+            .map_err(|e| internal("persisting plugin state", format!("{e:#}")))?;
+        outcome
+    }
+
+    /// Runs `decide` on volume `v`'s controller publications — with a backend, the shared
+    /// ones, under its lock, written back if `decide` changed them — and returns its
+    /// result and whether the local record changed.
+    fn decide_publications<R>(
+        &self,
+        id: &str,
+        v: &mut VolumeRecord,
+        decide: impl FnOnce(&mut VolumeRecord) -> Result<(R, bool), Status>,
+    ) -> Result<(R, bool), Status> {
+        let Some(b) = &self.backend else {
+            return decide(v);
+        };
+        let before = v.controller_published.clone();
+        b.with_lock(|shared| {
+            let att = shared.attachments.entry(id.to_owned()).or_default();
+            v.controller_published = att.publications.clone();
+            let (value, changed) = decide(v)?;
+            if changed {
+                att.set_publications(&v.controller_published);
+            }
+            Ok(((value, v.controller_published != before), changed))
+        })
     }
 
     pub fn config(&self) -> &Config {
@@ -687,12 +836,39 @@ impl Plugin {
                 // A block volume's directory only marks it as existing (start-up
                 // reconciliation goes by the directories); its data is the backing file.
                 let fs = if block { VolumeFs::Dir } else { volume_fs };
-                backing::make(&dir, fs, size)
-                    .map_err(|e| internal(&format!("creating {}", dir.display()), e))?;
-                if block {
-                    block::create(&backing_file, size).map_err(|e| {
-                        internal(&format!("creating {}", backing_file.display()), e)
-                    })?;
+                let make = || {
+                    backing::make(&dir, fs, size)
+                        .map_err(|e| internal(&format!("creating {}", dir.display()), e))?;
+                    if block {
+                        block::create(&backing_file, size).map_err(|e| {
+                            internal(&format!("creating {}", backing_file.display()), e)
+                        })?;
+                    }
+                    Ok::<(), Status>(())
+                };
+                match &self.backend {
+                    // Catalogued and made under the backend's lock: another node's
+                    // instance sees the volume whole or not at all.
+                    Some(b) => b.with_lock(|shared| {
+                        // "Operation pending for volume | 10 ABORTED": a create of the same
+                        // name through another node since this call's view was taken.
+                        if shared.catalogue.contains_key(&name) {
+                            return Err(Status::aborted(format!(
+                                "volume {name:?} was just created through another node; retry"
+                            )));
+                        }
+                        make()?;
+                        shared.catalogue.insert(
+                            name.clone(),
+                            CatalogueEntry {
+                                capacity_bytes: size,
+                                parameters: parameters.clone(),
+                                content_source: wanted_source.clone(),
+                            },
+                        );
+                        Ok(((), true))
+                    })?,
+                    None => make()?,
                 }
                 // Intent first: `populating` is durable before the copy.
                 s.volumes.insert(
@@ -767,10 +943,28 @@ impl Plugin {
                     .map_err(|e| internal(&format!("unmounting {}", dir.display()), e))?;
                 // Renamed away under the lock, deleted after it: a large
                 // volume does not hold up the other RPCs.
-                let moved = match std::fs::rename(&dir, &trash) {
-                    Ok(()) => true,
-                    Err(e) if e.kind() == io::ErrorKind::NotFound => false,
-                    Err(e) => return Err(internal(&format!("removing {}", dir.display()), e)),
+                let rename = || match std::fs::rename(&dir, &trash) {
+                    Ok(()) => Ok(true),
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+                    Err(e) => Err(internal(&format!("removing {}", dir.display()), e)),
+                };
+                let moved = match &self.backend {
+                    // Unless in use on another node (published or staged there since this
+                    // call's view was taken): out of the catalogue and its directory away
+                    // under the backend's lock, so no instance sees one without the other.
+                    Some(b) => b.with_lock(|shared| {
+                        if let Some(att) = shared.attachments.get(id) {
+                            let nodes = if att.nodes.is_empty() { &att.staged } else { &att.nodes };
+                            if !nodes.is_empty() {
+                                return Err(precondition(format!(
+                                    "volume {id:?} is in use: it is published to or staged on node {nodes:?}"
+                                )));
+                            }
+                        }
+                        shared.catalogue.remove(id);
+                        Ok((rename()?, true))
+                    })?,
+                    None => rename()?,
                 };
                 s.volumes.remove(id);
                 Ok((moved, true))
@@ -807,8 +1001,9 @@ impl Plugin {
         let Some(rec) = self.record(id) else {
             return Err(Self::not_found(id));
         };
-        // "Node does not exist | 5 NOT_FOUND": this plugin knows one node.
-        if node_id != self.cfg.node_id {
+        // "Node does not exist | 5 NOT_FOUND": this plugin knows one node, or, with a
+        // shared backend, every node that shares it.
+        if node_id != self.cfg.node_id && self.backend.is_none() {
             return Err(Status::not_found(format!(
                 "node {node_id:?} does not exist (this plugin's node is {:?})",
                 self.cfg.node_id
@@ -852,7 +1047,7 @@ impl Plugin {
                     capability: cap,
                     readonly,
                 };
-                match v.controller_published.get(node_id) {
+                self.decide_publications(id, v, |v| match v.controller_published.get(node_id) {
                     // "If the volume ... has already been published at the
                     // node ..., and is compatible with the specified
                     // volume_capability and readonly flag, the Plugin MUST
@@ -863,19 +1058,18 @@ impl Plugin {
                         "volume {id:?} is already published to node {node_id:?} with another capability or readonly flag"
                     ))),
                     None => {
-                        // "Volume published to another node | 9
-                        // FAILED_PRECONDITION" (for non-MULTI_NODE volumes).
-                        if let Some(other) = v.controller_published.keys().next()
-                            && !wanted.capability.mode.is_multi_node()
-                        {
+                        // "Volume published to another node | 9 FAILED_PRECONDITION |
+                        // ... the caller SHOULD specify the node_id of the node currently
+                        // holding the volume".
+                        if let Some(holder) = holder_against(&v.controller_published, &wanted) {
                             return Err(precondition(format!(
-                                "volume {id:?} is already published to node {other:?}"
+                                "volume {id:?} is already published to node {holder:?}"
                             )));
                         }
                         v.controller_published.insert(node_id.to_owned(), wanted);
                         Ok((context, true))
                     }
-                }
+                })
             })
             .await
     }
@@ -899,6 +1093,7 @@ impl Plugin {
                 let Some(v) = v else {
                     return Ok(((), false));
                 };
+                self.decide_publications(id, v, |v| {
                 // "If the value is unset, the SP MUST unpublish the volume
                 // from all nodes it is published to."
                 let nodes: Vec<String> = if node_id.is_empty() {
@@ -931,6 +1126,7 @@ impl Plugin {
                     v.controller_published.remove(&n);
                 }
                 Ok(((), true))
+                })
             })
             .await
     }
@@ -1029,6 +1225,11 @@ impl Plugin {
     // ----------------------------------------------------------------------
 
     fn check_controller_published(&self, id: &str, rec: &VolumeRecord) -> Result<(), Status> {
+        // The backend is the judge of where the volume is attached, not this instance's
+        // view of it (NodePublish without staging comes here; NodeStage asks the backend).
+        if let Some(b) = &self.backend {
+            return b.check_attached(id, "NodePublishVolume", false);
+        }
         if self.cfg.controller_publish && !rec.controller_published.contains_key(&self.cfg.node_id)
         {
             return Err(precondition(format!(
@@ -1058,7 +1259,9 @@ impl Plugin {
         if let Some(why) = self.unsupported_on(&cap, &rec) {
             return Err(precondition(why.to_string()));
         }
-        self.check_controller_published(id, &rec)?;
+        if self.backend.is_none() {
+            self.check_controller_published(id, &rec)?;
+        }
         let staging_path = Path::new(staging);
         let dir = self.volume_dir(id);
         if let Some(st) = &rec.staged {
@@ -1078,6 +1281,7 @@ impl Plugin {
                     "volume {id:?} is already staged at {staging:?} with another capability"
                 )));
             }
+            self.stage_shared(id)?;
             if rec.block {
                 // Recorded but maybe not attached (killed between the two): finish.
                 self.ensure_loop(id, false).await?;
@@ -1121,13 +1325,19 @@ impl Plugin {
             path: staging.to_owned(),
             capability: cap,
         };
-        self.store
+        self.stage_shared(id)?;
+        let recorded = self
+            .store
             .update_volume(id, |v| {
                 let v = v.ok_or_else(|| Self::not_found(id))?;
                 v.staged = Some(staged);
                 Ok(((), true))
             })
-            .await?;
+            .await;
+        if let Err(e) = recorded {
+            self.unstaged_shared(id)?;
+            return Err(e);
+        }
         // A block volume is staged by attaching its loop device; the staging dir stays
         // empty (nothing is mounted on it).
         let staged_now = if rec.block {
@@ -1147,6 +1357,7 @@ impl Plugin {
                     Ok(((), true))
                 })
                 .await?;
+            self.unstaged_shared(id)?;
             return Err(e);
         }
         Ok(())
@@ -1197,6 +1408,24 @@ impl Plugin {
             .await
     }
 
+    /// With a backend: the backend's check that the volume is attached to this node and
+    /// staged on no other (a violation otherwise), recording this node's staging (intent
+    /// first: before the mount).
+    fn stage_shared(&self, id: &str) -> Result<(), Status> {
+        match &self.backend {
+            Some(b) => b.check_attached(id, "NodeStageVolume", true),
+            None => Ok(()),
+        }
+    }
+
+    /// With a backend: forgets this node's staging of `id`.
+    fn unstaged_shared(&self, id: &str) -> Result<(), Status> {
+        match &self.backend {
+            Some(b) => b.unstaged(id),
+            None => Ok(()),
+        }
+    }
+
     pub async fn node_unstage(&self, id: &str, staging: &str) -> Result<(), Status> {
         if !self.cfg.stage_unstage {
             return Err(Status::unimplemented(
@@ -1215,6 +1444,11 @@ impl Plugin {
         // "If the volume corresponding to the volume_id is not staged to the
         // staging_target_path, the Plugin MUST reply 0 OK."
         if rec.staged.as_ref().is_none_or(|st| st.path != staging) {
+            // Not staged on this node at all: so the backend says too (a staging
+            // recorded there by a NodeStage killed before its local record).
+            if rec.staged.is_none() {
+                self.unstaged_shared(id)?;
+            }
             return Ok(());
         }
         // "The CO MUST guarantee that this RPC is called after all
@@ -1237,7 +1471,8 @@ impl Plugin {
                 }
                 Ok(((), true))
             })
-            .await
+            .await?;
+        self.unstaged_shared(id)
     }
 
     /// Makes sure the target directory is there, per the version's rule.

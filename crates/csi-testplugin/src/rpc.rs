@@ -113,6 +113,11 @@ impl Inflight {
     }
 }
 
+/// The Identity service's RPCs: no volume, no node, not recorded in the shared backend.
+fn is_identity(method: &str) -> bool {
+    matches!(method, "GetPluginInfo" | "GetPluginCapabilities" | "Probe")
+}
+
 /// Runs one RPC: see the module documentation for the order of events.
 pub async fn run<T, F, Fut>(plugin: &Arc<Plugin>, ctx: CallCtx, op: F) -> Result<T, Status>
 where
@@ -158,7 +163,12 @@ where
             }
             match actions.fail {
                 Some(status) => Err(status),
-                None => op(Arc::clone(&plugin)).await,
+                // With a shared backend, the call starts from its current truth.
+                None if is_identity(ctx.method) => op(Arc::clone(&plugin)).await,
+                None => match plugin.sync_backend() {
+                    Ok(()) => op(Arc::clone(&plugin)).await,
+                    Err(e) => Err(e),
+                },
             }
         };
         drop(guard);
@@ -179,6 +189,11 @@ where
             secrets: ctx.secrets,
             topology: ctx.topology,
         });
+        if let Some(backend) = plugin.backend()
+            && !is_identity(ctx.method)
+        {
+            backend.record_call(ctx.method, ctx.volume_id.as_deref(), code_name(code));
+        }
         match &result {
             Err(s) if s.code() == tonic::Code::Internal => {
                 tracing::warn!(method = ctx.method, volume = ?ctx.volume_id, "INTERNAL: {}", s.message());

@@ -371,3 +371,46 @@ async fn expansion_grows_the_tmpfs_seen_through_the_target() -> anyhow::Result<(
     }
     Ok(())
 }
+
+/// The data: written at A's target, read at B's, through real bind mounts of the one
+/// backend directory (`--backend-dir`): a volume's data is the backend's, not a node's.
+#[tokio::test]
+async fn data_written_through_one_node_is_read_through_the_other() -> anyhow::Result<()> {
+    require_private_mount_namespace();
+    let backend = tempfile::tempdir()?;
+    let dir = backend.path().display().to_string();
+    let flags = ["--backend-dir", dir.as_str()];
+    let (a, b) = (
+        Plugin::start_on("node-a", &flags).await?,
+        Plugin::start_on("node-b", &flags).await?,
+    );
+    let (mut ca, mut cb) = (a.v1().await?, b.v1().await?);
+    let cpub = |node: &str| v1::ControllerPublishVolumeRequest {
+        node_id: node.to_owned(),
+        ..cpub_req("data")
+    };
+    ca.ctl.create_volume(create_req("data", 1 << 20)).await?;
+    ca.ctl.controller_publish_volume(cpub("node-a")).await?;
+    let sa = a.mkdir("staging")?;
+    ca.node.node_stage_volume(stage_req("data", &sa)).await?;
+    std::fs::write(sa.join("hello"), "from A")?;
+    ca.node
+        .node_unstage_volume(unstage_req("data", &sa))
+        .await?;
+    ca.ctl
+        .controller_unpublish_volume(v1::ControllerUnpublishVolumeRequest {
+            volume_id: "data".into(),
+            node_id: "node-a".into(),
+            ..Default::default()
+        })
+        .await?;
+
+    cb.ctl.controller_publish_volume(cpub("node-b")).await?;
+    let sb = b.mkdir("staging")?;
+    cb.node.node_stage_volume(stage_req("data", &sb)).await?;
+    assert_eq!(std::fs::read_to_string(sb.join("hello"))?, "from A");
+    cb.node
+        .node_unstage_volume(unstage_req("data", &sb))
+        .await?;
+    Ok(())
+}

@@ -26,6 +26,8 @@ pub struct Plugin {
     pub work: PathBuf,
     pub args: Vec<String>,
     pub uid: Option<u32>,
+    /// Its `--node-id` ([`NODE`] unless started by [`Plugin::start_on`]).
+    pub node: String,
 }
 
 impl Plugin {
@@ -37,6 +39,15 @@ impl Plugin {
     /// Like [`Plugin::start`], running the plugin under `uid` (and the same
     /// gid) when given.
     pub async fn start_as(args: &[&str], uid: Option<u32>) -> anyhow::Result<Self> {
+        Self::start_node(NODE, args, uid).await
+    }
+
+    /// Like [`Plugin::start`] with `--node-id node`: one of several nodes' instances.
+    pub async fn start_on(node: &str, args: &[&str]) -> anyhow::Result<Self> {
+        Self::start_node(node, args, None).await
+    }
+
+    async fn start_node(node: &str, args: &[&str], uid: Option<u32>) -> anyhow::Result<Self> {
         let dir = tempfile::tempdir()?;
         if uid.is_some() {
             use std::os::unix::fs::PermissionsExt;
@@ -51,6 +62,7 @@ impl Plugin {
             work,
             args: args.iter().map(|s| (*s).to_owned()).collect(),
             uid,
+            node: node.to_owned(),
         };
         p.spawn().await?;
         Ok(p)
@@ -68,7 +80,7 @@ impl Plugin {
             .arg("--work-dir")
             .arg(&self.work)
             .arg("--node-id")
-            .arg(NODE)
+            .arg(&self.node)
             .args(&self.args)
             .env("RUST_LOG", "debug")
             .stdin(Stdio::null())
