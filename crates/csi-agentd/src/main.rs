@@ -2,6 +2,7 @@
 //! (`csi_agent`) and formats what comes back; behaviour lives in the engine.
 
 mod api;
+mod cluster_flags;
 mod convert;
 mod listener;
 mod probe;

@@ -23,6 +23,7 @@ use serde::Deserialize;
 use tokio::signal::unix::{SignalKind, signal};
 
 use crate::api::{self, AppState};
+use crate::cluster_flags::{self, ClusterArgs, ClusterFile, ClusterSettings};
 use crate::listener::{self, Limits, Upload};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Deserialize)]
@@ -194,6 +195,8 @@ pub struct ServeArgs {
     /// Deadline of one NodeGetVolumeStats call (default `10s`; same forms as the interval).
     #[arg(long, value_name = "DURATION")]
     volume_stats_timeout: Option<String>,
+    #[command(flatten)]
+    cluster: ClusterArgs,
 }
 
 /// The TOML file: the same settings as the flags.
@@ -239,6 +242,13 @@ struct FileSettings {
     volume_stats_interval: Option<String>,
     volume_stats_concurrency: Option<NonZeroUsize>,
     volume_stats_timeout: Option<String>,
+    cluster_etcd: Option<String>,
+    cluster_name: Option<String>,
+    node_name: Option<String>,
+    cluster_lease_ttl_secs: Option<u64>,
+    cluster_etcd_timeout_ms: Option<u64>,
+    cluster_etcd_user: Option<String>,
+    cluster_etcd_password_file: Option<PathBuf>,
 }
 
 /// The effective settings.
@@ -276,6 +286,8 @@ pub struct Settings {
     pub worker_threads: NonZeroUsize,
     /// `--volume-stats-interval`, `--volume-stats-concurrency`, `--volume-stats-timeout`.
     pub volume_stats: StatsOptions,
+    /// Cluster mode (`--cluster-etcd` and its companions), if on.
+    pub cluster: Option<ClusterSettings>,
 }
 
 /// `--commit-delay-us`'s bound: a longer delay would only add latency (a commit takes about a
@@ -311,13 +323,24 @@ pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
         let allow = args.allow_insecure_listen || file.allow_insecure_listen == Some(true);
         listener::check_listen_address(addr, allow)?;
     }
-    let node_id = match args.node_id.or(file.node_id) {
-        Some(id) => id,
-        None => rustix::system::uname()
-            .nodename()
-            .to_string_lossy()
-            .into_owned(),
-    };
+    let host_name = rustix::system::uname()
+        .nodename()
+        .to_string_lossy()
+        .into_owned();
+    let node_id = args.node_id.or(file.node_id).unwrap_or(host_name.clone());
+    let cluster = cluster_flags::settings(
+        args.cluster,
+        ClusterFile {
+            cluster_etcd: file.cluster_etcd,
+            cluster_name: file.cluster_name,
+            node_name: file.node_name,
+            cluster_lease_ttl_secs: file.cluster_lease_ttl_secs,
+            cluster_etcd_timeout_ms: file.cluster_etcd_timeout_ms,
+            cluster_etcd_user: file.cluster_etcd_user,
+            cluster_etcd_password_file: file.cluster_etcd_password_file,
+        },
+        &host_name,
+    )?;
     let bind_roots = if args.bind_roots.is_empty() {
         file.bind_roots
     } else {
@@ -371,6 +394,7 @@ pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
             .or(file.volume_stats_timeout.as_deref()),
     )?;
     Ok(Settings {
+        cluster,
         volume_stats,
         fetch,
         claim_limits,
@@ -708,6 +732,10 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     let boot_id = csi_agent::bootid::BootIdSource::boot_id(
         &csi_agent::bootid::ProcBootId::with_path(&settings.boot_id_file),
     )?;
+    let cluster = match &settings.cluster {
+        Some(cluster) => Some(cluster_flags::setup(cluster).await?),
+        None => None,
+    };
     let metrics = Arc::new(Metrics::new());
     let server = CsiServer::new(
         ServerOptions {
@@ -726,7 +754,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
             image_limits: settings.image_limits.clone(),
             fetch: settings.fetch.clone(),
             secret_dir: settings.secret_dir.clone(),
-            cluster: None,
+            cluster,
         },
         metrics,
     )

@@ -65,6 +65,9 @@ pub struct Attachment {
 impl Attachment {
     /// Takes the publications as the plugin decided them; `nodes` and `access_mode` follow.
     pub fn set_publications(&mut self, publications: &BTreeMap<String, ControllerPublication>) {
+        // A node the volume was detached from has it staged no more: its device is gone
+        // (what a fence's ControllerUnpublish from another node's instance relies on).
+        self.staged.retain(|node| publications.contains_key(node));
         self.publications = publications.clone();
         self.nodes = publications.keys().cloned().collect();
         self.access_mode = publications.values().next().map(|p| p.capability.mode);

@@ -14,6 +14,7 @@
 //! change of a volume's key is a compare-and-swap on its revision.
 
 pub mod claims;
+pub mod etcd;
 
 pub mod keys;
 pub mod store;
@@ -733,6 +734,7 @@ impl Cluster {
     ) -> Result<String, ClusterError> {
         self.require_healthy()?;
         request.node = self.inner.options.node.clone();
+        request.now = now_unix();
         let volume_id = request.volume_id.clone();
         for _ in 0..CAS_TRIES {
             let (current, revision) = self.read_volume(plugin, &volume_id).await?;
@@ -740,8 +742,13 @@ impl Cluster {
                 claims,
                 claim_id,
                 changed,
-            } = claims::admit(current.as_ref(), &request)
-                .map_err(|refusal| self.refusal(&volume_id, current.as_ref(), refusal))?;
+            } = match claims::admit(current.as_ref(), &request) {
+                Ok(admitted) => admitted,
+                Err(refusal) => {
+                    let alive = self.alive_nodes().await;
+                    return Err(self.refusal(&volume_id, &alive, refusal));
+                }
+            };
             if !changed
                 || self
                     .swap(plugin, &volume_id, revision, Some(&claims))
@@ -756,17 +763,25 @@ impl Cluster {
         })
     }
 
-    fn refusal(
-        &self,
-        volume_id: &str,
-        current: Option<&VolumeClaims>,
-        refusal: Refusal,
-    ) -> ClusterError {
-        let alive: Vec<String> = lock(&self.inner.session)
-            .members
-            .iter()
-            .map(|m| m.node.clone())
-            .collect();
+    /// The nodes with a live lease: read from etcd (a refusal or a listing names suspects
+    /// from what etcd says now), or from the session's last look when etcd does not answer.
+    async fn alive_nodes(&self) -> Vec<String> {
+        match self.inner.store.list(self.inner.keys.nodes()).await {
+            Ok(read) => read
+                .kvs
+                .iter()
+                .filter_map(|kv| NodeInfo::decode(&kv.key, &kv.value).ok())
+                .map(|info| info.node)
+                .collect(),
+            Err(_) => lock(&self.inner.session)
+                .members
+                .iter()
+                .map(|m| m.node.clone())
+                .collect(),
+        }
+    }
+
+    fn refusal(&self, volume_id: &str, alive: &[String], refusal: Refusal) -> ClusterError {
         let describe = |holders: &[claims::Holder]| {
             holders
                 .iter()
@@ -836,13 +851,10 @@ impl Cluster {
                     Some((claim, state)) => format!("entry {claim} in state {}", state.as_str()),
                 },
             },
-            Refusal::TooManyNodes { max } => {
-                let _ = current;
-                ClusterError::TooManyNodes {
-                    volume_id: volume_id.to_owned(),
-                    max,
-                }
-            }
+            Refusal::TooManyNodes { max } => ClusterError::TooManyNodes {
+                volume_id: volume_id.to_owned(),
+                max,
+            },
         }
     }
 
@@ -993,11 +1005,7 @@ impl Cluster {
     /// Every entry of every cluster volume, with the keys that could not be read.
     pub async fn claims(&self) -> Result<(Vec<ClaimView>, Vec<DamagedKey>), ClusterError> {
         let read = self.inner.store.list(self.inner.keys.all_volumes()).await?;
-        let alive: Vec<String> = lock(&self.inner.session)
-            .members
-            .iter()
-            .map(|m| m.node.clone())
-            .collect();
+        let alive = self.alive_nodes().await;
         let mut views = Vec::new();
         let mut damaged = Vec::new();
         for Versioned { key, value, .. } in read.kvs {
