@@ -33,6 +33,7 @@ use crate::routes;
 use crate::types::*;
 
 // Streaming uploads (`import_image`): beside the JSON transport, with a connection of their own.
+mod cluster;
 mod snapshot;
 mod upload;
 

@@ -44,6 +44,12 @@ pub const SNAPSHOT: &str = "/v1/snapshots/{plugin}/{snapshot_id}";
 /// `GET /v1/plugins/{type}/snapshots?max_entries=&starting_token=&source_volume_id=&snapshot_id=`
 /// (ListSnapshots)
 pub const PLUGIN_SNAPSHOTS: &str = "/v1/plugins/{type}/snapshots";
+/// `GET`: this node's cluster session and members (cluster mode).
+pub const CLUSTER: &str = "/v1/cluster";
+/// `GET ?plugin=&node=&volume=`: the claims held in etcd (cluster mode).
+pub const CLUSTER_CLAIMS: &str = "/v1/cluster/claims";
+/// `POST`: declare a lost node out of service, freeing its volumes (cluster mode).
+pub const CLUSTER_FENCE: &str = "/v1/cluster/nodes/{node}/fence";
 /// The media type of `POST /v1/images/import`'s body.
 pub const TAR_MEDIA_TYPE: &str = "application/x-tar";
 
@@ -76,6 +82,9 @@ pub const ALL_ROUTES: &[(&str, &str)] = &[
     ("POST", SNAPSHOTS),
     ("DELETE", SNAPSHOT),
     ("GET", PLUGIN_SNAPSHOTS),
+    ("GET", CLUSTER),
+    ("GET", CLUSTER_CLAIMS),
+    ("POST", CLUSTER_FENCE),
 ];
 
 /// `/v1/plugins/{type}` for one plugin type.
@@ -119,6 +128,11 @@ pub fn volume_expand(plugin_type: &str, volume_id: &str) -> String {
 /// `/v1/volumes/{plugin}/{volume_id}/stats` for one volume.
 pub fn volume_stats(plugin_type: &str, volume_id: &str) -> String {
     format!("{}/stats", volume(plugin_type, volume_id))
+}
+
+/// `/v1/cluster/nodes/{node}/fence` for one node.
+pub fn cluster_fence(node: &str) -> String {
+    format!("{CLUSTER}/nodes/{}/fence", encode_segment(node))
 }
 
 /// Percent-encodes every byte outside `[A-Za-z0-9_.~-]` (RFC 3986's unreserved set).
@@ -217,6 +231,7 @@ mod tests {
             volume("org.example.lvm", "pool/vol 1"),
             "/v1/volumes/org.example.lvm/pool%2Fvol%201"
         );
+        assert_eq!(cluster_fence("n/1"), "/v1/cluster/nodes/n%2F1/fence");
     }
 
     #[test]

@@ -171,6 +171,58 @@ fn backend_volume() -> BackendVolume {
     }
 }
 
+fn cluster_member() -> ClusterMember {
+    ClusterMember {
+        node: "n1".to_owned(),
+        instance_id: "i1".to_owned(),
+        version: "0.1.0".to_owned(),
+        started_at_unix: 1,
+        plugins: vec!["org.example.nfs/default".to_owned()],
+    }
+}
+
+fn cluster_status(full: bool) -> ClusterStatus {
+    ClusterStatus {
+        name: "c".to_owned(),
+        node: "n1".to_owned(),
+        instance_id: "i1".to_owned(),
+        state: "HEALTHY".to_owned(),
+        lease_id: 7,
+        lease_ttl_secs: 10,
+        lease_valid_for_ms: 9000,
+        since_unix: 1,
+        reason: full.then(|| "joined".to_owned()),
+        etcd_cluster_id: full.then(|| "cdf818194e3a8c32".to_owned()),
+        members: vec![cluster_member()],
+        fenced: vec!["n3".to_owned()],
+        released_after_fence: vec![],
+        lease_losses: 0,
+    }
+}
+
+fn cluster_claim() -> ClusterClaim {
+    ClusterClaim {
+        plugin: "org.example.nfs".to_owned(),
+        plugin_name: "default".to_owned(),
+        volume_id: "v1".to_owned(),
+        access_mode: "SINGLE_NODE_WRITER".to_owned(),
+        node: "n1".to_owned(),
+        state: "ATTACHED".to_owned(),
+        suspect: true,
+        readonly: false,
+        csi_node_id: "node-1".to_owned(),
+        workloads: vec!["w".to_owned()],
+        since_unix: 1,
+    }
+}
+
+fn damaged_key() -> DamagedKey {
+    DamagedKey {
+        key: "/c/volumes/x".to_owned(),
+        problem: "not JSON".to_owned(),
+    }
+}
+
 /// How a schema's `required` list is checked.
 enum Kind {
     /// Sent by clients: `required` must be exactly the fields serde cannot do without.
@@ -591,6 +643,33 @@ fn cases() -> Result<Vec<Case>> {
             },
             ImagePullList { pulls: vec![] },
         )?,
+        response("ClusterStatus", cluster_status(true), cluster_status(false))?,
+        response("ClusterMember", cluster_member(), cluster_member())?,
+        response("ClusterClaim", cluster_claim(), cluster_claim())?,
+        response("DamagedKey", damaged_key(), damaged_key())?,
+        response(
+            "ClusterClaims",
+            ClusterClaims {
+                claims: vec![cluster_claim()],
+                damaged: vec![damaged_key()],
+            },
+            ClusterClaims::default(),
+        )?,
+        request(
+            "FenceRequest",
+            FenceRequest {
+                reason: "n3 powered off".to_owned(),
+            },
+        )?,
+        response(
+            "FenceReport",
+            FenceReport {
+                node: "n3".to_owned(),
+                freed: vec!["v1".to_owned()],
+                left: vec!["v2: plugin not run here".to_owned()],
+            },
+            FenceReport::default(),
+        )?,
         response(
             "ImageImportResponse",
             ImageImportResponse {
@@ -795,6 +874,14 @@ const BODIES: &[(&str, &str, Option<&str>, Option<&str>)] = &[
         routes::IMAGES_PULL,
         Some("ImagePullRequest"),
         Some("ImagePullResponse"),
+    ),
+    ("GET", routes::CLUSTER, None, Some("ClusterStatus")),
+    ("GET", routes::CLUSTER_CLAIMS, None, Some("ClusterClaims")),
+    (
+        "POST",
+        routes::CLUSTER_FENCE,
+        Some("FenceRequest"),
+        Some("FenceReport"),
     ),
     // Its body is a tar archive, not JSON: checked on its own below.
     (

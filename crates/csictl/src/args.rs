@@ -133,6 +133,10 @@ pub enum Command {
     /// ListSnapshots).
     #[command(subcommand)]
     Snapshot(crate::snapshot::SnapshotCommand),
+    /// Cluster mode (csi-agentd --cluster-etcd): this node's session, the nodes, the claims
+    /// held in etcd, and the fence of a lost node.
+    #[command(subcommand)]
+    Cluster(crate::cluster::ClusterCommand),
 }
 
 /// A volume named the same way by every command: `--plugin TYPE --volume VOLUME_ID`, or the

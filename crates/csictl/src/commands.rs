@@ -49,6 +49,7 @@ pub async fn run(cli: Cli) -> Result<String, Failure> {
         Command::Image(command) => crate::image::run(&client, format, command).await,
         Command::Expand(args) => crate::expand::run(&client, format, &args).await,
         Command::Snapshot(command) => crate::snapshot::run(&client, format, command).await,
+        Command::Cluster(command) => crate::cluster::run(&client, format, command).await,
         Command::Publish(args) => {
             let request = publish_request(&args)?;
             render(format, &client.publish(&request).await?, output::publish)

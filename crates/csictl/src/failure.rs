@@ -24,6 +24,9 @@ pub enum Failure {
     Output(String),
     /// The daemon did only part of the work (a drain that left claims); what it did.
     Incomplete(String),
+    /// The daemon refused the request, with a hint of the command's own instead of the error
+    /// code's (a 404 of `csictl cluster` is about cluster mode, not a plugin or a volume).
+    Refused { err: ApiError, hint: &'static str },
 }
 
 impl From<UsageError> for Failure {
@@ -43,7 +46,7 @@ impl fmt::Display for Failure {
         match self {
             Failure::Usage(message) | Failure::Output(message) => f.write_str(message),
             Failure::Incomplete(report) => write!(f, "not everything was done:\n{report}"),
-            Failure::Api(err) => write!(f, "{err}"),
+            Failure::Api(err) | Failure::Refused { err, .. } => write!(f, "{err}"),
         }
     }
 }
@@ -54,7 +57,10 @@ impl Failure {
             Failure::Usage(_) => EXIT_USAGE,
             Failure::Api(ApiError::InvalidUrl { .. } | ApiError::InvalidToken { .. }) => EXIT_USAGE,
             Failure::Api(err) if err.is_connection() => EXIT_CONNECT,
-            Failure::Api(_) | Failure::Output(_) | Failure::Incomplete(_) => EXIT_API,
+            Failure::Api(_)
+            | Failure::Refused { .. }
+            | Failure::Output(_)
+            | Failure::Incomplete(_) => EXIT_API,
         }
     }
 
@@ -63,6 +69,7 @@ impl Failure {
         let Failure::Api(err) = self else {
             return match self {
                 Failure::Usage(_) => Some("see csictl COMMAND --help".to_owned()),
+                Failure::Refused { hint, .. } => Some((*hint).to_owned()),
                 Failure::Incomplete(_) => Some(
                     "the daemon's log says why each claim was not released; fix that and \
                      repeat the command (it is safe to repeat)"
@@ -97,7 +104,11 @@ impl Failure {
     /// `client`), with the hint and exit status, so a script never parses the text.
     pub fn to_json(&self) -> serde_json::Value {
         let (code, message, grpc_code, status) = match self {
-            Failure::Api(ApiError::Api { status, body }) => (
+            Failure::Api(ApiError::Api { status, body })
+            | Failure::Refused {
+                err: ApiError::Api { status, body },
+                ..
+            } => (
                 serde_json::to_value(body.code).unwrap_or(serde_json::Value::Null),
                 body.message.clone(),
                 body.grpc_code.clone(),
@@ -165,7 +176,7 @@ fn code_hint(code: ErrorCode) -> &'static str {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::io;
     use std::path::PathBuf;
 
@@ -173,7 +184,8 @@ mod tests {
 
     use super::*;
 
-    fn api(code: ErrorCode) -> Failure {
+    /// A refusal of the daemon with `code` and the message "m".
+    pub(crate) fn api(code: ErrorCode) -> Failure {
         Failure::Api(ApiError::Api {
             status: code.http_status(),
             body: ErrorBody {
@@ -204,6 +216,24 @@ mod tests {
             reason: "y".to_owned(),
         });
         assert_eq!(url.exit_code(), 2);
+    }
+
+    #[test]
+    fn a_refusal_with_its_own_hint_keeps_the_apis_message_code_and_status() {
+        let Failure::Api(err) = api(ErrorCode::NotFound) else {
+            unreachable!()
+        };
+        let refused = Failure::Refused {
+            err,
+            hint: "start it with --x",
+        };
+        assert_eq!(refused.exit_code(), 1);
+        assert_eq!(refused.to_string(), "m");
+        assert_eq!(refused.hint().as_deref(), Some("start it with --x"));
+        let json = refused.to_json();
+        assert_eq!(json["error"]["code"], "not_found");
+        assert_eq!(json["error"]["http_status"], 404);
+        assert_eq!(json["error"]["hint"], "start it with --x");
     }
 
     #[test]

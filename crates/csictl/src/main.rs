@@ -5,6 +5,7 @@
 //! csictl talks to the daemon through `csi-agent-api` only: it must never link the engine.
 
 mod args;
+mod cluster;
 mod commands;
 mod expand;
 mod failure;

@@ -385,6 +385,7 @@ fn help_lists_every_subcommand() -> Result<()> {
         "validate",
         "backend-volumes",
         "capacity",
+        "cluster",
     ] {
         ensure!(
             help.contains(&format!("  {command} ")),

@@ -16,6 +16,8 @@ pub use topology::{
 };
 mod snapshot;
 pub use snapshot::*;
+mod cluster;
+pub use cluster::*;
 
 /// The one error shape of every failed request.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

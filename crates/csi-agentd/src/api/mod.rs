@@ -23,6 +23,7 @@ use serde::de::DeserializeOwned;
 
 use crate::convert::{self, ApiFailure};
 
+mod cluster;
 mod expand;
 use crate::volume_list::{PluginPart, VolumePage};
 
@@ -165,6 +166,9 @@ fn handler(method: &str, path: &str) -> Option<MethodRouter<AppState>> {
         ("POST", r::SNAPSHOTS) => post(snapshot::create_snapshot),
         ("DELETE", r::SNAPSHOT) => delete(snapshot::delete_snapshot),
         ("GET", r::PLUGIN_SNAPSHOTS) => get(snapshot::list_snapshots),
+        ("GET", r::CLUSTER) => get(cluster::status),
+        ("GET", r::CLUSTER_CLAIMS) => get(cluster::claims),
+        ("POST", r::CLUSTER_FENCE) => post(cluster::fence),
         _ => return None,
     })
 }
@@ -799,6 +803,20 @@ async fn unpublish(
     }))
 }
 
+/// Refuses a filter given with an empty value: it would match nothing and answer an empty
+/// list, silently, and a client that built `?plugin=$P` from an empty variable would take it
+/// for "nothing there". `what` names what the list holds.
+fn refuse_empty_filters(what: &str, filters: &[(&str, &Option<String>)]) -> Result<(), ApiFailure> {
+    for (name, value) in filters {
+        if value.as_deref() == Some("") {
+            return Err(ApiFailure::invalid(format!(
+                "{name}= is empty: give a value, or leave the {name} filter out to list every {what}"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// The most volumes one page holds.
 const MAX_PAGE: usize = 10_000;
 
@@ -813,19 +831,14 @@ async fn volumes(
             "query of GET /v1/volumes is not valid: {e}; use plugin=, state=, workload=, limit=<1..{MAX_PAGE}>, page_token="
         ))
     })?;
-    // An empty filter would match nothing and answer an empty list, silently: a client that
-    // built `?plugin=$P` from an empty variable would take it for "no volumes".
-    for (name, value) in [
-        ("plugin", &query.plugin),
-        ("state", &query.state),
-        ("workload", &query.workload),
-    ] {
-        if value.as_deref() == Some("") {
-            return Err(ApiFailure::invalid(format!(
-                "{name}= is empty: give a value, or leave the {name} filter out to list every volume"
-            )));
-        }
-    }
+    refuse_empty_filters(
+        "volume",
+        &[
+            ("plugin", &query.plugin),
+            ("state", &query.state),
+            ("workload", &query.workload),
+        ],
+    )?;
     let limit = match query.limit {
         None => usize::MAX,
         Some(limit @ 1..=MAX_PAGE) => limit,

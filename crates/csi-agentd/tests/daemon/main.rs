@@ -15,6 +15,7 @@
 mod api_conformance;
 mod bind_safety;
 mod block;
+mod cluster_off;
 mod drain;
 mod drain_barrier;
 mod e2e;
