@@ -387,7 +387,14 @@ impl Cluster {
         let valid = session
             .valid_until
             .is_some_and(|until| until > Instant::now() + margin);
-        if session.state == SessionState::Healthy && valid {
+        // A keepalive that failed once (DEGRADED) leaves the lease valid by this node's own
+        // clock: a claim may still be tried (it must reach etcd anyway), so that a member lost
+        // among three, or an etcd leader election, goes unnoticed.
+        if matches!(
+            session.state,
+            SessionState::Healthy | SessionState::Degraded
+        ) && valid
+        {
             return Ok(());
         }
         let reason = match (&session.state, &session.reason) {
@@ -680,6 +687,28 @@ impl Cluster {
         }
     }
 
+    /// Runs `call` again while etcd is unavailable, for half the lease TTL (at least 2 s,
+    /// a few of etcd's default election timeouts): a member killed among three, or a leader
+    /// election, is ridden out rather than reported. Safe
+    /// for guarded writes too: a write that was applied although its answer was lost fails
+    /// its compare when repeated, and the caller reads again.
+    async fn patiently<T, F, Fut>(&self, mut call: F) -> Result<T, StoreError>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T, StoreError>>,
+    {
+        let patience = (self.inner.options.lease_ttl / 2).max(Duration::from_secs(2));
+        let deadline = Instant::now() + patience;
+        loop {
+            match call().await {
+                Err(err) if err.is_unavailable() && Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                other => return other,
+            }
+        }
+    }
+
     /// Reads a volume's claims; an unreadable value is an error, never "free".
     async fn read_volume(
         &self,
@@ -687,7 +716,7 @@ impl Cluster {
         volume_id: &str,
     ) -> Result<(Option<VolumeClaims>, i64), ClusterError> {
         let key = self.inner.keys.volume(plugin, volume_id);
-        let read = self.inner.store.get(key).await?;
+        let read = self.patiently(|| self.inner.store.get(key.clone())).await?;
         match read.kvs.into_iter().next() {
             None => Ok((None, 0)),
             Some(kv) => {
@@ -715,19 +744,26 @@ impl Cluster {
             },
             None => WriteOp::Delete { key: key.clone() },
         };
+        let guarded = Guarded {
+            when: vec![(key, revision)],
+            then: vec![op],
+        };
         Ok(self
-            .inner
-            .store
-            .write(Guarded {
-                when: vec![(key, revision)],
-                then: vec![op],
-            })
+            .patiently(|| self.inner.store.write(guarded.clone()))
             .await?)
     }
 
     /// Takes (or extends) this node's hold on a volume for a workload. One read and, when
     /// anything changes, one compare-and-swap. Nothing is written on a refusal.
     pub async fn claim(
+        &self,
+        plugin: &PluginKey,
+        request: ClaimRequest,
+    ) -> Result<String, ClusterError> {
+        self.try_claim(plugin, request).await.map_err(unavailable)
+    }
+
+    async fn try_claim(
         &self,
         plugin: &PluginKey,
         mut request: ClaimRequest,
@@ -865,7 +901,10 @@ impl Cluster {
         volume_id: &str,
         claim_id: &str,
     ) -> Result<Own, ClusterError> {
-        let (current, _) = self.read_volume(plugin, volume_id).await?;
+        let (current, _) = self
+            .read_volume(plugin, volume_id)
+            .await
+            .map_err(unavailable)?;
         Ok(own_of(current.as_ref(), &self.inner.options.node, claim_id))
     }
 
@@ -1104,6 +1143,16 @@ enum JoinFailure {
     Retry(String),
     /// Joining would be unsafe until an operator acts.
     Refused(String),
+}
+
+/// etcd not answering, as a publish refusal says it.
+fn unavailable(err: ClusterError) -> ClusterError {
+    match err {
+        ClusterError::Store(store) if store.is_unavailable() => ClusterError::Unavailable {
+            reason: store.to_string(),
+        },
+        other => other,
+    }
 }
 
 fn own_of(current: Option<&VolumeClaims>, node: &str, claim_id: &str) -> Own {

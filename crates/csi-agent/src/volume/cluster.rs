@@ -175,16 +175,35 @@ impl VolumeManager {
     }
 
     /// After the volume went down to CREATED with no claim: the entry is removed (its
-    /// ControllerUnpublish is done, or was not needed).
+    /// ControllerUnpublish is done, or was not needed). `detached` says whether this drive
+    /// sent the ControllerUnpublish itself; when it did not, the record may be behind (its
+    /// progress notes lost in a crash after ControllerPublish) while etcd still holds this
+    /// node's entry, so the idempotent ControllerUnpublish is sent first, with the CSI node
+    /// id the entry recorded: never a removal that could leave the volume attached here.
     pub(super) async fn cluster_release(
         &self,
         record: &mut VolumeRecord,
+        detached: bool,
+        deadline: Instant,
     ) -> Result<bool, VolumeError> {
         let (Some((cluster, plugin)), Some(claim_id)) =
             (self.cluster(), record.cluster_claim.clone())
         else {
             return Ok(false);
         };
+        if !detached {
+            let own = cluster
+                .own(&plugin, &record.volume_id, &claim_id)
+                .await
+                .map_err(release_pending)?;
+            if let Own::Held(entry) | Own::Fenced(entry) = own
+                && self.caps(deadline).await?.lifecycle().controller_publish
+            {
+                self.detach_from(&record.volume_id, &entry.csi_node_id)
+                    .await
+                    .map_err(VolumeError::Plugin)?;
+            }
+        }
         cluster
             .remove_entry(&plugin, &record.volume_id, cluster.node(), &claim_id)
             .await
@@ -230,27 +249,23 @@ impl VolumeManager {
         Ok(true)
     }
 
-    /// ControllerUnpublish of a volume from a fenced node's CSI node id. Only an OK proves
-    /// the detach: NOT_FOUND means "volume not assumed ControllerUnpublished" in the spec's
-    /// words, so the entry stays (fenced) and is reported.
-    async fn detach_fenced(&self, volume_id: &str, csi_node_id: &str) -> Result<(), String> {
-        let client = self
-            .inner
-            .endpoints
-            .client(Service::Controller)
-            .await
-            .map_err(|e| e.to_string())?;
+    /// ControllerUnpublish of a volume from `csi_node_id` (never empty: an empty node id
+    /// asks to unpublish from every node).
+    async fn detach_from(
+        &self,
+        volume_id: &str,
+        csi_node_id: &str,
+    ) -> Result<(), crate::client::RpcError> {
+        let client = self.inner.endpoints.client(Service::Controller).await?;
         let _step = self.inner.steps.read().await;
         client
             .controller_unpublish_volume(v1::ControllerUnpublishVolumeRequest {
                 volume_id: volume_id.to_owned(),
-                // Never empty: an empty node id asks to unpublish from every node.
                 node_id: csi_node_id.to_owned(),
                 ..Default::default()
             })
             .await
             .map(|_| ())
-            .map_err(|e| e.to_string())
     }
 }
 
@@ -326,9 +341,13 @@ impl ClusterPlugin for ClusterVolumes {
                     };
                     failpoint::hit("cluster.fence.after_mark").map_err(|e| e.to_string())?;
                     if controller_publish {
+                        // Only an OK proves the detach: NOT_FOUND means "volume not assumed
+                        // ControllerUnpublished" in the spec's words, so the entry stays
+                        // (fenced), is reported and retried.
                         manager
-                            .detach_fenced(&volume_id, &entry.csi_node_id)
-                            .await?;
+                            .detach_from(&volume_id, &entry.csi_node_id)
+                            .await
+                            .map_err(|e| e.to_string())?;
                     }
                     failpoint::hit("cluster.fence.after_rpc").map_err(|e| e.to_string())?;
                     cluster

@@ -1116,6 +1116,7 @@ impl VolumeManager {
         let mut dirty = slot.record.as_deref() != Some(&record);
         let mut ran_rpc = false;
         let mut confirmed = false;
+        let mut ran_controller_unpublish = false;
         loop {
             let caps = if next_step(record.state, up, ALL_CAPS) == Step::Done {
                 // No step needed whatever the plugin can do: don't ask it.
@@ -1202,6 +1203,7 @@ impl VolumeManager {
                     if rpc == LifecycleRpc::ControllerUnpublish {
                         record.publish_context.clear();
                         record.node_id = None;
+                        ran_controller_unpublish = true;
                     }
                     if rpc == LifecycleRpc::ControllerPublish {
                         self.cluster_attached(&record).await?;
@@ -1214,7 +1216,10 @@ impl VolumeManager {
             }
         }
         if record.claims.is_empty() && record.state == VolumeState::Created {
-            if self.cluster_release(&mut record).await? {
+            if self
+                .cluster_release(&mut record, ran_controller_unpublish, deadline)
+                .await?
+            {
                 dirty = true;
             }
             self.cleanup_mount_dir(&record.volume_id);

@@ -1,0 +1,913 @@
+//! Cluster mode end to end (issue 28, docs/cluster.md): real etcd 3.4 on loopback, two or
+//! three real csi-agentd daemons with their own work dirs, node names and mount namespaces,
+//! each running the test plugin on one shared backend (`--backend-dir`), as networked
+//! storage is. Double attach is judged by the backend's own records
+//! ([`BackendJudge`]), never by csi-agent's word.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use csi_agent_api::ApiClient;
+use csi_agent_testkit::backend::BackendJudge;
+use csi_agent_testkit::daemon::Daemon;
+use csi_agent_testkit::etcd::{EtcdCluster, EtcdProxy, ProxyMode};
+use csi_agent_testkit::{
+    PLUGIN, api_error, binary, eventually, publish_request, unpublish_request,
+};
+use serde_json::{Value, json};
+
+const CLUSTER: &str = "t";
+/// Short, so that a lost node's presence vanishes within a test.
+const LEASE_TTL_SECS: &str = "2";
+
+/// The test plugin of one node on the shared backend, `"cluster": true`.
+fn plugin_config(dir: &Path, backend: &Path, node: &str) -> Value {
+    json!({
+        "type": PLUGIN,
+        "cluster": true,
+        "containers": [{
+            "services": ["CONTROLLER_SERVICE", "NODE_SERVICE"],
+            "command": {
+                "shell": false,
+                "value": binary("csi-testplugin"),
+                "arguments": ["csi-testplugin", "--endpoint", "$CSI_ENDPOINT",
+                              "--work-dir", dir.join("plugin"), "--backend-dir", backend,
+                              "--volumes", "vol1:16Mi,vol2:16Mi,vol3:16Mi", "--node-id", node]
+            }
+        }],
+        "startup_timeout_ms": 20000
+    })
+}
+
+/// A node: its daemon in a mount namespace of its own (its mounts are invisible to the other
+/// nodes, as on separate machines), kept by a holder process so that a restarted daemon
+/// finds its mounts again, as on a real node.
+struct Node {
+    daemon: Daemon,
+    holder: std::process::Child,
+}
+
+impl std::ops::Deref for Node {
+    type Target = Daemon;
+    fn deref(&self) -> &Daemon {
+        &self.daemon
+    }
+}
+
+impl std::ops::DerefMut for Node {
+    fn deref_mut(&mut self) -> &mut Daemon {
+        &mut self.daemon
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.daemon.kill9();
+        let _ = self.holder.kill();
+        let _ = self.holder.wait();
+    }
+}
+
+fn node_with(root: &Path, node: &str, etcd: &str, backend: &Path, extra: &[&str]) -> Node {
+    let dir = root.join(node);
+    std::fs::create_dir_all(&dir).unwrap();
+    let holder = Command::new("unshare")
+        .args(["-m", "--propagation", "private", "sleep", "infinity"])
+        .spawn()
+        .unwrap();
+    // The holder's namespace exists once unshare exec'd sleep.
+    let ns = format!("/proc/{}/ns/mnt", holder.id());
+    let own = std::fs::read_link("/proc/self/ns/mnt").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while std::fs::read_link(&ns).map(|l| l == own).unwrap_or(true) {
+        assert!(
+            Instant::now() < deadline,
+            "the namespace holder never started"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let pid = holder.id().to_string();
+    let daemon = Daemon::builder(&dir)
+        .plugin_config("test.json", plugin_config(&dir, backend, node))
+        .wrapper(&["nsenter", "-t", &pid, "-m", "--"])
+        .flags(&[
+            "--cluster-etcd",
+            etcd,
+            "--cluster-name",
+            CLUSTER,
+            "--node-name",
+            node,
+            "--cluster-lease-ttl-secs",
+            LEASE_TTL_SECS,
+            "--cluster-etcd-timeout-ms",
+            "500",
+        ])
+        .flags(extra)
+        .start();
+    Node { daemon, holder }
+}
+
+fn start_node(root: &Path, node: &str, etcd: &str, backend: &Path) -> Node {
+    node_with(root, node, etcd, backend, &[])
+}
+
+/// Waits until the node's session is HEALTHY.
+async fn joined(daemon: &Daemon) {
+    let api = daemon.api();
+    eventually(
+        "the node to join the cluster",
+        Duration::from_secs(20),
+        || {
+            let api = api.clone();
+            async move {
+                let status = cluster_status(&api).await?;
+                (status["state"] == "HEALTHY")
+                    .then_some(())
+                    .ok_or(format!("{status}"))
+            }
+        },
+    )
+    .await;
+}
+
+async fn cluster_status(api: &ApiClient) -> Result<Value, String> {
+    api.cluster()
+        .await
+        .map(|s| serde_json::to_value(s).unwrap())
+        .map_err(|e| e.to_string())
+}
+
+/// Runs `script` with `sh -c` in the mount namespace of `daemon`.
+fn in_node(daemon: &Daemon, script: &str) -> String {
+    let pid = daemon.daemon_pid().unwrap().to_string();
+    let out = Command::new("nsenter")
+        .args(["-t", &pid, "-m", "--", "sh", "-c", script])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{script}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The node's claims on cluster volumes as etcd has them: (volume, node, state).
+async fn etcd_entries(etcd: &csi_etcd::Client) -> Vec<(String, String, String)> {
+    let read = etcd
+        .get_prefix(format!("/csi-agent/{CLUSTER}/v1/vol/").as_bytes(), 0)
+        .await
+        .unwrap();
+    let mut entries = Vec::new();
+    for kv in read.kvs {
+        let value: Value = serde_json::from_slice(&kv.value).unwrap();
+        for (node, entry) in value["nodes"].as_object().unwrap() {
+            entries.push((
+                value["volume_id"].as_str().unwrap().to_owned(),
+                node.clone(),
+                entry["state"].as_str().unwrap().to_owned(),
+            ));
+        }
+    }
+    entries.sort();
+    entries
+}
+
+async fn etcd_client(urls: Vec<String>) -> csi_etcd::Client {
+    csi_etcd::Client::connect(csi_etcd::ConnectOptions {
+        endpoints: urls,
+        request_timeout: Duration::from_secs(2),
+        connect_timeout: Duration::from_secs(1),
+        user: None,
+    })
+    .await
+    .unwrap()
+}
+
+fn rpcs(judge: &BackendJudge, node: &str, volume: &str) -> Vec<String> {
+    judge
+        .calls_for_node(node)
+        .into_iter()
+        .filter(|c| c.volume.as_deref() == Some(volume))
+        .map(|c| c.rpc)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_single_node_volume_moves_between_nodes_only_after_its_unpublish() {
+    let tmp = tempfile::tempdir().unwrap();
+    let backend = tmp.path().join("backend");
+    std::fs::create_dir_all(&backend).unwrap();
+    let etcd = EtcdCluster::start(1);
+    let n1 = start_node(tmp.path(), "n1", &etcd.endpoints_flag(), &backend);
+    let n2 = start_node(tmp.path(), "n2", &etcd.endpoints_flag(), &backend);
+    joined(&n1).await;
+    joined(&n2).await;
+    let judge = BackendJudge::new(&backend);
+    let client = etcd_client(etcd.client_urls()).await;
+
+    let published = n1
+        .api()
+        .publish(&publish_request("vol1", "w1"))
+        .await
+        .unwrap();
+    let on_n1 = PathBuf::from(&published.target_path);
+    in_node(&n1, &format!("echo hi > {}/data", on_n1.display()));
+    assert_eq!(
+        etcd_entries(&client).await,
+        [("vol1".to_owned(), "n1".to_owned(), "ATTACHED".to_owned())]
+    );
+
+    // n2 is refused before any RPC, naming the holder.
+    let (status, body) = api_error(n2.api().publish(&publish_request("vol1", "w2")).await);
+    assert_eq!(status, 409, "{body:?}");
+    assert!(
+        body.message.contains("node n1 (ATTACHED)"),
+        "{}",
+        body.message
+    );
+    assert!(
+        rpcs(&judge, "n2", "vol1").is_empty(),
+        "{:?}",
+        judge.calls_for_node("n2")
+    );
+    assert_eq!(
+        judge.attachments().get("vol1").cloned(),
+        Some(vec!["n1".to_owned()])
+    );
+
+    // The unpublish answers once the volume is free: ControllerUnpublish(n1) sent, the entry gone.
+    n1.api()
+        .unpublish(&unpublish_request("vol1", "w1"))
+        .await
+        .unwrap();
+    let n1_rpcs = rpcs(&judge, "n1", "vol1");
+    assert_eq!(
+        n1_rpcs
+            .iter()
+            .rev()
+            .take(3)
+            .rev()
+            .cloned()
+            .collect::<Vec<_>>(),
+        [
+            "NodeUnpublishVolume",
+            "NodeUnstageVolume",
+            "ControllerUnpublishVolume"
+        ],
+        "{n1_rpcs:?}"
+    );
+    assert!(etcd_entries(&client).await.is_empty());
+
+    let published = n2
+        .api()
+        .publish(&publish_request("vol1", "w2"))
+        .await
+        .unwrap();
+    assert_eq!(
+        in_node(&n2, &format!("cat {}/data", published.target_path)).trim(),
+        "hi",
+        "the data written through n1 is read through n2"
+    );
+    assert_eq!(rpcs(&judge, "n2", "vol1")[0], "ControllerPublishVolume");
+    assert_eq!(
+        etcd_entries(&client).await,
+        [("vol1".to_owned(), "n2".to_owned(), "ATTACHED".to_owned())]
+    );
+    judge.assert_no_double_attach();
+}
+
+fn with_mode(
+    volume: &str,
+    workload: &str,
+    mode: &str,
+    readonly: bool,
+) -> csi_agent_api::PublishRequest {
+    let mut request = publish_request(volume, workload);
+    request.capability.access_mode = mode.to_owned();
+    request.readonly = readonly;
+    request
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn multi_node_modes_admit_readers_everywhere_and_one_writer() {
+    let tmp = tempfile::tempdir().unwrap();
+    let backend = tmp.path().join("backend");
+    std::fs::create_dir_all(&backend).unwrap();
+    let etcd = EtcdCluster::start(1);
+    let nodes: Vec<Node> = ["n1", "n2", "n3"]
+        .iter()
+        .map(|n| start_node(tmp.path(), n, &etcd.endpoints_flag(), &backend))
+        .collect();
+    for node in &nodes {
+        joined(node).await;
+    }
+    let judge = BackendJudge::new(&backend);
+    let client = etcd_client(etcd.client_urls()).await;
+
+    // MULTI_NODE_READER_ONLY: published on three nodes at once.
+    for (i, node) in nodes.iter().enumerate() {
+        node.api()
+            .publish(&with_mode(
+                "vol1",
+                &format!("r{i}"),
+                "MULTI_NODE_READER_ONLY",
+                true,
+            ))
+            .await
+            .unwrap();
+    }
+    let entries = etcd_entries(&client).await;
+    assert_eq!(entries.len(), 3, "{entries:?}");
+    assert!(
+        entries
+            .iter()
+            .all(|(v, _, s)| v == "vol1" && s == "ATTACHED"),
+        "{entries:?}"
+    );
+    let mut attached = judge.attachments()["vol1"].clone();
+    attached.sort();
+    assert_eq!(attached, ["n1", "n2", "n3"]);
+
+    // Another capability on a held volume is refused, naming the held one.
+    let (status, body) = api_error(
+        nodes[0]
+            .api()
+            .publish(&with_mode("vol1", "x", "MULTI_NODE_MULTI_WRITER", false))
+            .await,
+    );
+    assert_eq!(status, 409, "{body:?}");
+    assert!(
+        body.message.contains("MULTI_NODE_READER_ONLY"),
+        "{}",
+        body.message
+    );
+
+    // MULTI_NODE_SINGLE_WRITER: one writer, readers beside it, a second writer refused.
+    let mode = "MULTI_NODE_SINGLE_WRITER";
+    nodes[0]
+        .api()
+        .publish(&with_mode("vol2", "w", mode, false))
+        .await
+        .unwrap();
+    nodes[1]
+        .api()
+        .publish(&with_mode("vol2", "r", mode, true))
+        .await
+        .unwrap();
+    let (status, body) = api_error(
+        nodes[2]
+            .api()
+            .publish(&with_mode("vol2", "w2", mode, false))
+            .await,
+    );
+    assert_eq!(status, 409, "{body:?}");
+    assert!(body.message.contains("node n1"), "{}", body.message);
+    assert!(
+        rpcs(&judge, "n3", "vol2").is_empty(),
+        "{:?}",
+        rpcs(&judge, "n3", "vol2")
+    );
+    judge.assert_no_double_attach();
+}
+
+/// The RPCs the backend saw from `node` since call number `from` (of that node's calls).
+fn rpcs_since(judge: &BackendJudge, node: &str, from: usize) -> Vec<(String, String)> {
+    judge
+        .calls_for_node(node)
+        .into_iter()
+        .skip(from)
+        .map(|c| (c.rpc, c.volume.unwrap_or_default()))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_cut_off_from_etcd_keeps_its_volume_until_fenced_and_uses_none_of_it_after() {
+    let tmp = tempfile::tempdir().unwrap();
+    let backend = tmp.path().join("backend");
+    std::fs::create_dir_all(&backend).unwrap();
+    let etcd = EtcdCluster::start(1);
+    let upstream = etcd.client_urls()[0]
+        .trim_start_matches("http://")
+        .to_owned();
+    let proxy = EtcdProxy::start(&upstream);
+    let n1 = start_node(tmp.path(), "n1", &proxy.url(), &backend);
+    let n2 = start_node(tmp.path(), "n2", &etcd.endpoints_flag(), &backend);
+    joined(&n1).await;
+    joined(&n2).await;
+    let judge = BackendJudge::new(&backend);
+
+    let published = n1
+        .api()
+        .publish(&publish_request("vol1", "w1"))
+        .await
+        .unwrap();
+    in_node(&n1, &format!("echo hi > {}/data", published.target_path));
+
+    // A live node cannot be fenced.
+    let (status, body) = api_error(n2.api().fence("n1", "test").await);
+    assert_eq!(status, 409, "{body:?}");
+    assert!(body.message.contains("n1 is alive"), "{}", body.message);
+
+    // Cut off: n1 keeps its mount, answers status at once, refuses new cluster publishes.
+    proxy.set_mode(ProxyMode::Blackhole);
+    let api1 = n1.api();
+    eventually(
+        "n1 to notice it is cut off",
+        Duration::from_secs(10),
+        || {
+            let api = api1.clone();
+            async move {
+                let status = cluster_status(&api).await?;
+                (status["state"] != "HEALTHY")
+                    .then_some(())
+                    .ok_or(format!("{status}"))
+            }
+        },
+    )
+    .await;
+    let asked = Instant::now();
+    let volumes = n1.api().volumes().await.unwrap();
+    let status = cluster_status(&n1.api()).await.unwrap();
+    assert!(
+        asked.elapsed() < Duration::from_millis(500),
+        "{:?}",
+        asked.elapsed()
+    );
+    assert!(
+        volumes.volumes.iter().any(|v| v.volume_id == "vol1"),
+        "{volumes:?}"
+    );
+    assert!(status["reason"].as_str().is_some(), "{status}");
+    let (status, body) = api_error(n1.api().publish(&publish_request("vol2", "w1")).await);
+    assert_eq!(status, 503, "{body:?}");
+    assert!(
+        body.message.contains("cannot be published now"),
+        "{}",
+        body.message
+    );
+    assert_eq!(
+        in_node(&n1, &format!("cat {}/data", published.target_path)).trim(),
+        "hi"
+    );
+
+    // Its claim stays: once its lease ran out, the volume still cannot move.
+    let api2 = n2.api();
+    eventually("n1's lease to run out", Duration::from_secs(15), || {
+        let api = api2.clone();
+        async move {
+            match api.publish(&publish_request("vol1", "w2")).await {
+                Err(csi_agent_api::ApiError::Api { status: 409, body })
+                    if body.message.contains("SUSPECT") =>
+                {
+                    Ok(())
+                }
+                other => Err(format!("{other:?}")),
+            }
+        }
+    })
+    .await;
+    assert!(
+        rpcs(&judge, "n2", "vol1").is_empty(),
+        "{:?}",
+        rpcs(&judge, "n2", "vol1")
+    );
+
+    // Fenced: n2's daemon detaches it from n1 (n1's CSI node id) and the volume moves.
+    let report = n2.api().fence("n1", "n1 is powered off").await.unwrap();
+    assert_eq!(report.freed, ["vol1"], "{report:?}");
+    assert!(
+        rpcs(&judge, "n2", "vol1").contains(&"ControllerUnpublishVolume".to_owned()),
+        "{:?}",
+        rpcs(&judge, "n2", "vol1")
+    );
+    let moved = n2
+        .api()
+        .publish(&publish_request("vol1", "w2"))
+        .await
+        .unwrap();
+    assert_eq!(
+        in_node(&n2, &format!("cat {}/data", moved.target_path)).trim(),
+        "hi"
+    );
+
+    // n1 back: it releases vol1 on its side only, and uses none of it.
+    let before = judge.calls_for_node("n1").len();
+    proxy.set_mode(ProxyMode::Pass);
+    eventually(
+        "n1 to rejoin after its fenced cleanup",
+        Duration::from_secs(20),
+        || {
+            let api = api1.clone();
+            async move {
+                let status = cluster_status(&api).await?;
+                (status["state"] == "HEALTHY"
+                    && status["released_after_fence"]
+                        .as_array()
+                        .is_some_and(|v| v.iter().any(|x| x == "vol1")))
+                .then_some(())
+                .ok_or(format!("{status}"))
+            }
+        },
+    )
+    .await;
+    let after = rpcs_since(&judge, "n1", before);
+    let kinds: Vec<&str> = after
+        .iter()
+        .filter(|(_, v)| v == "vol1")
+        .map(|(r, _)| r.as_str())
+        .collect();
+    assert_eq!(
+        kinds,
+        ["NodeUnpublishVolume", "NodeUnstageVolume"],
+        "{after:?}"
+    );
+    let volumes = n1.api().volumes().await.unwrap();
+    assert!(
+        volumes
+            .volumes
+            .iter()
+            .all(|v| v.volume_id != "vol1" || v.claims.is_empty()),
+        "{volumes:?}"
+    );
+    assert!(
+        !in_node(&n1, "cat /proc/self/mountinfo").contains("/vol1/"),
+        "n1 still mounts vol1"
+    );
+    // n2 still holds it, alone.
+    assert_eq!(judge.attachments()["vol1"], ["n2"]);
+    assert!(judge.violations().is_empty(), "{:?}", judge.violations());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn losing_one_etcd_member_of_three_is_not_noticed_and_losing_quorum_refuses_only_new_publishes()
+ {
+    let tmp = tempfile::tempdir().unwrap();
+    let backend = tmp.path().join("backend");
+    std::fs::create_dir_all(&backend).unwrap();
+    let mut etcd = EtcdCluster::start(3);
+    let n1 = start_node(tmp.path(), "n1", &etcd.endpoints_flag(), &backend);
+    joined(&n1).await;
+    n1.api()
+        .publish(&publish_request("vol1", "w1"))
+        .await
+        .unwrap();
+
+    etcd.kill(0);
+    for i in 0..20 {
+        let workload = format!("w{i}");
+        n1.api()
+            .publish(&publish_request("vol2", &workload))
+            .await
+            .unwrap();
+        n1.api()
+            .unpublish(&unpublish_request("vol2", &workload))
+            .await
+            .unwrap();
+    }
+    let status = cluster_status(&n1.api()).await.unwrap();
+    assert_eq!(status["state"], "HEALTHY", "{status}");
+    assert_eq!(status["lease_losses"], 0, "{status}");
+
+    // Quorum lost: new cluster publishes refused with the reason; status and lists answer.
+    etcd.kill(1);
+    let api = n1.api();
+    eventually(
+        "a publish to be refused for want of etcd",
+        Duration::from_secs(15),
+        || {
+            let api = api.clone();
+            async move {
+                match api.publish(&publish_request("vol3", "w1")).await {
+                    Err(csi_agent_api::ApiError::Api { status: 503, body })
+                        if body.message.contains("cannot be published now") =>
+                    {
+                        Ok(())
+                    }
+                    other => Err(format!("{other:?}")),
+                }
+            }
+        },
+    )
+    .await;
+    let asked = Instant::now();
+    let volumes = n1.api().volumes().await.unwrap();
+    cluster_status(&n1.api()).await.unwrap();
+    assert!(
+        asked.elapsed() < Duration::from_millis(500),
+        "{:?}",
+        asked.elapsed()
+    );
+    assert!(
+        volumes
+            .volumes
+            .iter()
+            .any(|v| v.volume_id == "vol1" && !v.claims.is_empty())
+    );
+    // An unpublish completes on the node; its release waits for etcd.
+    n1.api()
+        .unpublish(&unpublish_request("vol1", "w1"))
+        .await
+        .unwrap();
+
+    // Quorum back: the pending release is written, and publishes work again.
+    etcd.restart(0);
+    etcd.restart(1);
+    let client = etcd_client(etcd.client_urls()).await;
+    eventually(
+        "the pending release to reach etcd",
+        Duration::from_secs(30),
+        || {
+            let client = client.clone();
+            async move {
+                let entries = etcd_entries(&client).await;
+                entries
+                    .is_empty()
+                    .then_some(())
+                    .ok_or(format!("{entries:?}"))
+            }
+        },
+    )
+    .await;
+    joined(&n1).await;
+    n1.api()
+        .publish(&publish_request("vol3", "w1"))
+        .await
+        .unwrap();
+    BackendJudge::new(&backend).assert_no_double_attach();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_name_belongs_to_the_first_daemon_and_a_work_dir_keeps_its_names() {
+    let tmp = tempfile::tempdir().unwrap();
+    let backend = tmp.path().join("backend");
+    std::fs::create_dir_all(&backend).unwrap();
+    let etcd = EtcdCluster::start(1);
+    let mut first = start_node(tmp.path(), "n1", &etcd.endpoints_flag(), &backend);
+    joined(&first).await;
+
+    // Another daemon (another work dir) with the same node name is refused, and says why.
+    let impostor = {
+        let root = tmp.path().join("impostor");
+        node_with(&root, "n1", &etcd.endpoints_flag(), &backend, &[])
+    };
+    let api = impostor.api();
+    eventually(
+        "the impostor to be refused",
+        Duration::from_secs(10),
+        || {
+            let api = api.clone();
+            async move {
+                let status = cluster_status(&api).await?;
+                (status["state"] == "REFUSED"
+                    && status["reason"]
+                        .as_str()
+                        .is_some_and(|r| r.contains("belongs to another csi-agentd")))
+                .then_some(())
+                .ok_or(format!("{status}"))
+            }
+        },
+    )
+    .await;
+    let (status, body) = api_error(impostor.api().publish(&publish_request("vol1", "w1")).await);
+    assert_eq!(status, 503, "{body:?}");
+    drop(impostor);
+
+    // The first daemon's work dir refuses another node name.
+    first.kill9();
+    first.extra.iter_mut().for_each(|arg| {
+        if arg == "n1" {
+            *arg = "renamed".to_owned();
+        }
+    });
+    let mut command = first.command();
+    let out = command.output().unwrap();
+    assert!(!out.status.success());
+    let stderr = first.full_log();
+    assert!(
+        stderr.contains("joined cluster \"t\" as node \"n1\"") && stderr.contains("--node-name n1"),
+        "{stderr}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_claim_reads_as_held_and_a_replaced_etcd_is_not_a_free_cluster() {
+    let tmp = tempfile::tempdir().unwrap();
+    let backend = tmp.path().join("backend");
+    std::fs::create_dir_all(&backend).unwrap();
+    let etcd = EtcdCluster::start(1);
+    let mut n1 = start_node(tmp.path(), "n1", &etcd.endpoints_flag(), &backend);
+    joined(&n1).await;
+    n1.api()
+        .publish(&publish_request("vol1", "w1"))
+        .await
+        .unwrap();
+    let client = etcd_client(etcd.client_urls()).await;
+    let key = format!(
+        "/csi-agent/{CLUSTER}/v1/vol/{}/default/vol2",
+        csi_agent::layout::encode_id(PLUGIN)
+    );
+    client
+        .put(key.as_bytes(), b"{not json", None)
+        .await
+        .unwrap();
+    let (status, body) = api_error(n1.api().publish(&publish_request("vol2", "w1")).await);
+    assert_eq!(status, 409, "{body:?}");
+    assert!(
+        body.message.contains(&key) && body.message.contains("unknown holder"),
+        "{}",
+        body.message
+    );
+    assert!(rpcs(&BackendJudge::new(&backend), "n1", "vol2").is_empty());
+
+    // A new, empty etcd on the same URL would look free: the node refuses it, keeps its mount.
+    let mounted_before = in_node(&n1, "cat /proc/self/mountinfo");
+    assert!(mounted_before.contains("/vol1/"));
+    n1.kill9();
+    drop(etcd);
+    let fresh = EtcdCluster::start(1);
+    n1.extra = n1
+        .extra
+        .iter()
+        .map(|arg| {
+            if arg.starts_with("http://") {
+                fresh.endpoints_flag()
+            } else {
+                arg.clone()
+            }
+        })
+        .collect();
+    n1.start();
+    let api = n1.api();
+    eventually(
+        "the node to refuse the replaced etcd",
+        Duration::from_secs(10),
+        || {
+            let api = api.clone();
+            async move {
+                let status = cluster_status(&api).await?;
+                (status["state"] == "REFUSED"
+                    && status["reason"]
+                        .as_str()
+                        .is_some_and(|r| r.contains("another cluster")))
+                .then_some(())
+                .ok_or(format!("{status}"))
+            }
+        },
+    )
+    .await;
+    let (status, _) = api_error(n1.api().publish(&publish_request("vol3", "w1")).await);
+    assert_eq!(status, 503);
+    let volumes = n1.api().volumes().await.unwrap();
+    assert!(
+        volumes
+            .volumes
+            .iter()
+            .any(|v| v.volume_id == "vol1" && !v.claims.is_empty())
+    );
+}
+
+/// Arms `point` (the daemon exits there) for the next start of `daemon`, restarting it.
+fn arm(daemon: &mut Daemon, point: &str) {
+    daemon.stop_and_set_env("CSI_AGENT_FAILPOINTS", &format!("{point}=exit"));
+    daemon.start();
+}
+
+fn disarm(daemon: &mut Daemon) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while daemon.daemon_alive() {
+        assert!(
+            Instant::now() < deadline,
+            "the daemon did not exit at its failpoint: {}",
+            daemon.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    daemon.wait_exit();
+    daemon.set_env("CSI_AGENT_FAILPOINTS", None);
+    daemon.start();
+}
+
+/// Waits until etcd no longer has `node`'s presence (its lease ran out).
+async fn lease_gone(client: &csi_etcd::Client, node: &str) {
+    let key = format!("/csi-agent/{CLUSTER}/v1/nodes/{node}");
+    eventually(
+        "the node's lease to run out",
+        Duration::from_secs(15),
+        || async {
+            let read = client
+                .get(key.as_bytes())
+                .await
+                .map_err(|e| e.to_string())?;
+            read.kvs
+                .is_empty()
+                .then_some(())
+                .ok_or(format!("{key} still there"))
+        },
+    )
+    .await;
+}
+
+async fn no_entries_left(client: &csi_etcd::Client, what: &str) {
+    eventually(what, Duration::from_secs(20), || async {
+        let entries = etcd_entries(client).await;
+        entries
+            .is_empty()
+            .then_some(())
+            .ok_or(format!("{entries:?}"))
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemon_killed_at_each_cluster_failpoint_converges() {
+    let tmp = tempfile::tempdir().unwrap();
+    let backend = tmp.path().join("backend");
+    std::fs::create_dir_all(&backend).unwrap();
+    let etcd = EtcdCluster::start(1);
+    let client = etcd_client(etcd.client_urls()).await;
+    let mut n1 = start_node(tmp.path(), "n1", &etcd.endpoints_flag(), &backend);
+    let mut n2 = start_node(tmp.path(), "n2", &etcd.endpoints_flag(), &backend);
+    joined(&n1).await;
+    joined(&n2).await;
+    let judge = BackendJudge::new(&backend);
+
+    // A publish killed around its claim: what it left in etcd goes (an orphan is swept at
+    // the next join), and the volume is free for another node.
+    for point in ["cluster.claim.before_txn", "cluster.claim.after_txn"] {
+        arm(&mut n1, point);
+        joined(&n1).await;
+        let lost = n1.api().publish(&publish_request("vol1", "w1")).await;
+        assert!(lost.is_err(), "{point}: {lost:?}");
+        disarm(&mut n1);
+        joined(&n1).await;
+        no_entries_left(&client, point).await;
+        n2.api()
+            .publish(&publish_request("vol1", "w2"))
+            .await
+            .unwrap();
+        n2.api()
+            .unpublish(&unpublish_request("vol1", "w2"))
+            .await
+            .unwrap();
+    }
+
+    // An unpublish killed around its release: the reconciler finishes it.
+    for point in ["cluster.release.before_txn", "cluster.release.after_txn"] {
+        n1.api()
+            .publish(&publish_request("vol1", "w1"))
+            .await
+            .unwrap();
+        arm(&mut n1, point);
+        let lost = n1.api().unpublish(&unpublish_request("vol1", "w1")).await;
+        assert!(lost.is_err(), "{point}: {lost:?}: {}", n1.log_text());
+        disarm(&mut n1);
+        no_entries_left(&client, point).await;
+        n2.api()
+            .publish(&publish_request("vol1", "w2"))
+            .await
+            .unwrap();
+        n2.api()
+            .unpublish(&unpublish_request("vol1", "w2"))
+            .await
+            .unwrap();
+    }
+
+    // A fence killed on the fencing daemon: its next sweep finishes it.
+    for point in ["cluster.fence.after_mark", "cluster.fence.after_rpc"] {
+        n1.api()
+            .publish(&publish_request("vol1", "w1"))
+            .await
+            .unwrap();
+        n1.kill9();
+        arm(&mut n2, point);
+        joined(&n2).await;
+        lease_gone(&client, "n1").await;
+        let lost = n2.api().fence("n1", "powered off").await;
+        assert!(
+            matches!(lost, Err(csi_agent_api::ApiError::Transport { .. })),
+            "{point}: the daemon answered {lost:?}"
+        );
+        disarm(&mut n2);
+        joined(&n2).await;
+        no_entries_left(&client, point).await;
+        assert!(
+            judge.attachments().get("vol1").is_none_or(Vec::is_empty),
+            "{point}"
+        );
+        n2.api()
+            .publish(&publish_request("vol1", "w2"))
+            .await
+            .unwrap();
+        n2.api()
+            .unpublish(&unpublish_request("vol1", "w2"))
+            .await
+            .unwrap();
+        // n1 back: it finds its fence, releases its side, joins again.
+        n1.start();
+        joined(&n1).await;
+    }
+    judge.assert_no_double_attach();
+}
