@@ -59,6 +59,14 @@ pub struct OperationLabels {
 }
 
 /// Labels of a configuration file that failed to load.
+/// Labels of one etcd request (cluster mode): the call and how it ended (`ok`,
+/// `unavailable`, `error`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EtcdLabels {
+    pub op: String,
+    pub outcome: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ConfigFileLabels {
     pub file: String,
@@ -117,6 +125,10 @@ pub struct Metrics {
     pub checkpoint_fsync_seconds: Histogram,
     pub recovery_seconds: Gauge<f64, AtomicU64>,
     pub config_errors: Family<ConfigFileLabels, Gauge>,
+    /// Cluster mode: etcd request latency, leases lost, publishes refused across nodes.
+    pub etcd_request_duration: Family<EtcdLabels, Histogram, LatencyBuckets>,
+    pub cluster_lease_losses: Counter,
+    pub cluster_conflicts: Family<PluginLabels, Counter>,
     /// Per published volume, from the stats collector (`crate::volume::stats`).
     pub volume_stats: VolumeStatsGauges,
 }
@@ -256,6 +268,24 @@ impl Metrics {
             "1 for each plugin configuration file that failed to load",
             config_errors.clone(),
         );
+        let etcd_request_duration = Family::new_with_constructor(LatencyBuckets);
+        registry.register(
+            "etcd_request_duration_seconds",
+            "etcd request latency in cluster mode, by call and outcome",
+            etcd_request_duration.clone(),
+        );
+        let cluster_lease_losses = Counter::default();
+        registry.register(
+            "cluster_lease_losses",
+            "Times this node lost its etcd lease and joined again (cluster mode)",
+            cluster_lease_losses.clone(),
+        );
+        let cluster_conflicts = Family::default();
+        registry.register(
+            "cluster_conflicts",
+            "Cluster publishes refused because other nodes hold the volume (409)",
+            cluster_conflicts.clone(),
+        );
         let volume_stats = VolumeStatsGauges::default();
         for (name, family) in volume_stats.named() {
             let help = match name {
@@ -301,6 +331,9 @@ impl Metrics {
             checkpoint_fsync_seconds,
             recovery_seconds,
             config_errors,
+            etcd_request_duration,
+            cluster_lease_losses,
+            cluster_conflicts,
         }
     }
 

@@ -384,7 +384,7 @@ impl CsiServer {
         };
         let named = crate::named::NamedState::load(&store)?;
         let cluster = match &options.cluster {
-            Some(setup) => Some(open_cluster(setup, &store)?),
+            Some(setup) => Some(open_cluster(setup, &store, &metrics)?),
             None => None,
         };
         let server = Self {
@@ -1391,6 +1391,7 @@ fn lock_std<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 fn open_cluster(
     setup: &ClusterSetup,
     store: &Store,
+    metrics: &Arc<Metrics>,
 ) -> Result<crate::cluster::Cluster, ServerError> {
     let options = &setup.options;
     let recorded_cluster = store.meta(META_CLUSTER_NAME)?;
@@ -1431,5 +1432,6 @@ fn open_cluster(
                 .set_meta(META_ETCD_CLUSTER_ID, &format!("{id:x}"))
                 .map_err(|e| e.to_string())
         }),
+        Some(metrics.clone()),
     ))
 }

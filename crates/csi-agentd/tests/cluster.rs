@@ -238,6 +238,12 @@ async fn a_single_node_volume_moves_between_nodes_only_after_its_unpublish() {
         Some(vec!["n1".to_owned()])
     );
 
+    let metrics = n2.api().metrics().await.unwrap();
+    let conflicts = format!("csi_agent_cluster_conflicts_total{{plugin=\"{PLUGIN}\"}} 1");
+    assert!(metrics.contains(&conflicts), "{metrics}");
+    let timed = "csi_agent_etcd_request_duration_seconds_count{op=\"txn\",outcome=\"ok\"}";
+    assert!(metrics.contains(timed), "{metrics}");
+
     // The unpublish answers once the volume is free: ControllerUnpublish(n1) sent, the entry gone.
     n1.api()
         .unpublish(&unpublish_request("vol1", "w1"))
@@ -910,4 +916,37 @@ async fn a_daemon_killed_at_each_cluster_failpoint_converges() {
         joined(&n1).await;
     }
     judge.assert_no_double_attach();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_controller_publish_gives_the_claim_back() {
+    let tmp = tempfile::tempdir().unwrap();
+    let backend = tmp.path().join("backend");
+    std::fs::create_dir_all(&backend).unwrap();
+    let etcd = EtcdCluster::start(1);
+    let client = etcd_client(etcd.client_urls()).await;
+    let n1 = start_node(tmp.path(), "n1", &etcd.endpoints_flag(), &backend);
+    let n2 = start_node(tmp.path(), "n2", &etcd.endpoints_flag(), &backend);
+    joined(&n1).await;
+    joined(&n2).await;
+    let faults = serde_json::to_vec(&json!({"rules": [{
+        "method": "ControllerPublishVolume",
+        "fail": {"code": "FAILED_PRECONDITION", "message": "the array is read-only today"},
+        "times": 1
+    }]}))
+    .unwrap();
+    let plugin_dir = tmp.path().join("n1/plugin");
+    std::fs::create_dir_all(&plugin_dir).unwrap();
+    std::fs::write(plugin_dir.join("faults.json"), faults).unwrap();
+
+    let (status, body) = api_error(n1.api().publish(&publish_request("vol1", "w1")).await);
+    assert_eq!(status, 422, "{body:?}");
+    assert!(body.message.contains("read-only today"), "{}", body.message);
+    // The claim is given back (after the idempotent ControllerUnpublish): the volume is free.
+    no_entries_left(&client, "the failed publish's claim to be given back").await;
+    n2.api()
+        .publish(&publish_request("vol1", "w2"))
+        .await
+        .unwrap();
+    BackendJudge::new(&backend).assert_no_double_attach();
 }

@@ -249,6 +249,7 @@ struct Inner {
     session: StdMutex<Session>,
     plugins: StdMutex<Vec<Weak<dyn ClusterPlugin>>>,
     running: std::sync::atomic::AtomicBool,
+    metrics: Option<Arc<crate::metrics::Metrics>>,
 }
 
 #[derive(Clone, Debug)]
@@ -293,7 +294,15 @@ impl Cluster {
         store: Arc<dyn ClusterStore>,
         identity: Identity,
         remember_cluster_id: Box<dyn Fn(u64) -> Result<(), String> + Send + Sync>,
+        metrics: Option<Arc<crate::metrics::Metrics>>,
     ) -> Cluster {
+        let store: Arc<dyn ClusterStore> = match &metrics {
+            Some(metrics) => Arc::new(store::Measured {
+                store,
+                metrics: metrics.clone(),
+            }),
+            None => store,
+        };
         Cluster {
             inner: Arc::new(Inner {
                 keys: Keys::new(&options.name),
@@ -316,6 +325,7 @@ impl Cluster {
                 }),
                 plugins: StdMutex::new(Vec::new()),
                 running: std::sync::atomic::AtomicBool::new(false),
+                metrics,
             }),
         }
     }
@@ -479,6 +489,9 @@ impl Cluster {
     }
 
     fn lose_lease(&self, reason: String) {
+        if let Some(metrics) = &self.inner.metrics {
+            metrics.cluster_lease_losses.inc();
+        }
         tracing::warn!(node = %self.inner.options.node, %reason, "cluster lease lost; joining again");
         self.set_session(|s| {
             s.state = SessionState::Joining;
@@ -781,6 +794,16 @@ impl Cluster {
             } = match claims::admit(current.as_ref(), &request) {
                 Ok(admitted) => admitted,
                 Err(refusal) => {
+                    if let (Some(metrics), Refusal::Held { .. } | Refusal::OtherCapability { .. }) =
+                        (&self.inner.metrics, &refusal)
+                    {
+                        metrics
+                            .cluster_conflicts
+                            .get_or_create(&crate::metrics::PluginLabels {
+                                plugin: plugin.plugin_type.clone(),
+                            })
+                            .inc();
+                    }
                     let alive = self.alive_nodes().await;
                     return Err(self.refusal(&volume_id, &alive, refusal));
                 }

@@ -80,3 +80,63 @@ pub trait ClusterStore: Send + Sync + std::fmt::Debug {
     fn keep_alive(&self, lease: i64) -> BoxFuture<'_, Result<i64, StoreError>>;
     fn revoke(&self, lease: i64) -> BoxFuture<'_, Result<(), StoreError>>;
 }
+
+/// A store whose every call is timed into `csi_agent_etcd_request_duration_seconds`
+/// (docs/operations.md, "Metrics and logs").
+#[derive(Debug)]
+pub struct Measured {
+    pub store: std::sync::Arc<dyn ClusterStore>,
+    pub metrics: std::sync::Arc<crate::metrics::Metrics>,
+}
+
+impl Measured {
+    fn timed<'a, T: Send + 'a>(
+        &'a self,
+        op: &'static str,
+        call: BoxFuture<'a, Result<T, StoreError>>,
+    ) -> BoxFuture<'a, Result<T, StoreError>> {
+        Box::pin(async move {
+            let started = std::time::Instant::now();
+            let result = call.await;
+            let outcome = match &result {
+                Ok(_) => "ok",
+                Err(err) if err.is_unavailable() => "unavailable",
+                Err(_) => "error",
+            };
+            self.metrics
+                .etcd_request_duration
+                .get_or_create(&crate::metrics::EtcdLabels {
+                    op: op.to_owned(),
+                    outcome: outcome.to_owned(),
+                })
+                .observe(started.elapsed().as_secs_f64());
+            result
+        })
+    }
+}
+
+impl ClusterStore for Measured {
+    fn get(&self, key: Vec<u8>) -> BoxFuture<'_, Result<Read, StoreError>> {
+        self.timed("get", self.store.get(key))
+    }
+
+    fn list(&self, prefix: Vec<u8>) -> BoxFuture<'_, Result<Read, StoreError>> {
+        self.timed("list", self.store.list(prefix))
+    }
+
+    fn write(&self, guarded: Guarded) -> BoxFuture<'_, Result<bool, StoreError>> {
+        self.timed("txn", self.store.write(guarded))
+    }
+
+    fn grant(&self, ttl_secs: i64) -> BoxFuture<'_, Result<i64, StoreError>> {
+        self.timed("lease_grant", self.store.grant(ttl_secs))
+    }
+
+    fn keep_alive(&self, lease: i64) -> BoxFuture<'_, Result<i64, StoreError>> {
+        self.timed("lease_keepalive", self.store.keep_alive(lease))
+    }
+
+    fn revoke(&self, lease: i64) -> BoxFuture<'_, Result<(), StoreError>> {
+        self.timed("lease_revoke", self.store.revoke(lease))
+    }
+}

@@ -230,6 +230,7 @@ mod tests {
                 etcd_cluster_id: Some(0xcdf8_1819_4e3a_8c32),
             },
             Box::new(|_| Ok(())),
+            None,
         );
         cluster.run();
         tokio::task::yield_now().await;
