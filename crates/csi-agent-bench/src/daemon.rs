@@ -118,6 +118,19 @@ impl Daemon {
 
     /// Starts the daemon without waiting, with `extra` flags after the usual ones.
     pub fn spawn_with(env: &Env, dirs: &DaemonDirs, extra: &[String]) -> anyhow::Result<Self> {
+        Self::spawn_wrapped(env, dirs, &[], extra)
+    }
+
+    /// [`Daemon::spawn_with`], the command run through `wrapper` (a program and its
+    /// arguments that exec the daemon, e.g. `unshare -m --propagation private` for a mount
+    /// namespace of its own, as each node of a cluster has). The wrapper must exec, not
+    /// fork: the guard kills the pid it started.
+    pub fn spawn_wrapped(
+        env: &Env,
+        dirs: &DaemonDirs,
+        wrapper: &[String],
+        extra: &[String],
+    ) -> anyhow::Result<Self> {
         let index = std::fs::read_dir(&dirs.log_dir).map_or(0, Iterator::count);
         let log = dirs.log_dir.join(format!("daemon-{index}.stderr"));
         let stderr = std::fs::File::create(&log)?;
@@ -139,7 +152,14 @@ impl Daemon {
             .chain(extra.iter().cloned())
             .chain(env.daemon_args.clone())
             .collect();
-        let mut command = Command::new(&env.daemon_bin);
+        let mut command = match wrapper.split_first() {
+            Some((program, wrapper_args)) => {
+                let mut command = Command::new(program);
+                command.args(wrapper_args).arg(&env.daemon_bin);
+                command
+            }
+            None => Command::new(&env.daemon_bin),
+        };
         command
             .args(&args)
             .stdin(Stdio::null())

@@ -7,7 +7,8 @@
 //! `supervision` (socket → ready, kill -9 → ready again), `stats` (the volume stats
 //! collector's CPU at 1,000 published volumes; not part of `all`), `images` (pulling and preparing a
 //! plugin image against skopeo + umoci; not part of `all`: it needs a registry and those
-//! tools), `snapshot` (a snapshot create: daemon vs the raw RPC vs one durable write) and
+//! tools), `cluster` (cluster mode on a real etcd against single-node mode and the raw RPCs,
+//! and three daemons publishing 1,000 volumes together; not part of `all`), `snapshot` (a snapshot create: daemon vs the raw RPC vs one durable write) and
 //! `all` (everything else, plus a markdown report for `docs/benchmarks.md`).
 //!
 //! Every subcommand is bounded, works only in a fresh temp dir (removed at the end), talks
@@ -15,6 +16,7 @@
 //! It needs the release binaries of `csi-testplugin` and `csi-agentd` next to its own (see
 //! `docs/benchmarks.md`).
 
+mod cluster;
 mod cpu;
 mod cycle;
 mod daemon;
@@ -103,6 +105,10 @@ enum Command {
     /// Snapshot create latency: the daemon against the raw CreateSnapshot RPC and one
     /// durable write (target: raw + one durable write + 1 ms).
     Snapshot(snapshot::SnapshotArgs),
+    /// Cluster mode (issue 28) on one real etcd member: publish+unpublish against a
+    /// single-node daemon and the raw RPCs, etcd writes per operation, and three daemons
+    /// publishing 1,000 volumes together. Not part of `all` (needs /usr/bin/etcd).
+    Cluster(cluster::ClusterArgs),
     /// Everything, with the default sizes; prints markdown for docs/benchmarks.md.
     All(report::AllArgs),
 }
@@ -184,6 +190,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let report = snapshot::run(&env, &args).await?;
             print!("{}", snapshot::table(&report));
             env.write_json("snapshot", &report)?;
+        }
+        Command::Cluster(args) => {
+            let report = cluster::run(&env, &args).await?;
+            print!("{}", cluster::table(&report));
+            env.write_json("cluster", &report)?;
         }
         Command::All(args) => report::run_all(&env, &args).await?,
     }

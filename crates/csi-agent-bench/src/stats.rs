@@ -10,6 +10,7 @@ pub struct Summary {
     pub n: usize,
     pub mean_ms: f64,
     pub p50_ms: f64,
+    pub p90_ms: f64,
     pub p99_ms: f64,
     pub min_ms: f64,
     pub max_ms: f64,
@@ -28,6 +29,7 @@ impl Summary {
             n,
             mean_ms: mean,
             p50_ms: percentile(&ms, 50.0),
+            p90_ms: percentile(&ms, 90.0),
             p99_ms: percentile(&ms, 99.0),
             min_ms: ms[0],
             max_ms: ms[n - 1],
@@ -108,6 +110,7 @@ mod tests {
         assert_eq!(s.n, 100);
         assert!((s.mean_ms - 50.5).abs() < 1e-9);
         assert!((s.p50_ms - 50.0).abs() < 1e-9);
+        assert!((s.p90_ms - 90.0).abs() < 1e-9);
         assert!((s.p99_ms - 99.0).abs() < 1e-9);
         assert!((s.max_ms - 100.0).abs() < 1e-9);
     }
