@@ -32,7 +32,7 @@ use crate::model::{ApiVersion, CapArg, Capability, Unsupported, validate_volume_
 use crate::mounts::{self, MountMode};
 use crate::rpc::Inflight;
 use crate::state::{
-    ContentSource, ControllerPublication, Publication, Staging, Store, VolumeRecord,
+    ContentSource, ControllerPublication, Publication, Staging, StateFile, Store, VolumeRecord,
 };
 
 mod snapshots;
@@ -422,7 +422,7 @@ impl Plugin {
             })
             .map_err(|s| anyhow::anyhow!("{}", s.message()))?;
             plugin
-                .sync_backend()
+                .sync_backend_now()
                 .map_err(|s| anyhow::anyhow!("{}", s.message()))?;
         }
         Ok(Arc::new(plugin))
@@ -434,46 +434,29 @@ impl Plugin {
 
     /// Takes the shared backend's truth into this instance's records, before every call:
     /// the volumes other nodes' instances created or deleted, and the nodes each volume is
-    /// controller-published to. This node's staging and publications stay its own.
-    pub fn sync_backend(&self) -> Result<(), Status> {
+    /// controller-published to. This node's staging and publications stay its own. Through
+    /// the store's group commit, so that concurrent calls never write `state.json` at once.
+    pub async fn sync_backend(&self) -> Result<(), Status> {
+        let Some(b) = &self.backend else {
+            return Ok(());
+        };
+        self.store
+            .update(|s| take_backend(s, b).map(|changed| ((), changed)))
+            .await
+    }
+
+    /// [`Plugin::sync_backend`] at start-up, before anything is served.
+    fn sync_backend_now(&self) -> Result<(), Status> {
         let Some(b) = &self.backend else {
             return Ok(());
         };
         let mut outcome = Ok(());
         self.store
-            .update_now(|s| {
-                let synced = b.with_lock(|shared| {
-                    let mut changed = false;
-                    let before = s.volumes.len();
-                    s.volumes.retain(|id, _| shared.catalogue.contains_key(id));
-                    changed |= s.volumes.len() != before;
-                    for (id, entry) in &shared.catalogue {
-                        let v = s.volumes.entry(id.clone()).or_default();
-                        let publications = shared
-                            .attachments
-                            .get(id)
-                            .map(|a| a.publications.clone())
-                            .unwrap_or_default();
-                        if v.capacity_bytes != entry.capacity_bytes
-                            || v.parameters != entry.parameters
-                            || v.content_source != entry.content_source
-                            || v.controller_published != publications
-                        {
-                            v.capacity_bytes = entry.capacity_bytes;
-                            v.parameters.clone_from(&entry.parameters);
-                            v.content_source.clone_from(&entry.content_source);
-                            v.controller_published = publications;
-                            changed = true;
-                        }
-                    }
-                    Ok((changed, false))
-                });
-                match synced {
-                    Ok(changed) => changed,
-                    Err(e) => {
-                        outcome = Err(e);
-                        false
-                    }
+            .update_now(|s| match take_backend(s, b) {
+                Ok(changed) => changed,
+                Err(e) => {
+                    outcome = Err(e);
+                    false
                 }
             })
             .map_err(|e| internal("persisting plugin state", format!("{e:#}")))?;
@@ -1808,6 +1791,37 @@ impl Plugin {
         }
         Ok(())
     }
+}
+
+/// The shared backend's catalogue and controller publications, taken into this instance's
+/// state; true when anything changed.
+fn take_backend(s: &mut StateFile, b: &Backend) -> Result<bool, Status> {
+    b.with_lock(|shared| {
+        let mut changed = false;
+        let before = s.volumes.len();
+        s.volumes.retain(|id, _| shared.catalogue.contains_key(id));
+        changed |= s.volumes.len() != before;
+        for (id, entry) in &shared.catalogue {
+            let v = s.volumes.entry(id.clone()).or_default();
+            let publications = shared
+                .attachments
+                .get(id)
+                .map(|a| a.publications.clone())
+                .unwrap_or_default();
+            if v.capacity_bytes != entry.capacity_bytes
+                || v.parameters != entry.parameters
+                || v.content_source != entry.content_source
+                || v.controller_published != publications
+            {
+                v.capacity_bytes = entry.capacity_bytes;
+                v.parameters.clone_from(&entry.parameters);
+                v.content_source.clone_from(&entry.content_source);
+                v.controller_published = publications;
+                changed = true;
+            }
+        }
+        Ok((changed, false))
+    })
 }
 
 #[cfg(test)]

@@ -165,7 +165,7 @@ where
                 Some(status) => Err(status),
                 // With a shared backend, the call starts from its current truth.
                 None if is_identity(ctx.method) => op(Arc::clone(&plugin)).await,
-                None => match plugin.sync_backend() {
+                None => match plugin.sync_backend().await {
                     Ok(()) => op(Arc::clone(&plugin)).await,
                     Err(e) => Err(e),
                 },
