@@ -175,6 +175,17 @@ async fn etcd_entries(etcd: &csi_etcd::Client) -> Vec<(String, String, String)> 
     entries
 }
 
+/// The daemon's count of etcd calls `op` that succeeded (its metrics).
+async fn etcd_calls(api: &ApiClient, op: &str) -> f64 {
+    let metrics = api.metrics().await.unwrap();
+    let series =
+        format!("csi_agent_etcd_request_duration_seconds_count{{op=\"{op}\",outcome=\"ok\"}} ");
+    metrics
+        .lines()
+        .find_map(|line| line.strip_prefix(&series))
+        .map_or(0.0, |v| v.trim().parse().unwrap())
+}
+
 async fn etcd_client(urls: Vec<String>) -> csi_etcd::Client {
     csi_etcd::Client::connect(csi_etcd::ConnectOptions {
         endpoints: urls,
@@ -208,11 +219,17 @@ async fn a_single_node_volume_moves_between_nodes_only_after_its_unpublish() {
     let judge = BackendJudge::new(&backend);
     let client = etcd_client(etcd.client_urls()).await;
 
+    let reads = etcd_calls(&n1.api(), "get").await;
+    let writes = etcd_calls(&n1.api(), "txn").await;
     let published = n1
         .api()
         .publish(&publish_request("vol1", "w1"))
         .await
         .unwrap();
+    // One read (the claim's) and two guarded writes (the claim, ATTACHED): the node's own
+    // last write stands in for a read before its next one.
+    assert_eq!(etcd_calls(&n1.api(), "get").await - reads, 1.0);
+    assert_eq!(etcd_calls(&n1.api(), "txn").await - writes, 2.0);
     let on_n1 = PathBuf::from(&published.target_path);
     in_node(&n1, &format!("echo hi > {}/data", on_n1.display()));
     assert_eq!(
@@ -245,10 +262,15 @@ async fn a_single_node_volume_moves_between_nodes_only_after_its_unpublish() {
     assert!(metrics.contains(timed), "{metrics}");
 
     // The unpublish answers once the volume is free: ControllerUnpublish(n1) sent, the entry gone.
+    let reads = etcd_calls(&n1.api(), "get").await;
+    let writes = etcd_calls(&n1.api(), "txn").await;
     n1.api()
         .unpublish(&unpublish_request("vol1", "w1"))
         .await
         .unwrap();
+    // NODE_DETACHED and the removal, from the publish's last write: no read.
+    assert_eq!(etcd_calls(&n1.api(), "get").await - reads, 0.0);
+    assert_eq!(etcd_calls(&n1.api(), "txn").await - writes, 2.0);
     let n1_rpcs = rpcs(&judge, "n1", "vol1");
     assert_eq!(
         n1_rpcs

@@ -101,7 +101,7 @@ impl ClusterStore for EtcdStore {
         })
     }
 
-    fn write(&self, guarded: Guarded) -> BoxFuture<'_, Result<bool, StoreError>> {
+    fn write(&self, guarded: Guarded) -> BoxFuture<'_, Result<Option<i64>, StoreError>> {
         Box::pin(async move {
             let compares = guarded
                 .when
@@ -114,7 +114,7 @@ impl ClusterStore for EtcdStore {
             self.client
                 .txn(Txn::new().when(compares).and_then(ops))
                 .await
-                .map(|result| result.succeeded)
+                .map(|result| result.succeeded.then_some(result.revision))
                 .map_err(store_error)
         })
     }

@@ -211,6 +211,14 @@ pub trait ClusterPlugin: Send + Sync + std::fmt::Debug {
     fn sweep_orphans(&self) -> BoxFuture<'_, Result<(), String>>;
 }
 
+/// A volume's value as this node last wrote (or read) it, with its revision: the next
+/// compare-and-swap of the node's own steps starts from it instead of a read.
+#[derive(Clone, Debug)]
+pub struct Known {
+    pub claims: VolumeClaims,
+    pub revision: i64,
+}
+
 /// The state a node keeps about its own holds: whether an entry is still its own.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Own {
@@ -581,7 +589,7 @@ impl Cluster {
                     })
                     .await
                     .map_err(retry)?;
-                if !created {
+                if created.is_none() {
                     return Err(JoinFailure::Retry(
                         "another daemon took the node name meanwhile".to_owned(),
                     ));
@@ -624,7 +632,7 @@ impl Cluster {
                 })
                 .await
                 .map_err(retry)?;
-            if !cleared {
+            if cleared.is_none() {
                 return Err(JoinFailure::Retry("the fence changed meanwhile".to_owned()));
             }
         }
@@ -656,7 +664,7 @@ impl Cluster {
             })
             .await
             .map_err(retry)?;
-        if !present {
+        if present.is_none() {
             let _ = store.revoke(lease).await;
             return Err(JoinFailure::Retry(
                 "this node was fenced while joining".to_owned(),
@@ -747,7 +755,7 @@ impl Cluster {
         volume_id: &str,
         revision: i64,
         next: Option<&VolumeClaims>,
-    ) -> Result<bool, ClusterError> {
+    ) -> Result<Option<i64>, ClusterError> {
         let key = self.inner.keys.volume(plugin, volume_id);
         let op = match next {
             Some(value) => WriteOp::Put {
@@ -772,7 +780,7 @@ impl Cluster {
         &self,
         plugin: &PluginKey,
         request: ClaimRequest,
-    ) -> Result<String, ClusterError> {
+    ) -> Result<(String, Known), ClusterError> {
         self.try_claim(plugin, request).await.map_err(unavailable)
     }
 
@@ -780,7 +788,7 @@ impl Cluster {
         &self,
         plugin: &PluginKey,
         mut request: ClaimRequest,
-    ) -> Result<String, ClusterError> {
+    ) -> Result<(String, Known), ClusterError> {
         self.require_healthy()?;
         request.node = self.inner.options.node.clone();
         request.now = now_unix();
@@ -808,12 +816,14 @@ impl Cluster {
                     return Err(self.refusal(&volume_id, &alive, refusal));
                 }
             };
-            if !changed
-                || self
-                    .swap(plugin, &volume_id, revision, Some(&claims))
-                    .await?
+            if !changed {
+                return Ok((claim_id, Known { claims, revision }));
+            }
+            if let Some(revision) = self
+                .swap(plugin, &volume_id, revision, Some(&claims))
+                .await?
             {
-                return Ok(claim_id);
+                return Ok((claim_id, Known { claims, revision }));
             }
         }
         Err(ClusterError::Contention {
@@ -932,35 +942,42 @@ impl Cluster {
     }
 
     /// Changes this node's own entry (claim `claim_id`) with `edit`; answers what the entry
-    /// was before the change. A fenced or vanished entry is not written.
+    /// was before the change, and the value and revision written (or read). A fenced or
+    /// vanished entry is not written. `known`, the node's own last write to the key, saves
+    /// the read when nobody changed the key since (a failed compare reads it then).
     pub async fn update_own(
         &self,
         plugin: &PluginKey,
         volume_id: &str,
         claim_id: &str,
+        known: Option<Known>,
         edit: impl Fn(&mut NodeEntry),
-    ) -> Result<Own, ClusterError> {
+    ) -> Result<(Own, Option<Known>), ClusterError> {
         let node = self.inner.options.node.clone();
+        let mut known = known;
         for _ in 0..CAS_TRIES {
-            let (current, revision) = self.read_volume(plugin, volume_id).await?;
+            let (current, revision) = match known.take() {
+                Some(Known { claims, revision }) => (Some(claims), revision),
+                None => self.read_volume(plugin, volume_id).await?,
+            };
             let own = own_of(current.as_ref(), &node, claim_id);
             let (Own::Held(_), Some(mut claims)) = (&own, current) else {
-                return Ok(own);
+                return Ok((own, None));
             };
             let Some(entry) = claims::own_entry(&mut claims, &node, claim_id) else {
-                return Ok(own);
+                return Ok((own, None));
             };
             let before = entry.clone();
             edit(entry);
             if *entry == before {
-                return Ok(own);
+                return Ok((own, Some(Known { claims, revision })));
             }
             entry.since = now_unix();
-            if self
+            if let Some(revision) = self
                 .swap(plugin, volume_id, revision, Some(&claims))
                 .await?
             {
-                return Ok(own);
+                return Ok((own, Some(Known { claims, revision })));
             }
         }
         Err(ClusterError::Contention {
@@ -977,9 +994,14 @@ impl Cluster {
         volume_id: &str,
         node: &str,
         claim_id: &str,
+        known: Option<Known>,
     ) -> Result<(), ClusterError> {
+        let mut known = known;
         for _ in 0..CAS_TRIES {
-            let (current, revision) = self.read_volume(plugin, volume_id).await?;
+            let (current, revision) = match known.take() {
+                Some(Known { claims, revision }) => (Some(claims), revision),
+                None => self.read_volume(plugin, volume_id).await?,
+            };
             let Some(mut claims) = current else {
                 return Ok(());
             };
@@ -992,7 +1014,11 @@ impl Cluster {
             }
             claims.nodes.remove(node);
             let next = (!claims.nodes.is_empty()).then_some(&claims);
-            if self.swap(plugin, volume_id, revision, next).await? {
+            if self
+                .swap(plugin, volume_id, revision, next)
+                .await?
+                .is_some()
+            {
                 return Ok(());
             }
         }
@@ -1027,6 +1053,7 @@ impl Cluster {
             if self
                 .swap(plugin, volume_id, revision, Some(&claims))
                 .await?
+                .is_some()
             {
                 return Ok(Some(marked));
             }
@@ -1137,7 +1164,7 @@ impl Cluster {
                 }],
             })
             .await?;
-        if !written {
+        if written.is_none() {
             let present = self.inner.store.get(node_key).await?;
             if !present.kvs.is_empty() {
                 return Err(ClusterError::Alive {

@@ -73,8 +73,9 @@ impl StoreError {
 pub trait ClusterStore: Send + Sync + std::fmt::Debug {
     fn get(&self, key: Vec<u8>) -> BoxFuture<'_, Result<Read, StoreError>>;
     fn list(&self, prefix: Vec<u8>) -> BoxFuture<'_, Result<Read, StoreError>>;
-    /// True when the guard held and the writes were applied (one revision).
-    fn write(&self, guarded: Guarded) -> BoxFuture<'_, Result<bool, StoreError>>;
+    /// The store's revision after the writes when the guard held and they were applied (one
+    /// revision: the written keys' new mod revision); `None` when the guard failed.
+    fn write(&self, guarded: Guarded) -> BoxFuture<'_, Result<Option<i64>, StoreError>>;
     fn grant(&self, ttl_secs: i64) -> BoxFuture<'_, Result<i64, StoreError>>;
     /// The lease's remaining TTL (≤ 0: the lease is gone).
     fn keep_alive(&self, lease: i64) -> BoxFuture<'_, Result<i64, StoreError>>;
@@ -124,7 +125,7 @@ impl ClusterStore for Measured {
         self.timed("list", self.store.list(prefix))
     }
 
-    fn write(&self, guarded: Guarded) -> BoxFuture<'_, Result<bool, StoreError>> {
+    fn write(&self, guarded: Guarded) -> BoxFuture<'_, Result<Option<i64>, StoreError>> {
         self.timed("txn", self.store.write(guarded))
     }
 

@@ -13,7 +13,7 @@ use std::time::Instant;
 use csi_proto::v1;
 use futures::future::BoxFuture;
 
-use super::{Admission, Service, VolumeError, VolumeManager, VolumeRecord, VolumeState};
+use super::{Admission, Service, Slot, VolumeError, VolumeManager, VolumeRecord, VolumeState};
 use crate::cluster::claims::ClaimRequest;
 use crate::cluster::keys::{EntryState, PluginKey, SharedCapability};
 use crate::cluster::{Cluster, ClusterError, ClusterPlugin, FenceReport, Own, random_id};
@@ -44,18 +44,19 @@ impl VolumeManager {
     }
 
     /// Takes this node's hold in etcd for a publish, before the node's own durable claim;
-    /// the claim id goes into `record` with that write.
+    /// the claim id goes into `record` with that write. True when it claimed.
     pub(super) async fn cluster_claim(
         &self,
+        slot: &mut Slot,
         record: &mut VolumeRecord,
         workload: &str,
         deadline: Instant,
-    ) -> Result<(), VolumeError> {
+    ) -> Result<bool, VolumeError> {
         let Some((cluster, plugin)) = self.cluster() else {
-            return Ok(());
+            return Ok(false);
         };
         let Some(capability) = record.capability.as_ref() else {
-            return Ok(());
+            return Ok(false);
         };
         let caps = self.caps(deadline).await?.lifecycle();
         let csi_node_id = self.node_id(deadline).await?;
@@ -90,7 +91,10 @@ impl VolumeManager {
             )
             .await;
         let claim_id = match claim_id {
-            Ok(id) => id,
+            Ok((id, known)) => {
+                slot.cluster_known = Some(known);
+                id
+            }
             Err(err @ ClusterError::Lost { .. }) => {
                 // The hold was taken away: release the volume here, never use it.
                 self.spawn_release_lost(&record.volume_id);
@@ -100,7 +104,7 @@ impl VolumeManager {
         };
         failpoint::hit("cluster.claim.after_txn")?;
         record.cluster_claim = Some(claim_id);
-        Ok(())
+        Ok(true)
     }
 
     /// Before a step up: the hold must still be this node's, and the session healthy (a node
@@ -125,18 +129,29 @@ impl VolumeManager {
     }
 
     /// After ControllerPublish: `ATTACHED`, with the publish context, in the entry.
-    pub(super) async fn cluster_attached(&self, record: &VolumeRecord) -> Result<(), VolumeError> {
+    pub(super) async fn cluster_attached(
+        &self,
+        slot: &mut Slot,
+        record: &VolumeRecord,
+    ) -> Result<(), VolumeError> {
         let (Some((cluster, plugin)), Some(claim_id)) = (self.cluster(), &record.cluster_claim)
         else {
             return Ok(());
         };
         let context = record.publish_context.clone();
-        let own = cluster
-            .update_own(&plugin, &record.volume_id, claim_id, |entry| {
-                entry.state = EntryState::Attached;
-                entry.publish_context = context.clone();
-            })
+        let (own, known) = cluster
+            .update_own(
+                &plugin,
+                &record.volume_id,
+                claim_id,
+                slot.cluster_known.take(),
+                |entry| {
+                    entry.state = EntryState::Attached;
+                    entry.publish_context = context.clone();
+                },
+            )
             .await?;
+        slot.cluster_known = known;
         match own {
             Own::Held(_) => Ok(()),
             Own::Fenced(_) | Own::Gone => {
@@ -154,6 +169,7 @@ impl VolumeManager {
     /// are done), or the news that the hold is gone.
     pub(super) async fn cluster_before_detach(
         &self,
+        slot: &mut Slot,
         record: &VolumeRecord,
     ) -> Result<BeforeDetach, VolumeError> {
         let (Some((cluster, plugin)), Some(claim_id)) = (self.cluster(), &record.cluster_claim)
@@ -161,13 +177,20 @@ impl VolumeManager {
             return Ok(BeforeDetach::Detach);
         };
         failpoint::hit("cluster.release.before_txn")?;
-        let own = cluster
-            .update_own(&plugin, &record.volume_id, claim_id, |entry| {
-                entry.state = EntryState::NodeDetached;
-                entry.workloads.clear();
-            })
+        let (own, known) = cluster
+            .update_own(
+                &plugin,
+                &record.volume_id,
+                claim_id,
+                slot.cluster_known.take(),
+                |entry| {
+                    entry.state = EntryState::NodeDetached;
+                    entry.workloads.clear();
+                },
+            )
             .await
             .map_err(release_pending)?;
+        slot.cluster_known = known;
         Ok(match own {
             Own::Held(_) | Own::Fenced(_) => BeforeDetach::Detach,
             Own::Gone => BeforeDetach::Skip,
@@ -182,6 +205,7 @@ impl VolumeManager {
     /// id the entry recorded: never a removal that could leave the volume attached here.
     pub(super) async fn cluster_release(
         &self,
+        slot: &mut Slot,
         record: &mut VolumeRecord,
         detached: bool,
         deadline: Instant,
@@ -205,7 +229,13 @@ impl VolumeManager {
             }
         }
         cluster
-            .remove_entry(&plugin, &record.volume_id, cluster.node(), &claim_id)
+            .remove_entry(
+                &plugin,
+                &record.volume_id,
+                cluster.node(),
+                &claim_id,
+                slot.cluster_known.take(),
+            )
             .await
             .map_err(release_pending)?;
         failpoint::hit("cluster.release.after_txn")?;
@@ -351,7 +381,7 @@ impl ClusterPlugin for ClusterVolumes {
                     }
                     failpoint::hit("cluster.fence.after_rpc").map_err(|e| e.to_string())?;
                     cluster
-                        .remove_entry(&plugin, &volume_id, node, &entry.claim_id)
+                        .remove_entry(&plugin, &volume_id, node, &entry.claim_id, None)
                         .await
                         .map_err(|e| e.to_string())
                 }
@@ -413,7 +443,7 @@ impl ClusterPlugin for ClusterVolumes {
                 // node's own record, before any RPC (the record is written first).
                 tracing::info!(plugin = %plugin.plugin_type, volume_id = ?volume_id, "orphan claim of this node removed");
                 cluster
-                    .remove_entry(&plugin, &volume_id, cluster.node(), &entry.claim_id)
+                    .remove_entry(&plugin, &volume_id, cluster.node(), &entry.claim_id, None)
                     .await
                     .map_err(|e| e.to_string())?;
                 drop(guard);

@@ -294,6 +294,13 @@ struct Slot {
     /// has driven it since: its lost progress notes may hide steps done (mounts made). A
     /// claim removed before the reconciler caught up must not take it down from there.
     unconfirmed: bool,
+    /// Cluster plugins: the volume's value in etcd as this node last wrote it, so that its
+    /// next compare-and-swap needs no read first (a changed key fails the compare, then is
+    /// read).
+    cluster_known: Option<crate::cluster::Known>,
+    /// Set by a publish that has just claimed the volume in etcd, for the drive it starts:
+    /// the claim proved the hold, so that drive does not read it again before NodeStage.
+    fresh_claim: bool,
 }
 
 /// One request's hold on a volume's [`Slot`] (see [`VolumeManager::slot`]).
@@ -608,7 +615,8 @@ impl VolumeManager {
         }
         // The hold across nodes first: etcd may claim more than this node uses, never less.
         let deadline = Instant::now() + self.inner.config.operation_timeout;
-        self.cluster_claim(&mut record, &request.workload, deadline)
+        let claimed = self
+            .cluster_claim(&mut guard, &mut record, &request.workload, deadline)
             .await?;
         // A second workload on an attached volume is no volume more (topology.rs).
         let _attaching = if attached {
@@ -633,6 +641,7 @@ impl VolumeManager {
                 .entry(request.workload.clone())
                 .or_insert_with(|| BindMount::new(bind_to.clone()));
         }
+        guard.fresh_claim = claimed;
         match self
             .drive(&mut guard, record, true, Binds::Of(&request.workload))
             .await
@@ -1115,7 +1124,9 @@ impl VolumeManager {
         }
         let mut dirty = slot.record.as_deref() != Some(&record);
         let mut ran_rpc = false;
-        let mut confirmed = false;
+        // Consumed here whatever happens: only the drive a publish starts right after its
+        // claim may skip the check.
+        let mut confirmed = std::mem::take(&mut slot.fresh_claim);
         let mut ran_controller_unpublish = false;
         loop {
             let caps = if next_step(record.state, up, ALL_CAPS) == Step::Done {
@@ -1153,7 +1164,7 @@ impl VolumeManager {
                     }
                     if rpc == LifecycleRpc::ControllerUnpublish
                         && let cluster::BeforeDetach::Skip =
-                            self.cluster_before_detach(&record).await?
+                            self.cluster_before_detach(slot, &record).await?
                     {
                         // Freed after a fence: the volume may be another node's now.
                         record.state = VolumeState::Created;
@@ -1206,7 +1217,7 @@ impl VolumeManager {
                         ran_controller_unpublish = true;
                     }
                     if rpc == LifecycleRpc::ControllerPublish {
-                        self.cluster_attached(&record).await?;
+                        self.cluster_attached(slot, &record).await?;
                     }
                     if !record.state.is_node_side() && record.state != VolumeState::VolReady {
                         record.boot_id = None;
@@ -1217,7 +1228,7 @@ impl VolumeManager {
         }
         if record.claims.is_empty() && record.state == VolumeState::Created {
             if self
-                .cluster_release(&mut record, ran_controller_unpublish, deadline)
+                .cluster_release(slot, &mut record, ran_controller_unpublish, deadline)
                 .await?
             {
                 dirty = true;

@@ -200,7 +200,7 @@ mod tests {
         fn list(&self, _: Vec<u8>) -> BoxFuture<'_, Result<Read, StoreError>> {
             Box::pin(std::future::pending())
         }
-        fn write(&self, _: Guarded) -> BoxFuture<'_, Result<bool, StoreError>> {
+        fn write(&self, _: Guarded) -> BoxFuture<'_, Result<Option<i64>, StoreError>> {
             Box::pin(std::future::pending())
         }
         fn grant(&self, _: i64) -> BoxFuture<'_, Result<i64, StoreError>> {
