@@ -113,23 +113,74 @@ fn start_node(root: &Path, node: &str, etcd: &str, backend: &Path) -> Node {
     node_with(root, node, etcd, backend, &[])
 }
 
+/// Waits (`timeout` at most) until the node's `GET /v1/cluster` satisfies `reached`.
+async fn session_until(
+    daemon: &Daemon,
+    what: &str,
+    timeout: Duration,
+    reached: impl Fn(&Value) -> bool,
+) {
+    let api = daemon.api();
+    let reached = &reached;
+    eventually(what, timeout, || {
+        let api = api.clone();
+        async move {
+            let status = cluster_status(&api).await?;
+            reached(&status).then_some(()).ok_or(format!("{status}"))
+        }
+    })
+    .await;
+}
+
 /// Waits until the node's session is HEALTHY.
 async fn joined(daemon: &Daemon) {
-    let api = daemon.api();
-    eventually(
+    session_until(
+        daemon,
         "the node to join the cluster",
         Duration::from_secs(20),
-        || {
-            let api = api.clone();
-            async move {
-                let status = cluster_status(&api).await?;
-                (status["state"] == "HEALTHY")
-                    .then_some(())
-                    .ok_or(format!("{status}"))
-            }
-        },
+        |s| s["state"] == "HEALTHY",
     )
     .await;
+}
+
+/// Waits until the node refuses to join, for a reason containing `why`.
+async fn refused(daemon: &Daemon, why: &str) {
+    session_until(
+        daemon,
+        "the node to refuse to join",
+        Duration::from_secs(10),
+        |s| s["state"] == "REFUSED" && s["reason"].as_str().is_some_and(|r| r.contains(why)),
+    )
+    .await;
+}
+
+/// Repeats a publish of `volume` on `daemon` (15 s at most) until it is refused with
+/// `status` and a message containing `why`.
+async fn publish_refused(daemon: &Daemon, volume: &str, status: u16, why: &str) {
+    let api = daemon.api();
+    let what = format!("a publish of {volume} to be refused with {status} ({why})");
+    eventually(&what, Duration::from_secs(15), || {
+        let api = api.clone();
+        async move {
+            match api.publish(&publish_request(volume, "late")).await {
+                Err(csi_agent_api::ApiError::Api { status: got, body })
+                    if got == status && body.message.contains(why) =>
+                {
+                    Ok(())
+                }
+                other => Err(format!("{other:?}")),
+            }
+        }
+    })
+    .await;
+}
+
+/// A test's scratch dir and the shared backend dir in it.
+fn scratch() -> (tempfile::TempDir, PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let backend = tmp.path().join("backend");
+    std::fs::create_dir_all(&backend).unwrap();
+    (tmp, backend)
 }
 
 async fn cluster_status(api: &ApiClient) -> Result<Value, String> {
@@ -208,9 +259,7 @@ fn rpcs(judge: &BackendJudge, node: &str, volume: &str) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_single_node_volume_moves_between_nodes_only_after_its_unpublish() {
-    let tmp = tempfile::tempdir().unwrap();
-    let backend = tmp.path().join("backend");
-    std::fs::create_dir_all(&backend).unwrap();
+    let (tmp, backend) = scratch();
     let etcd = EtcdCluster::start(1);
     let n1 = start_node(tmp.path(), "n1", &etcd.endpoints_flag(), &backend);
     let n2 = start_node(tmp.path(), "n2", &etcd.endpoints_flag(), &backend);
@@ -321,9 +370,7 @@ fn with_mode(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn multi_node_modes_admit_readers_everywhere_and_one_writer() {
-    let tmp = tempfile::tempdir().unwrap();
-    let backend = tmp.path().join("backend");
-    std::fs::create_dir_all(&backend).unwrap();
+    let (tmp, backend) = scratch();
     let etcd = EtcdCluster::start(1);
     let nodes: Vec<Node> = ["n1", "n2", "n3"]
         .iter()
@@ -413,9 +460,7 @@ fn rpcs_since(judge: &BackendJudge, node: &str, from: usize) -> Vec<(String, Str
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_cut_off_from_etcd_keeps_its_volume_until_fenced_and_uses_none_of_it_after() {
-    let tmp = tempfile::tempdir().unwrap();
-    let backend = tmp.path().join("backend");
-    std::fs::create_dir_all(&backend).unwrap();
+    let (tmp, backend) = scratch();
     let etcd = EtcdCluster::start(1);
     let upstream = etcd.client_urls()[0]
         .trim_start_matches("http://")
@@ -441,19 +486,11 @@ async fn a_node_cut_off_from_etcd_keeps_its_volume_until_fenced_and_uses_none_of
 
     // Cut off: n1 keeps its mount, answers status at once, refuses new cluster publishes.
     proxy.set_mode(ProxyMode::Blackhole);
-    let api1 = n1.api();
-    eventually(
+    session_until(
+        &n1,
         "n1 to notice it is cut off",
         Duration::from_secs(10),
-        || {
-            let api = api1.clone();
-            async move {
-                let status = cluster_status(&api).await?;
-                (status["state"] != "HEALTHY")
-                    .then_some(())
-                    .ok_or(format!("{status}"))
-            }
-        },
+        |s| s["state"] != "HEALTHY",
     )
     .await;
     let asked = Instant::now();
@@ -482,21 +519,7 @@ async fn a_node_cut_off_from_etcd_keeps_its_volume_until_fenced_and_uses_none_of
     );
 
     // Its claim stays: once its lease ran out, the volume still cannot move.
-    let api2 = n2.api();
-    eventually("n1's lease to run out", Duration::from_secs(15), || {
-        let api = api2.clone();
-        async move {
-            match api.publish(&publish_request("vol1", "w2")).await {
-                Err(csi_agent_api::ApiError::Api { status: 409, body })
-                    if body.message.contains("SUSPECT") =>
-                {
-                    Ok(())
-                }
-                other => Err(format!("{other:?}")),
-            }
-        }
-    })
-    .await;
+    publish_refused(&n2, "vol1", 409, "SUSPECT").await;
     assert!(
         rpcs(&judge, "n2", "vol1").is_empty(),
         "{:?}",
@@ -524,20 +547,15 @@ async fn a_node_cut_off_from_etcd_keeps_its_volume_until_fenced_and_uses_none_of
     // n1 back: it releases vol1 on its side only, and uses none of it.
     let before = judge.calls_for_node("n1").len();
     proxy.set_mode(ProxyMode::Pass);
-    eventually(
+    session_until(
+        &n1,
         "n1 to rejoin after its fenced cleanup",
         Duration::from_secs(20),
-        || {
-            let api = api1.clone();
-            async move {
-                let status = cluster_status(&api).await?;
-                (status["state"] == "HEALTHY"
-                    && status["released_after_fence"]
-                        .as_array()
-                        .is_some_and(|v| v.iter().any(|x| x == "vol1")))
-                .then_some(())
-                .ok_or(format!("{status}"))
-            }
+        |s| {
+            s["state"] == "HEALTHY"
+                && s["released_after_fence"]
+                    .as_array()
+                    .is_some_and(|v| v.iter().any(|x| x == "vol1"))
         },
     )
     .await;
@@ -572,9 +590,7 @@ async fn a_node_cut_off_from_etcd_keeps_its_volume_until_fenced_and_uses_none_of
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn losing_one_etcd_member_of_three_is_not_noticed_and_losing_quorum_refuses_only_new_publishes()
  {
-    let tmp = tempfile::tempdir().unwrap();
-    let backend = tmp.path().join("backend");
-    std::fs::create_dir_all(&backend).unwrap();
+    let (tmp, backend) = scratch();
     let mut etcd = EtcdCluster::start(3);
     let n1 = start_node(tmp.path(), "n1", &etcd.endpoints_flag(), &backend);
     joined(&n1).await;
@@ -601,25 +617,7 @@ async fn losing_one_etcd_member_of_three_is_not_noticed_and_losing_quorum_refuse
 
     // Quorum lost: new cluster publishes refused with the reason; status and lists answer.
     etcd.kill(1);
-    let api = n1.api();
-    eventually(
-        "a publish to be refused for want of etcd",
-        Duration::from_secs(15),
-        || {
-            let api = api.clone();
-            async move {
-                match api.publish(&publish_request("vol3", "w1")).await {
-                    Err(csi_agent_api::ApiError::Api { status: 503, body })
-                        if body.message.contains("cannot be published now") =>
-                    {
-                        Ok(())
-                    }
-                    other => Err(format!("{other:?}")),
-                }
-            }
-        },
-    )
-    .await;
+    publish_refused(&n1, "vol3", 503, "cannot be published now").await;
     let asked = Instant::now();
     let volumes = n1.api().volumes().await.unwrap();
     cluster_status(&n1.api()).await.unwrap();
@@ -669,9 +667,7 @@ async fn losing_one_etcd_member_of_three_is_not_noticed_and_losing_quorum_refuse
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_name_belongs_to_the_first_daemon_and_a_work_dir_keeps_its_names() {
-    let tmp = tempfile::tempdir().unwrap();
-    let backend = tmp.path().join("backend");
-    std::fs::create_dir_all(&backend).unwrap();
+    let (tmp, backend) = scratch();
     let etcd = EtcdCluster::start(1);
     let mut first = start_node(tmp.path(), "n1", &etcd.endpoints_flag(), &backend);
     joined(&first).await;
@@ -681,24 +677,7 @@ async fn a_node_name_belongs_to_the_first_daemon_and_a_work_dir_keeps_its_names(
         let root = tmp.path().join("impostor");
         node_with(&root, "n1", &etcd.endpoints_flag(), &backend, &[])
     };
-    let api = impostor.api();
-    eventually(
-        "the impostor to be refused",
-        Duration::from_secs(10),
-        || {
-            let api = api.clone();
-            async move {
-                let status = cluster_status(&api).await?;
-                (status["state"] == "REFUSED"
-                    && status["reason"]
-                        .as_str()
-                        .is_some_and(|r| r.contains("belongs to another csi-agentd")))
-                .then_some(())
-                .ok_or(format!("{status}"))
-            }
-        },
-    )
-    .await;
+    refused(&impostor, "belongs to another csi-agentd").await;
     let (status, body) = api_error(impostor.api().publish(&publish_request("vol1", "w1")).await);
     assert_eq!(status, 503, "{body:?}");
     drop(impostor);
@@ -722,9 +701,7 @@ async fn a_node_name_belongs_to_the_first_daemon_and_a_work_dir_keeps_its_names(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_damaged_claim_reads_as_held_and_a_replaced_etcd_is_not_a_free_cluster() {
-    let tmp = tempfile::tempdir().unwrap();
-    let backend = tmp.path().join("backend");
-    std::fs::create_dir_all(&backend).unwrap();
+    let (tmp, backend) = scratch();
     let etcd = EtcdCluster::start(1);
     let mut n1 = start_node(tmp.path(), "n1", &etcd.endpoints_flag(), &backend);
     joined(&n1).await;
@@ -768,24 +745,7 @@ async fn a_damaged_claim_reads_as_held_and_a_replaced_etcd_is_not_a_free_cluster
         })
         .collect();
     n1.start();
-    let api = n1.api();
-    eventually(
-        "the node to refuse the replaced etcd",
-        Duration::from_secs(10),
-        || {
-            let api = api.clone();
-            async move {
-                let status = cluster_status(&api).await?;
-                (status["state"] == "REFUSED"
-                    && status["reason"]
-                        .as_str()
-                        .is_some_and(|r| r.contains("another cluster")))
-                .then_some(())
-                .ok_or(format!("{status}"))
-            }
-        },
-    )
-    .await;
+    refused(&n1, "another cluster").await;
     let (status, _) = api_error(n1.api().publish(&publish_request("vol3", "w1")).await);
     assert_eq!(status, 503);
     let volumes = n1.api().volumes().await.unwrap();
@@ -851,9 +811,7 @@ async fn no_entries_left(client: &csi_etcd::Client, what: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_daemon_killed_at_each_cluster_failpoint_converges() {
-    let tmp = tempfile::tempdir().unwrap();
-    let backend = tmp.path().join("backend");
-    std::fs::create_dir_all(&backend).unwrap();
+    let (tmp, backend) = scratch();
     let etcd = EtcdCluster::start(1);
     let client = etcd_client(etcd.client_urls()).await;
     let mut n1 = start_node(tmp.path(), "n1", &etcd.endpoints_flag(), &backend);
@@ -942,9 +900,7 @@ async fn a_daemon_killed_at_each_cluster_failpoint_converges() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_controller_publish_gives_the_claim_back() {
-    let tmp = tempfile::tempdir().unwrap();
-    let backend = tmp.path().join("backend");
-    std::fs::create_dir_all(&backend).unwrap();
+    let (tmp, backend) = scratch();
     let etcd = EtcdCluster::start(1);
     let client = etcd_client(etcd.client_urls()).await;
     let n1 = start_node(tmp.path(), "n1", &etcd.endpoints_flag(), &backend);
