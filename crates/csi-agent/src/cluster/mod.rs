@@ -31,6 +31,7 @@ use self::keys::{
     VolumeClaims, encode, key_name,
 };
 use self::store::{ClusterStore, Guarded, StoreError, Versioned, WriteOp};
+use crate::volume::access_mode_name;
 
 /// How many times a compare-and-swap is retried when another node changed the key between
 /// the read and the write.
@@ -1229,14 +1230,6 @@ fn plugin_of_key(keys: &Keys, key: &[u8]) -> Option<PluginKey> {
         plugin_type,
         plugin_name,
     })
-}
-
-/// An access mode as the CSI spec spells it.
-pub fn access_mode_name(mode: crate::volume::AccessMode) -> String {
-    serde_json::to_value(mode)
-        .ok()
-        .and_then(|v| v.as_str().map(str::to_owned))
-        .unwrap_or_default()
 }
 
 /// Fresh random claim and instance ids.

@@ -215,14 +215,14 @@ impl VolumeManager {
         else {
             return Ok(false);
         };
-        if !detached {
+        // The plugin's capabilities are cached: asked first, they spare a plugin without a
+        // controller step the read of its entry.
+        if !detached && self.caps(deadline).await?.lifecycle().controller_publish {
             let own = cluster
                 .own(&plugin, &record.volume_id, &claim_id)
                 .await
                 .map_err(release_pending)?;
-            if let Own::Held(entry) | Own::Fenced(entry) = own
-                && self.caps(deadline).await?.lifecycle().controller_publish
-            {
+            if let Own::Held(entry) | Own::Fenced(entry) = own {
                 self.detach_from(&record.volume_id, &entry.csi_node_id)
                     .await
                     .map_err(VolumeError::Plugin)?;

@@ -1954,7 +1954,8 @@ fn to_hash_map(map: &BTreeMap<String, String>) -> HashMap<String, String> {
     map.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
 }
 
-fn access_mode_name(mode: AccessMode) -> String {
+/// An access mode as the CSI spec spells it.
+pub(crate) fn access_mode_name(mode: AccessMode) -> String {
     serde_json::to_value(mode)
         .ok()
         .and_then(|v| v.as_str().map(str::to_owned))
