@@ -254,14 +254,23 @@ async fn three_members_survive_one_loss_and_report_unavailable_without_quorum() 
 
     etcd.kill(follower);
     let started = Instant::now();
+    // A write already on the dying member's connection when it dies (the client had not yet
+    // seen the connection close) comes back uncertain — it may have been applied — and is not
+    // repeated by the client; the caller repeats it. The call after starts at the next member,
+    // so at most one write of the twenty is uncertain.
+    let mut uncertain = 0;
     for i in 0..20 {
         let key = format!("/q/k{i}");
-        let r = c.txn(create_only(key.as_bytes(), b"v")).await;
-        assert!(r.unwrap().succeeded, "txn {i} with one member down");
+        uncertain +=
+            create_with_retries(&c, key.as_bytes(), started + Duration::from_secs(5)).await;
     }
     eprintln!(
-        "20 txns with the first endpoint down: {:?}",
+        "20 txns with the first endpoint down: {:?}, {uncertain} uncertain",
         started.elapsed()
+    );
+    assert!(
+        uncertain <= 1,
+        "{uncertain} uncertain writes: the client stayed on the dead member"
     );
     assert_eq!(c.get_prefix(b"/q/k", 0).await.unwrap().kvs.len(), 20);
 
