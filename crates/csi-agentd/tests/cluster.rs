@@ -5,143 +5,19 @@
 //! ([`BackendJudge`]), never by csi-agent's word.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+mod cluster_support;
+
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use csi_agent_api::ApiClient;
 use csi_agent_testkit::backend::BackendJudge;
 use csi_agent_testkit::daemon::Daemon;
 use csi_agent_testkit::etcd::{EtcdCluster, EtcdProxy, ProxyMode};
-use csi_agent_testkit::{
-    PLUGIN, api_error, binary, eventually, publish_request, unpublish_request,
-};
-use serde_json::{Value, json};
+use csi_agent_testkit::{PLUGIN, api_error, eventually, publish_request, unpublish_request};
+use serde_json::json;
 
-const CLUSTER: &str = "t";
-/// Short, so that a lost node's presence vanishes within a test.
-const LEASE_TTL_SECS: &str = "2";
-
-/// The test plugin of one node on the shared backend, `"cluster": true`.
-fn plugin_config(dir: &Path, backend: &Path, node: &str) -> Value {
-    json!({
-        "type": PLUGIN,
-        "cluster": true,
-        "containers": [{
-            "services": ["CONTROLLER_SERVICE", "NODE_SERVICE"],
-            "command": {
-                "shell": false,
-                "value": binary("csi-testplugin"),
-                "arguments": ["csi-testplugin", "--endpoint", "$CSI_ENDPOINT",
-                              "--work-dir", dir.join("plugin"), "--backend-dir", backend,
-                              "--volumes", "vol1:16Mi,vol2:16Mi,vol3:16Mi", "--node-id", node]
-            }
-        }],
-        "startup_timeout_ms": 20000
-    })
-}
-
-/// A node: its daemon in a mount namespace of its own (its mounts are invisible to the other
-/// nodes, as on separate machines), kept by a holder process so that a restarted daemon
-/// finds its mounts again, as on a real node.
-struct Node {
-    daemon: Daemon,
-    holder: std::process::Child,
-}
-
-impl std::ops::Deref for Node {
-    type Target = Daemon;
-    fn deref(&self) -> &Daemon {
-        &self.daemon
-    }
-}
-
-impl std::ops::DerefMut for Node {
-    fn deref_mut(&mut self) -> &mut Daemon {
-        &mut self.daemon
-    }
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        self.daemon.kill9();
-        let _ = self.holder.kill();
-        let _ = self.holder.wait();
-    }
-}
-
-fn node_with(root: &Path, node: &str, etcd: &str, backend: &Path, extra: &[&str]) -> Node {
-    let dir = root.join(node);
-    std::fs::create_dir_all(&dir).unwrap();
-    let holder = Command::new("unshare")
-        .args(["-m", "--propagation", "private", "sleep", "infinity"])
-        .spawn()
-        .unwrap();
-    // The holder's namespace exists once unshare exec'd sleep.
-    let ns = format!("/proc/{}/ns/mnt", holder.id());
-    let own = std::fs::read_link("/proc/self/ns/mnt").unwrap();
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while std::fs::read_link(&ns).map(|l| l == own).unwrap_or(true) {
-        assert!(
-            Instant::now() < deadline,
-            "the namespace holder never started"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    let pid = holder.id().to_string();
-    let daemon = Daemon::builder(&dir)
-        .plugin_config("test.json", plugin_config(&dir, backend, node))
-        .wrapper(&["nsenter", "-t", &pid, "-m", "--"])
-        .flags(&[
-            "--cluster-etcd",
-            etcd,
-            "--cluster-name",
-            CLUSTER,
-            "--node-name",
-            node,
-            "--cluster-lease-ttl-secs",
-            LEASE_TTL_SECS,
-            "--cluster-etcd-timeout-ms",
-            "500",
-        ])
-        .flags(extra)
-        .start();
-    Node { daemon, holder }
-}
-
-fn start_node(root: &Path, node: &str, etcd: &str, backend: &Path) -> Node {
-    node_with(root, node, etcd, backend, &[])
-}
-
-/// Waits (`timeout` at most) until the node's `GET /v1/cluster` satisfies `reached`.
-async fn session_until(
-    daemon: &Daemon,
-    what: &str,
-    timeout: Duration,
-    reached: impl Fn(&Value) -> bool,
-) {
-    let api = daemon.api();
-    let reached = &reached;
-    eventually(what, timeout, || {
-        let api = api.clone();
-        async move {
-            let status = cluster_status(&api).await?;
-            reached(&status).then_some(()).ok_or(format!("{status}"))
-        }
-    })
-    .await;
-}
-
-/// Waits until the node's session is HEALTHY.
-async fn joined(daemon: &Daemon) {
-    session_until(
-        daemon,
-        "the node to join the cluster",
-        Duration::from_secs(20),
-        |s| s["state"] == "HEALTHY",
-    )
-    .await;
-}
+use cluster_support::*;
 
 /// Waits until the node refuses to join, for a reason containing `why`.
 async fn refused(daemon: &Daemon, why: &str) {
@@ -175,57 +51,6 @@ async fn publish_refused(daemon: &Daemon, volume: &str, status: u16, why: &str) 
     .await;
 }
 
-/// A test's scratch dir and the shared backend dir in it.
-fn scratch() -> (tempfile::TempDir, PathBuf) {
-    let tmp = tempfile::tempdir().unwrap();
-    let backend = tmp.path().join("backend");
-    std::fs::create_dir_all(&backend).unwrap();
-    (tmp, backend)
-}
-
-async fn cluster_status(api: &ApiClient) -> Result<Value, String> {
-    api.cluster()
-        .await
-        .map(|s| serde_json::to_value(s).unwrap())
-        .map_err(|e| e.to_string())
-}
-
-/// Runs `script` with `sh -c` in the mount namespace of `daemon`.
-fn in_node(daemon: &Daemon, script: &str) -> String {
-    let pid = daemon.daemon_pid().unwrap().to_string();
-    let out = Command::new("nsenter")
-        .args(["-t", &pid, "-m", "--", "sh", "-c", script])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{script}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// The node's claims on cluster volumes as etcd has them: (volume, node, state).
-async fn etcd_entries(etcd: &csi_etcd::Client) -> Vec<(String, String, String)> {
-    let read = etcd
-        .get_prefix(format!("/csi-agent/{CLUSTER}/v1/vol/").as_bytes(), 0)
-        .await
-        .unwrap();
-    let mut entries = Vec::new();
-    for kv in read.kvs {
-        let value: Value = serde_json::from_slice(&kv.value).unwrap();
-        for (node, entry) in value["nodes"].as_object().unwrap() {
-            entries.push((
-                value["volume_id"].as_str().unwrap().to_owned(),
-                node.clone(),
-                entry["state"].as_str().unwrap().to_owned(),
-            ));
-        }
-    }
-    entries.sort();
-    entries
-}
-
 /// The daemon's count of etcd calls `op` that succeeded (its metrics).
 async fn etcd_calls(api: &ApiClient, op: &str) -> f64 {
     let metrics = api.metrics().await.unwrap();
@@ -235,26 +60,6 @@ async fn etcd_calls(api: &ApiClient, op: &str) -> f64 {
         .lines()
         .find_map(|line| line.strip_prefix(&series))
         .map_or(0.0, |v| v.trim().parse().unwrap())
-}
-
-async fn etcd_client(urls: Vec<String>) -> csi_etcd::Client {
-    csi_etcd::Client::connect(csi_etcd::ConnectOptions {
-        endpoints: urls,
-        request_timeout: Duration::from_secs(2),
-        connect_timeout: Duration::from_secs(1),
-        user: None,
-    })
-    .await
-    .unwrap()
-}
-
-fn rpcs(judge: &BackendJudge, node: &str, volume: &str) -> Vec<String> {
-    judge
-        .calls_for_node(node)
-        .into_iter()
-        .filter(|c| c.volume.as_deref() == Some(volume))
-        .map(|c| c.rpc)
-        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -354,18 +159,6 @@ async fn a_single_node_volume_moves_between_nodes_only_after_its_unpublish() {
         [("vol1".to_owned(), "n2".to_owned(), "ATTACHED".to_owned())]
     );
     judge.assert_no_double_attach();
-}
-
-fn with_mode(
-    volume: &str,
-    workload: &str,
-    mode: &str,
-    readonly: bool,
-) -> csi_agent_api::PublishRequest {
-    let mut request = publish_request(volume, workload);
-    request.capability.access_mode = mode.to_owned();
-    request.readonly = readonly;
-    request
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -776,37 +569,6 @@ fn disarm(daemon: &mut Daemon) {
     daemon.wait_exit();
     daemon.set_env("CSI_AGENT_FAILPOINTS", None);
     daemon.start();
-}
-
-/// Waits until etcd no longer has `node`'s presence (its lease ran out).
-async fn lease_gone(client: &csi_etcd::Client, node: &str) {
-    let key = format!("/csi-agent/{CLUSTER}/v1/nodes/{node}");
-    eventually(
-        "the node's lease to run out",
-        Duration::from_secs(15),
-        || async {
-            let read = client
-                .get(key.as_bytes())
-                .await
-                .map_err(|e| e.to_string())?;
-            read.kvs
-                .is_empty()
-                .then_some(())
-                .ok_or(format!("{key} still there"))
-        },
-    )
-    .await;
-}
-
-async fn no_entries_left(client: &csi_etcd::Client, what: &str) {
-    eventually(what, Duration::from_secs(20), || async {
-        let entries = etcd_entries(client).await;
-        entries
-            .is_empty()
-            .then_some(())
-            .ok_or(format!("{entries:?}"))
-    })
-    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
