@@ -197,6 +197,17 @@ fn cluster_status(full: bool) -> ClusterStatus {
         fenced: vec!["n3".to_owned()],
         released_after_fence: vec![],
         lease_losses: 0,
+        leaders: vec![cluster_leader()],
+    }
+}
+
+fn cluster_leader() -> ClusterLeader {
+    ClusterLeader {
+        plugin: "org.example.nfs".to_owned(),
+        plugin_name: "default".to_owned(),
+        node: "n1".to_owned(),
+        revision: 3,
+        this_node: true,
     }
 }
 
@@ -645,6 +656,7 @@ fn cases() -> Result<Vec<Case>> {
         )?,
         response("ClusterStatus", cluster_status(true), cluster_status(false))?,
         response("ClusterMember", cluster_member(), cluster_member())?,
+        response("ClusterLeader", cluster_leader(), cluster_leader())?,
         response("ClusterClaim", cluster_claim(), cluster_claim())?,
         response("DamagedKey", damaged_key(), damaged_key())?,
         response(

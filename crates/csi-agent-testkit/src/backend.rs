@@ -25,6 +25,8 @@ pub struct Call {
     pub rpc: String,
     /// The volume it was about, if any.
     pub volume: Option<String>,
+    /// The node a Controller(Un)Publish was about (its node id), whichever instance sent it.
+    pub target_node: Option<String>,
     /// The gRPC code name of the answer (`OK`, `FAILED_PRECONDITION`, ...).
     pub outcome: String,
 }
@@ -115,16 +117,22 @@ impl BackendJudge {
                 node: c["node"].as_str().unwrap_or_default().to_owned(),
                 rpc: c["rpc"].as_str().unwrap_or_default().to_owned(),
                 volume: c["volume"].as_str().map(str::to_owned),
+                target_node: c["target_node"].as_str().map(str::to_owned),
                 outcome: c["outcome"].as_str().unwrap_or_default().to_owned(),
             })
             .collect()
     }
 
-    /// The RPCs the instance on `node` answered.
+    /// The RPCs about `node`: a Controller(Un)Publish to or from it (whichever node's
+    /// instance answered it: in cluster mode the plugin's controller leader sends them), and
+    /// every other RPC its own instance answered.
     pub fn calls_for_node(&self, node: &str) -> Vec<Call> {
         self.calls()
             .into_iter()
-            .filter(|c| c.node == node)
+            .filter(|c| match &c.target_node {
+                Some(target) => target == node,
+                None => c.node == node,
+            })
             .collect()
     }
 

@@ -129,6 +129,8 @@ pub struct Metrics {
     pub etcd_request_duration: Family<EtcdLabels, Histogram, LatencyBuckets>,
     pub cluster_lease_losses: Counter,
     pub cluster_conflicts: Family<PluginLabels, Counter>,
+    /// A new controller leader of a cluster plugin seen by this node.
+    pub cluster_leader_changes: Family<PluginLabels, Counter>,
     /// Per published volume, from the stats collector (`crate::volume::stats`).
     pub volume_stats: VolumeStatsGauges,
 }
@@ -286,6 +288,12 @@ impl Metrics {
             "Cluster publishes refused because other nodes hold the volume (409)",
             cluster_conflicts.clone(),
         );
+        let cluster_leader_changes = Family::default();
+        registry.register(
+            "cluster_leader_changes",
+            "Times this node saw a new controller leader of a cluster plugin",
+            cluster_leader_changes.clone(),
+        );
         let volume_stats = VolumeStatsGauges::default();
         for (name, family) in volume_stats.named() {
             let help = match name {
@@ -334,6 +342,7 @@ impl Metrics {
             etcd_request_duration,
             cluster_lease_losses,
             cluster_conflicts,
+            cluster_leader_changes,
         }
     }
 

@@ -86,6 +86,8 @@ pub fn cluster_code(err: &ClusterError) -> api::ErrorCode {
     match err {
         _ if err.is_unavailable() => api::ErrorCode::Unavailable,
         ClusterError::BadFence { .. } => api::ErrorCode::InvalidRequest,
+        // The plugin refused the leader's step, as a refusal to this node's own RPC is.
+        ClusterError::LeaderRefused { .. } => api::ErrorCode::PluginError,
         ClusterError::Held { .. }
         | ClusterError::OtherCapability { .. }
         | ClusterError::OtherReadonly { .. }
@@ -94,7 +96,9 @@ pub fn cluster_code(err: &ClusterError) -> api::ErrorCode {
         | ClusterError::TooManyNodes { .. }
         | ClusterError::Contention { .. }
         | ClusterError::Alive { .. } => api::ErrorCode::Conflict,
-        ClusterError::Unavailable { .. } | ClusterError::Store(_) => api::ErrorCode::Internal,
+        ClusterError::Unavailable { .. }
+        | ClusterError::Deposed { .. }
+        | ClusterError::Store(_) => api::ErrorCode::Internal,
     }
 }
 

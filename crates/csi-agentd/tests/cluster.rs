@@ -66,10 +66,14 @@ async fn etcd_calls(api: &ApiClient, op: &str) -> f64 {
 async fn a_single_node_volume_moves_between_nodes_only_after_its_unpublish() {
     let (tmp, backend) = scratch();
     let etcd = EtcdCluster::start(1);
+    // n1 first, so that it leads the plugin's controller: its own steps are sent by itself,
+    // n2's are handed to it.
     let n1 = start_node(tmp.path(), "n1", &etcd.endpoints_flag(), &backend);
-    let n2 = start_node(tmp.path(), "n2", &etcd.endpoints_flag(), &backend);
     joined(&n1).await;
+    leads(&n1).await;
+    let n2 = start_node(tmp.path(), "n2", &etcd.endpoints_flag(), &backend);
     joined(&n2).await;
+    sees_leader(&n2, "n1").await;
     let judge = BackendJudge::new(&backend);
     let client = etcd_client(etcd.client_urls()).await;
 
@@ -154,10 +158,81 @@ async fn a_single_node_volume_moves_between_nodes_only_after_its_unpublish() {
         "the data written through n1 is read through n2"
     );
     assert_eq!(rpcs(&judge, "n2", "vol1")[0], "ControllerPublishVolume");
+    // n2 does not lead: its ControllerPublish was sent by the leader's plugin instance.
+    assert_eq!(senders(&judge, "ControllerPublishVolume", "n2"), ["n1"]);
     assert_eq!(
         etcd_entries(&client).await,
         [("vol1".to_owned(), "n2".to_owned(), "ATTACHED".to_owned())]
     );
+    // And its unpublish: ControllerUnpublish(n2) by the leader, the entry gone when it answers.
+    n2.api()
+        .unpublish(&unpublish_request("vol1", "w2"))
+        .await
+        .unwrap();
+    assert!(etcd_entries(&client).await.is_empty());
+    assert_eq!(senders(&judge, "ControllerUnpublishVolume", "n2"), ["n1"]);
+    judge.assert_no_double_attach();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_leader_killed_after_a_controller_publish_for_another_node_is_replaced() {
+    let (tmp, backend) = scratch();
+    let etcd = EtcdCluster::start(1);
+    let client = etcd_client(etcd.client_urls()).await;
+    // n1 leads, and dies right after its ControllerPublish for another node answered, before
+    // it wrote the result.
+    let mut n1 = start_node(tmp.path(), "n1", &etcd.endpoints_flag(), &backend);
+    arm(&mut n1, "cluster.leader.after_rpc");
+    joined(&n1).await;
+    leads(&n1).await;
+    let n2 = start_node(tmp.path(), "n2", &etcd.endpoints_flag(), &backend);
+    joined(&n2).await;
+    sees_leader(&n2, "n1").await;
+    let judge = BackendJudge::new(&backend);
+
+    let api = n2.api();
+    let publish = tokio::spawn(async move { api.publish(&publish_request("vol1", "w1")).await });
+    exited_at_failpoint(&mut n1);
+    let died = Instant::now();
+    let published = publish.await.unwrap().unwrap();
+    let took = died.elapsed();
+    // Within the lease TTL (n1's leader key goes with its lease) + 2 s (issue 28).
+    let ttl: u64 = LEASE_TTL_SECS.parse().unwrap();
+    assert!(
+        took <= Duration::from_secs(ttl + 2),
+        "the publish finished {took:?} after the leader died"
+    );
+    eprintln!("publish finished {took:?} after the leader died");
+    sees_leader(&n2, "n2").await;
+    // Sent by both leaders (the RPC is idempotent), attached to n2 alone, and usable.
+    assert_eq!(
+        senders(&judge, "ControllerPublishVolume", "n2"),
+        ["n1", "n2"]
+    );
+    assert_eq!(judge.attachments()["vol1"], ["n2"]);
+    in_node(&n2, &format!("echo moved > {}/data", published.target_path));
+    assert_eq!(
+        etcd_entries(&client).await,
+        [("vol1".to_owned(), "n2".to_owned(), "ATTACHED".to_owned())]
+    );
+    let metrics = n2.api().metrics().await.unwrap();
+    let changes = format!("csi_agent_cluster_leader_changes_total{{plugin=\"{PLUGIN}\"}} 1");
+    assert!(metrics.contains(&changes), "{metrics}");
+
+    // n1 back: it follows n2, and its volume goes through n2 too.
+    disarm(&mut n1);
+    joined(&n1).await;
+    sees_leader(&n1, "n2").await;
+    n2.api()
+        .unpublish(&unpublish_request("vol1", "w1"))
+        .await
+        .unwrap();
+    n1.api()
+        .publish(&publish_request("vol1", "w2"))
+        .await
+        .unwrap();
+    assert_eq!(senders(&judge, "ControllerPublishVolume", "n1"), ["n2"]);
+    assert!(judge.violations().is_empty(), "{:?}", judge.violations());
     judge.assert_no_double_attach();
 }
 
@@ -323,9 +398,13 @@ async fn a_node_cut_off_from_etcd_keeps_its_volume_until_fenced_and_uses_none_of
     let report = n2.api().fence("n1", "n1 is powered off").await.unwrap();
     assert_eq!(report.freed, ["vol1"], "{report:?}");
     assert!(
-        rpcs(&judge, "n2", "vol1").contains(&"ControllerUnpublishVolume".to_owned()),
+        judge.calls().iter().any(|c| c.node == "n2"
+            && c.rpc == "ControllerUnpublishVolume"
+            && c.target_node.as_deref() == Some("n1")
+            && c.volume.as_deref() == Some("vol1")
+            && c.outcome == "OK"),
         "{:?}",
-        rpcs(&judge, "n2", "vol1")
+        judge.calls()
     );
     let moved = n2
         .api()
@@ -556,7 +635,8 @@ fn arm(daemon: &mut Daemon, point: &str) {
     daemon.start();
 }
 
-fn disarm(daemon: &mut Daemon) {
+/// Waits (20 s at most) until the daemon exited at its armed failpoint.
+fn exited_at_failpoint(daemon: &mut Daemon) {
     let deadline = Instant::now() + Duration::from_secs(20);
     while daemon.daemon_alive() {
         assert!(
@@ -564,8 +644,12 @@ fn disarm(daemon: &mut Daemon) {
             "the daemon did not exit at its failpoint: {}",
             daemon.log_text()
         );
-        std::thread::sleep(Duration::from_millis(20));
+        std::thread::sleep(Duration::from_millis(10));
     }
+}
+
+fn disarm(daemon: &mut Daemon) {
+    exited_at_failpoint(daemon);
     daemon.wait_exit();
     daemon.set_env("CSI_AGENT_FAILPOINTS", None);
     daemon.start();

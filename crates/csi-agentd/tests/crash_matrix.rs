@@ -61,7 +61,9 @@ const NAMED_ONLY: &[&str] = &[
 ];
 
 /// Points of cluster mode, hit only by a cluster plugin on a daemon with `--cluster-etcd`:
-/// killed and restarted by `tests/cluster.rs` (`a_daemon_killed_at_each_cluster_failpoint_converges`).
+/// killed and restarted by `tests/cluster.rs` (`a_daemon_killed_at_each_cluster_failpoint_converges`,
+/// and `the_leader_killed_after_a_controller_publish_for_another_node_is_replaced` for
+/// `cluster.leader.after_rpc`).
 const CLUSTER_ONLY: &[&str] = &[
     "cluster.claim.before_txn",
     "cluster.claim.after_txn",
@@ -69,6 +71,7 @@ const CLUSTER_ONLY: &[&str] = &[
     "cluster.release.after_txn",
     "cluster.fence.after_mark",
     "cluster.fence.after_rpc",
+    "cluster.leader.after_rpc",
 ];
 
 /// Points of the store's migration, hit while a daemon opens a work dir of the first release,

@@ -12,7 +12,7 @@
 //! - `violations.jsonl`: one line per refused node-side attach (`{time, node, volume, rpc,
 //!   attached_to}`): a CO that stages where the volume is not attached;
 //! - `calls.jsonl`: one line per Controller/Node RPC (`{time_ms, node, rpc, volume,
-//!   outcome}`), each a single bounded `write(2)` on an `O_APPEND` file, so the lines of
+//!   target_node, outcome}`; `target_node` is a Controller(Un)Publish's node id), each a single bounded `write(2)` on an `O_APPEND` file, so the lines of
 //!   several processes never interleave.
 //!
 //! Must not: decide CSI semantics beyond who holds an attachment (`plugin.rs` does), touch
@@ -209,12 +209,19 @@ impl Backend {
     }
 
     /// Records a Controller/Node RPC answered by this node's instance.
-    pub fn record_call(&self, rpc: &str, volume: Option<&str>, outcome: &str) {
+    pub fn record_call(
+        &self,
+        rpc: &str,
+        volume: Option<&str>,
+        target_node: Option<&str>,
+        outcome: &str,
+    ) {
         let entry = serde_json::json!({
             "time_ms": now_ms(),
             "node": self.node,
             "rpc": rpc,
             "volume": volume,
+            "target_node": target_node,
             "outcome": outcome,
         });
         Self::append(&self.calls, "calls.jsonl", &entry);

@@ -31,6 +31,8 @@ pub struct CallCtx {
     pub method: &'static str,
     pub version: ApiVersion,
     pub volume_id: Option<String>,
+    /// The node a Controller(Un)Publish is about (the request's node id).
+    pub target_node: Option<String>,
     pub secrets: Option<BTreeMap<String, String>>,
     pub topology: Option<serde_json::Value>,
 }
@@ -41,6 +43,7 @@ impl CallCtx {
             method,
             version,
             volume_id: None,
+            target_node: None,
             secrets: None,
             topology: None,
         }
@@ -58,6 +61,12 @@ impl CallCtx {
         if !id.is_empty() {
             self.volume_id = Some(id.to_owned());
         }
+        self
+    }
+
+    /// The node a controller call publishes to or unpublishes from, for the backend's log.
+    pub fn target_node(mut self, node_id: &str) -> Self {
+        self.target_node = Some(node_id.to_owned());
         self
     }
 
@@ -192,7 +201,12 @@ where
         if let Some(backend) = plugin.backend()
             && !is_identity(ctx.method)
         {
-            backend.record_call(ctx.method, ctx.volume_id.as_deref(), code_name(code));
+            backend.record_call(
+                ctx.method,
+                ctx.volume_id.as_deref(),
+                ctx.target_node.as_deref(),
+                code_name(code),
+            );
         }
         match &result {
             Err(s) if s.code() == tonic::Code::Internal => {

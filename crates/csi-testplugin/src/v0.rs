@@ -209,6 +209,7 @@ impl Controller for V0 {
         let ctx = self
             .ctx("ControllerPublishVolume")
             .volume(&r.volume_id)
+            .target_node(&r.node_id)
             .secrets(&self.p, &r.controller_publish_secrets);
         rpc::run(&self.p, ctx, move |p| async move {
             let publish_info = p
@@ -233,6 +234,7 @@ impl Controller for V0 {
         let ctx = self
             .ctx("ControllerUnpublishVolume")
             .volume(&r.volume_id)
+            .target_node(&r.node_id)
             .secrets(&self.p, &r.controller_unpublish_secrets);
         rpc::run(&self.p, ctx, move |p| async move {
             p.controller_unpublish(&r.volume_id, &r.node_id).await?;

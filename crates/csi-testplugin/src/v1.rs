@@ -286,6 +286,7 @@ impl Controller for V1 {
         let ctx = self
             .ctx("ControllerPublishVolume")
             .volume(&r.volume_id)
+            .target_node(&r.node_id)
             .secrets(&self.p, &r.secrets);
         rpc::run(&self.p, ctx, move |p| async move {
             let publish_context = p
@@ -310,6 +311,7 @@ impl Controller for V1 {
         let ctx = self
             .ctx("ControllerUnpublishVolume")
             .volume(&r.volume_id)
+            .target_node(&r.node_id)
             .secrets(&self.p, &r.secrets);
         rpc::run(&self.p, ctx, move |p| async move {
             p.controller_unpublish(&r.volume_id, &r.node_id).await?;

@@ -145,7 +145,25 @@ pub fn status(s: &ClusterStatus) -> String {
         ("released after fence", list(&s.released_after_fence)),
     ]);
     let _ = write!(out, "\nmembers (live lease):\n{}", members(s));
+    let _ = write!(out, "\ncontroller leaders:\n{}", leaders(s));
     out
+}
+
+fn leaders(s: &ClusterStatus) -> String {
+    if s.leaders.is_empty() {
+        return "none seen\n".to_owned();
+    }
+    let mut table = Table::new(&["PLUGIN", "NAME", "LEADER", "TERM", "THIS NODE"]);
+    for l in &s.leaders {
+        table.row(vec![
+            l.plugin.clone(),
+            l.plugin_name.clone(),
+            l.node.clone(),
+            l.revision.to_string(),
+            if l.this_node { "yes" } else { "no" }.to_owned(),
+        ]);
+    }
+    table.render()
 }
 
 fn members(s: &ClusterStatus) -> String {
@@ -283,6 +301,13 @@ mod tests {
             fenced: vec!["n3".to_owned()],
             released_after_fence: vec![],
             lease_losses: 2,
+            leaders: vec![csi_agent_api::ClusterLeader {
+                plugin: "org.example.nfs".to_owned(),
+                plugin_name: "default".to_owned(),
+                node: "n2".to_owned(),
+                revision: 42,
+                this_node: false,
+            }],
         }
     }
 
@@ -303,19 +328,24 @@ mod tests {
              members (live lease):\n\
              NODE  VERSION  INSTANCE  PLUGINS\n\
              n1    0.1.0    i-n1      org.example.nfs/default\n\
-             n2    0.1.0    i-n2      org.example.nfs/default\n"
+             n2    0.1.0    i-n2      org.example.nfs/default\n\
+             \n\
+             controller leaders:\n\
+             PLUGIN           NAME     LEADER  TERM  THIS NODE\n\
+             org.example.nfs  default  n2      42    no\n"
         );
         let joining = ClusterStatus {
             state: "JOINING".to_owned(),
             lease_id: 0,
             members: vec![],
             fenced: vec![],
+            leaders: vec![],
             ..cluster_status()
         };
         let text = status(&joining);
         assert!(text.contains("lease:                 none\n"), "{text}");
         assert!(
-            text.ends_with("members (live lease):\nnone seen\n"),
+            text.ends_with("members (live lease):\nnone seen\n\ncontroller leaders:\nnone seen\n"),
             "{text}"
         );
     }

@@ -40,6 +40,24 @@ pub struct ClusterStatus {
     pub released_after_fence: Vec<String>,
     /// How many times this node lost its lease since the daemon started.
     pub lease_losses: u64,
+    /// Each cluster plugin's controller leader, as this node last saw it.
+    #[serde(default)]
+    pub leaders: Vec<ClusterLeader>,
+}
+
+/// The daemon that sends a cluster plugin's controller RPCs (docs/cluster.md, "One controller
+/// per plugin").
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterLeader {
+    /// The plugin's type.
+    pub plugin: String,
+    pub plugin_name: String,
+    /// The leading node.
+    pub node: String,
+    /// The leader key's etcd revision: a new value is a new leader term.
+    pub revision: i64,
+    /// True when this node leads.
+    pub this_node: bool,
 }
 
 /// A node with a live lease.

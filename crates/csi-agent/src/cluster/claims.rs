@@ -30,6 +30,8 @@ pub struct ClaimRequest {
     /// The state a new (or re-opened) entry starts in: `Publishing` when ControllerPublish
     /// is to come, `Attached` when the plugin has no controller step.
     pub start_state: EntryState,
+    /// Passed by the leader to ControllerPublish on the node's behalf.
+    pub volume_context: std::collections::BTreeMap<String, String>,
     pub now: u64,
 }
 
@@ -193,6 +195,8 @@ fn new_entry(request: &ClaimRequest, claim_id: &str) -> NodeEntry {
         state: request.start_state,
         workloads: BTreeSet::from([request.workload.clone()]),
         publish_context: Default::default(),
+        volume_context: request.volume_context.clone(),
+        error: None,
         since: request.now,
     }
 }
@@ -234,6 +238,7 @@ mod tests {
             expected_claim: None,
             fresh_claim_id: format!("id-{node}"),
             start_state: EntryState::Publishing,
+            volume_context: Default::default(),
             now: 1,
         }
     }

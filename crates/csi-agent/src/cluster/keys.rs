@@ -84,6 +84,36 @@ impl Keys {
     pub fn all_volumes(&self) -> Vec<u8> {
         format!("{}vol/", self.prefix).into_bytes()
     }
+
+    /// The leader of one plugin's controller, put with the leader's lease: it vanishes with
+    /// the lease, and its revision is the leadership every leader write is conditioned on.
+    pub fn leader(&self, plugin: &PluginKey) -> Vec<u8> {
+        format!(
+            "{}leaders/{}/{}",
+            self.prefix,
+            encode_id(&plugin.plugin_type),
+            encode_id(&plugin.plugin_name)
+        )
+        .into_bytes()
+    }
+
+    /// A hint that a volume of `plugin` has controller work for the leader (an entry in
+    /// `PUBLISHING` or `NODE_DETACHED`): the leader lists these, not every volume.
+    pub fn pending(&self, plugin: &PluginKey, volume_id: &str) -> Vec<u8> {
+        let mut key = self.pending_of(plugin);
+        key.extend_from_slice(encode_id(volume_id).as_bytes());
+        key
+    }
+
+    pub fn pending_of(&self, plugin: &PluginKey) -> Vec<u8> {
+        format!(
+            "{}pending/{}/{}/",
+            self.prefix,
+            encode_id(&plugin.plugin_type),
+            encode_id(&plugin.plugin_name)
+        )
+        .into_bytes()
+    }
 }
 
 /// A plugin as the cluster knows it: the same type and name on every node means the same
@@ -135,6 +165,14 @@ pub struct NodeEntry {
     /// From ControllerPublish (Nomad #15415: a node that returns needs it to stage).
     #[serde(default)]
     pub publish_context: BTreeMap<String, String>,
+    /// The volume context from CreateVolume (or the publish request), which the leader
+    /// passes to ControllerPublish on the node's behalf. Not secret (secrets are not stored).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub volume_context: BTreeMap<String, String>,
+    /// The leader's last refusal of this entry's controller step (a non-transient CSI
+    /// error): the node reports it and asks again only with a new request.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
     /// Unix seconds of the entry's last state change.
     pub since: u64,
 }
@@ -161,6 +199,23 @@ impl SharedCapability {
             access_mode: capability.access_mode,
             access_type: access_type.to_owned(),
             fs_type,
+        }
+    }
+
+    /// The capability the leader sends ControllerPublish with: the shared part, without the
+    /// mount flags (never stored; ControllerPublish has no use for them).
+    pub fn to_capability(&self) -> Capability {
+        let access_type = if self.access_type == "block" {
+            AccessType::Block {}
+        } else {
+            AccessType::Mount {
+                fs_type: self.fs_type.clone(),
+                mount_flags: Vec::new(),
+            }
+        };
+        Capability {
+            access_type,
+            access_mode: self.access_mode,
         }
     }
 }
@@ -194,6 +249,25 @@ pub struct Member {
     pub schema: u32,
     pub instance_id: String,
     pub joined_at: u64,
+}
+
+/// The leader of one plugin's controller.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Leader {
+    pub schema: u32,
+    pub node: String,
+    pub instance_id: String,
+    /// The lease the key is put with: a daemon that lost its lease and joined again with a
+    /// new one is not the leader until this key goes with the old lease.
+    pub lease: i64,
+    pub since: u64,
+}
+
+/// A volume's pending controller work, as a hint for the leader.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Pending {
+    pub schema: u32,
+    pub volume_id: String,
 }
 
 /// An operator's fence of a node.
@@ -279,6 +353,22 @@ impl Member {
         let member: Member = decode_json(key, value)?;
         check_schema(key, member.schema)?;
         Ok(member)
+    }
+}
+
+impl Leader {
+    pub fn decode(key: &[u8], value: &[u8]) -> Result<Self, ValueError> {
+        let leader: Leader = decode_json(key, value)?;
+        check_schema(key, leader.schema)?;
+        Ok(leader)
+    }
+}
+
+impl Pending {
+    pub fn decode(key: &[u8], value: &[u8]) -> Result<Self, ValueError> {
+        let pending: Pending = decode_json(key, value)?;
+        check_schema(key, pending.schema)?;
+        Ok(pending)
     }
 }
 

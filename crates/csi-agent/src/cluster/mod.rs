@@ -17,8 +17,10 @@ pub mod claims;
 pub mod etcd;
 
 pub mod keys;
+pub mod leader;
 pub mod store;
 
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex as StdMutex, Weak};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -30,6 +32,7 @@ use self::keys::{
     EntryState, Fence, Keys, Member, NodeEntry, NodeInfo, PluginKey, SCHEMA, ValueError,
     VolumeClaims, encode, key_name,
 };
+pub use self::leader::{Also, LeaderView, Leadership};
 use self::store::{ClusterStore, Guarded, StoreError, Versioned, WriteOp};
 use crate::volume::access_mode_name;
 
@@ -107,6 +110,23 @@ pub enum ClusterError {
     Alive { node: String },
     #[error("node name {node} may not be fenced: {why}")]
     BadFence { node: String, why: String },
+    /// This node stopped leading the plugin's controller during a step (its lease ran out,
+    /// or another daemon leads now): nothing was written; the new leader does the step.
+    #[error(
+        "this node no longer leads the controller of plugin {plugin}; the step is handed to \
+         the new leader"
+    )]
+    Deposed { plugin: String },
+    /// The plugin's controller leader sent the step and the plugin refused it.
+    #[error(
+        "{step} of volume {volume_id} by the controller leader (node {leader}) failed: {message}"
+    )]
+    LeaderRefused {
+        volume_id: String,
+        step: &'static str,
+        leader: String,
+        message: String,
+    },
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -115,7 +135,7 @@ impl ClusterError {
     /// True when etcd (or this node's session) cannot answer now: a 503, not a 409.
     pub fn is_unavailable(&self) -> bool {
         match self {
-            ClusterError::Unavailable { .. } => true,
+            ClusterError::Unavailable { .. } | ClusterError::Deposed { .. } => true,
             ClusterError::Store(err) => err.is_unavailable(),
             _ => false,
         }
@@ -161,6 +181,8 @@ pub struct ClusterStatus {
     /// Cluster volumes this node released without using after it found itself fenced.
     pub released_after_fence: Vec<String>,
     pub lease_losses: u64,
+    /// Each cluster plugin's controller leader, as this node last saw it.
+    pub leaders: Vec<LeaderView>,
 }
 
 /// A node's entry on one volume, for `GET /v1/cluster/claims`.
@@ -210,6 +232,13 @@ pub trait ClusterPlugin: Send + Sync + std::fmt::Debug {
     /// Removes this node's entries that no local record explains (a crash between the claim
     /// and the node's own record).
     fn sweep_orphans(&self) -> BoxFuture<'_, Result<(), String>>;
+    /// Whether this daemon stands for the plugin's controller leader: its plugin has the
+    /// ControllerPublish step (docs/cluster.md, "One controller per plugin").
+    fn wants_leadership(&self) -> BoxFuture<'_, bool>;
+    /// As the plugin's leader: does the controller work other nodes asked for (ControllerPublish
+    /// of `PUBLISHING` entries, ControllerUnpublish of `NODE_DETACHED` ones), each result
+    /// written under `leadership`.
+    fn serve(&self, leadership: Leadership) -> BoxFuture<'_, Result<(), ClusterError>>;
 }
 
 /// A volume's value as this node last wrote (or read) it, with its revision: the next
@@ -250,6 +279,8 @@ struct Inner {
     options: ClusterOptions,
     keys: Keys,
     store: Arc<dyn ClusterStore>,
+    /// The same store, measured apart: the election's and the leader's polling.
+    leader_store: Arc<dyn ClusterStore>,
     instance_id: String,
     /// The etcd cluster id this node joined first (from its own durable state).
     joined_cluster_id: StdMutex<Option<u64>>,
@@ -257,6 +288,8 @@ struct Inner {
     remember_cluster_id: Box<dyn Fn(u64) -> Result<(), String> + Send + Sync>,
     session: StdMutex<Session>,
     plugins: StdMutex<Vec<Weak<dyn ClusterPlugin>>>,
+    /// Each cluster plugin's controller leader as this node last saw it.
+    leaders: StdMutex<BTreeMap<PluginKey, leader::Seen>>,
     running: std::sync::atomic::AtomicBool,
     metrics: Option<Arc<crate::metrics::Metrics>>,
 }
@@ -305,18 +338,24 @@ impl Cluster {
         remember_cluster_id: Box<dyn Fn(u64) -> Result<(), String> + Send + Sync>,
         metrics: Option<Arc<crate::metrics::Metrics>>,
     ) -> Cluster {
-        let store: Arc<dyn ClusterStore> = match &metrics {
-            Some(metrics) => Arc::new(store::Measured {
-                store,
-                metrics: metrics.clone(),
-            }),
-            None => store,
+        let measured = |prefix: &'static str| -> Arc<dyn ClusterStore> {
+            match &metrics {
+                Some(metrics) => Arc::new(store::Measured {
+                    store: store.clone(),
+                    metrics: metrics.clone(),
+                    prefix,
+                }),
+                None => store.clone(),
+            }
         };
+        let leader_store = measured("leader_");
+        let store = measured("");
         Cluster {
             inner: Arc::new(Inner {
                 keys: Keys::new(&options.name),
                 options,
                 store,
+                leader_store,
                 instance_id: identity.instance_id,
                 joined_cluster_id: StdMutex::new(identity.etcd_cluster_id),
                 remember_cluster_id,
@@ -333,6 +372,7 @@ impl Cluster {
                     lease_losses: 0,
                 }),
                 plugins: StdMutex::new(Vec::new()),
+                leaders: StdMutex::new(BTreeMap::new()),
                 running: std::sync::atomic::AtomicBool::new(false),
                 metrics,
             }),
@@ -352,6 +392,8 @@ impl Cluster {
         }
         let task = self.clone();
         tokio::spawn(async move { task.run_session().await });
+        let task = self.clone();
+        tokio::spawn(async move { task.run_leadership().await });
     }
 
     pub fn node(&self) -> &str {
@@ -395,6 +437,7 @@ impl Cluster {
             fenced: session.fenced,
             released_after_fence: session.released_after_fence,
             lease_losses: session.lease_losses,
+            leaders: self.leader_views(),
         }
     }
 
@@ -509,6 +552,8 @@ impl Cluster {
             s.reason = Some(reason);
             s.lease_losses += 1;
         });
+        // The leader keys went (or go) with the lease.
+        self.forget_leadership(None);
     }
 
     /// Refreshes the members and fences in the snapshot, and frees fenced nodes' volumes
@@ -677,11 +722,18 @@ impl Cluster {
             s.lease = Some(lease);
             s.valid_until = Some(granted + Duration::from_secs(ttl as u64));
         });
-        for plugin in self.plugins() {
-            if let Err(err) = plugin.sweep_orphans().await {
-                tracing::warn!(node = %self.inner.options.node, error = %err, "orphan claims not swept; the next join tries again");
+        // In its own task: the sweep waits on volumes' locks, and an operation holding one
+        // may wait on etcd through this very session (a step handed to the leader), whose
+        // keepalives must go on meanwhile.
+        let plugins = self.plugins();
+        let node = self.inner.options.node.clone();
+        tokio::spawn(async move {
+            for plugin in plugins {
+                if let Err(err) = plugin.sweep_orphans().await {
+                    tracing::warn!(node = %node, error = %err, "orphan claims not swept; the next join tries again");
+                }
             }
-        }
+        });
         Ok(())
     }
 
@@ -749,13 +801,16 @@ impl Cluster {
         }
     }
 
-    /// Replaces a volume's value (or deletes it when `None`) if it is still at `revision`.
+    /// Replaces a volume's value (or deletes it when `None`) if it is still at `revision`,
+    /// with `also`'s compares and writes in the same transaction. A leader write whose
+    /// leadership no longer holds is [`ClusterError::Deposed`], never a retry.
     async fn swap(
         &self,
         plugin: &PluginKey,
         volume_id: &str,
         revision: i64,
         next: Option<&VolumeClaims>,
+        also: &Also,
     ) -> Result<Option<i64>, ClusterError> {
         let key = self.inner.keys.volume(plugin, volume_id);
         let op = match next {
@@ -766,13 +821,64 @@ impl Cluster {
             },
             None => WriteOp::Delete { key: key.clone() },
         };
-        let guarded = Guarded {
+        let mut guarded = Guarded {
             when: vec![(key, revision)],
             then: vec![op],
         };
-        Ok(self
+        if let Some(leadership) = &also.leadership {
+            guarded
+                .when
+                .push((leadership.key.clone(), leadership.revision));
+        }
+        guarded.then.extend(also.ops.iter().cloned());
+        let written = self
             .patiently(|| self.inner.store.write(guarded.clone()))
-            .await?)
+            .await?;
+        if written.is_none()
+            && let Some(leadership) = &also.leadership
+        {
+            self.check_leadership(plugin, leadership).await?;
+        }
+        Ok(written)
+    }
+
+    /// One compare-and-swap loop on a volume's key: `decide` sees the value (from `known`
+    /// first, else read) and edits it in place, answering whether to write it (`None`
+    /// deletes the key). Answers `decide`'s result and the value and revision now known.
+    async fn change_volume<R>(
+        &self,
+        plugin: &PluginKey,
+        volume_id: &str,
+        known: Option<Known>,
+        also: &Also,
+        mut decide: impl FnMut(&mut Option<VolumeClaims>) -> Change<R>,
+    ) -> Result<(R, Option<Known>), ClusterError> {
+        let mut known = known;
+        for _ in 0..CAS_TRIES {
+            let (mut current, revision) = match known.take() {
+                Some(Known { claims, revision }) => (Some(claims), revision),
+                None => self.read_volume(plugin, volume_id).await?,
+            };
+            let (result, write) = match decide(&mut current) {
+                Change::Keep(result) => (result, false),
+                Change::Write(result) => (result, true),
+            };
+            if !write {
+                let known = current.map(|claims| Known { claims, revision });
+                return Ok((result, known));
+            }
+            if let Some(revision) = self
+                .swap(plugin, volume_id, revision, current.as_ref(), also)
+                .await?
+            {
+                let known = current.map(|claims| Known { claims, revision });
+                return Ok((result, known));
+            }
+        }
+        Err(ClusterError::Contention {
+            key: key_name(&self.inner.keys.volume(plugin, volume_id)),
+            tries: CAS_TRIES,
+        })
     }
 
     /// Takes (or extends) this node's hold on a volume for a workload. One read and, when
@@ -821,7 +927,13 @@ impl Cluster {
                 return Ok((claim_id, Known { claims, revision }));
             }
             if let Some(revision) = self
-                .swap(plugin, &volume_id, revision, Some(&claims))
+                .swap(
+                    plugin,
+                    &volume_id,
+                    revision,
+                    Some(&claims),
+                    &Also::default(),
+                )
                 .await?
             {
                 return Ok((claim_id, Known { claims, revision }));
@@ -945,46 +1057,35 @@ impl Cluster {
     /// Changes this node's own entry (claim `claim_id`) with `edit`; answers what the entry
     /// was before the change, and the value and revision written (or read). A fenced or
     /// vanished entry is not written. `known`, the node's own last write to the key, saves
-    /// the read when nobody changed the key since (a failed compare reads it then).
+    /// the read when nobody changed the key since (a failed compare reads it then). With
+    /// writes in `also`, the entry is written even when `edit` changes nothing.
     pub async fn update_own(
         &self,
         plugin: &PluginKey,
         volume_id: &str,
         claim_id: &str,
         known: Option<Known>,
+        also: &Also,
         edit: impl Fn(&mut NodeEntry),
     ) -> Result<(Own, Option<Known>), ClusterError> {
         let node = self.inner.options.node.clone();
-        let mut known = known;
-        for _ in 0..CAS_TRIES {
-            let (current, revision) = match known.take() {
-                Some(Known { claims, revision }) => (Some(claims), revision),
-                None => self.read_volume(plugin, volume_id).await?,
-            };
+        self.change_volume(plugin, volume_id, known, also, |current| {
             let own = own_of(current.as_ref(), &node, claim_id);
-            let (Own::Held(_), Some(mut claims)) = (&own, current) else {
-                return Ok((own, None));
-            };
-            let Some(entry) = claims::own_entry(&mut claims, &node, claim_id) else {
-                return Ok((own, None));
+            let Some(entry) = current
+                .as_mut()
+                .and_then(|claims| claims::own_entry(claims, &node, claim_id))
+            else {
+                return Change::Keep(own);
             };
             let before = entry.clone();
             edit(entry);
-            if *entry == before {
-                return Ok((own, Some(Known { claims, revision })));
+            if *entry == before && also.ops.is_empty() {
+                return Change::Keep(own);
             }
             entry.since = now_unix();
-            if let Some(revision) = self
-                .swap(plugin, volume_id, revision, Some(&claims))
-                .await?
-            {
-                return Ok((own, Some(Known { claims, revision })));
-            }
-        }
-        Err(ClusterError::Contention {
-            key: key_name(&self.inner.keys.volume(plugin, volume_id)),
-            tries: CAS_TRIES,
+            Change::Write(own)
         })
+        .await
     }
 
     /// Deletes node `node`'s entry of claim `claim_id` (fenced or not); the volume's key goes
@@ -996,37 +1097,27 @@ impl Cluster {
         node: &str,
         claim_id: &str,
         known: Option<Known>,
+        also: &Also,
     ) -> Result<(), ClusterError> {
-        let mut known = known;
-        for _ in 0..CAS_TRIES {
-            let (current, revision) = match known.take() {
-                Some(Known { claims, revision }) => (Some(claims), revision),
-                None => self.read_volume(plugin, volume_id).await?,
-            };
-            let Some(mut claims) = current else {
-                return Ok(());
+        self.change_volume(plugin, volume_id, known, also, |current| {
+            let Some(claims) = current else {
+                return Change::Keep(());
             };
             if claims
                 .nodes
                 .get(node)
                 .is_none_or(|e| e.claim_id != claim_id)
             {
-                return Ok(());
+                return Change::Keep(());
             }
             claims.nodes.remove(node);
-            let next = (!claims.nodes.is_empty()).then_some(&claims);
-            if self
-                .swap(plugin, volume_id, revision, next)
-                .await?
-                .is_some()
-            {
-                return Ok(());
+            if claims.nodes.is_empty() {
+                *current = None;
             }
-        }
-        Err(ClusterError::Contention {
-            key: key_name(&self.inner.keys.volume(plugin, volume_id)),
-            tries: CAS_TRIES,
+            Change::Write(())
         })
+        .await
+        .map(|_| ())
     }
 
     /// Marks `node`'s entry on a volume fenced (so that the node, if it returns, never uses
@@ -1036,33 +1127,21 @@ impl Cluster {
         plugin: &PluginKey,
         volume_id: &str,
         node: &str,
+        also: &Also,
     ) -> Result<Option<NodeEntry>, ClusterError> {
-        for _ in 0..CAS_TRIES {
-            let (current, revision) = self.read_volume(plugin, volume_id).await?;
-            let Some(mut claims) = current else {
-                return Ok(None);
-            };
-            let Some(entry) = claims.nodes.get_mut(node) else {
-                return Ok(None);
+        self.change_volume(plugin, volume_id, None, also, |current| {
+            let Some(entry) = current.as_mut().and_then(|c| c.nodes.get_mut(node)) else {
+                return Change::Keep(None);
             };
             if entry.state == EntryState::Fenced {
-                return Ok(Some(entry.clone()));
+                return Change::Keep(Some(entry.clone()));
             }
             entry.state = EntryState::Fenced;
             entry.since = now_unix();
-            let marked = entry.clone();
-            if self
-                .swap(plugin, volume_id, revision, Some(&claims))
-                .await?
-                .is_some()
-            {
-                return Ok(Some(marked));
-            }
-        }
-        Err(ClusterError::Contention {
-            key: key_name(&self.inner.keys.volume(plugin, volume_id)),
-            tries: CAS_TRIES,
+            Change::Write(Some(entry.clone()))
         })
+        .await
+        .map(|(entry, _)| entry)
     }
 
     /// Every volume of `plugin` with an entry of `node`: (volume id, entry).
@@ -1180,12 +1259,29 @@ impl Cluster {
             ..FenceReport::default()
         };
         for plugin in self.plugins() {
+            // The fenced node's leader keys went with its lease: this daemon may lead now,
+            // and then frees the volumes at once rather than at the leader's next sweep.
+            let key = plugin.plugin_key();
+            if self.leadership(&key).is_none() {
+                let stands = plugin.wants_leadership().await;
+                if let Err(err) = self.campaign(&key, stands).await {
+                    tracing::debug!(plugin = %key.plugin_type, error = %err, "leader key not read");
+                }
+            }
             let mut one = plugin.free_fenced(node).await;
             report.freed.append(&mut one.freed);
             report.left.append(&mut one.left);
         }
         Ok(report)
     }
+}
+
+/// What a compare-and-swap's `decide` answers.
+enum Change<R> {
+    /// Nothing to write.
+    Keep(R),
+    /// Write the value as edited.
+    Write(R),
 }
 
 /// Why a join did not complete.

@@ -88,6 +88,9 @@ pub trait ClusterStore: Send + Sync + std::fmt::Debug {
 pub struct Measured {
     pub store: std::sync::Arc<dyn ClusterStore>,
     pub metrics: std::sync::Arc<crate::metrics::Metrics>,
+    /// Put before each `op` label: `leader_` for the election's and the leader's polling,
+    /// so that they are told apart from the calls of publishes and unpublishes.
+    pub prefix: &'static str,
 }
 
 impl Measured {
@@ -107,7 +110,7 @@ impl Measured {
             self.metrics
                 .etcd_request_duration
                 .get_or_create(&crate::metrics::EtcdLabels {
-                    op: op.to_owned(),
+                    op: format!("{}{op}", self.prefix),
                     outcome: outcome.to_owned(),
                 })
                 .observe(started.elapsed().as_secs_f64());

@@ -13,10 +13,13 @@ use std::time::Instant;
 use csi_proto::v1;
 use futures::future::BoxFuture;
 
+use super::machine::LifecycleRpc;
 use super::{Admission, Service, Slot, VolumeError, VolumeManager, VolumeRecord, VolumeState};
 use crate::cluster::claims::ClaimRequest;
 use crate::cluster::keys::{EntryState, PluginKey, SharedCapability};
-use crate::cluster::{Cluster, ClusterError, ClusterPlugin, FenceReport, Own, random_id};
+use crate::cluster::{
+    Also, Cluster, ClusterError, ClusterPlugin, FenceReport, Leadership, Own, random_id,
+};
 use crate::failpoint;
 
 /// Where a drive going down stands with the cluster before ControllerUnpublish.
@@ -86,6 +89,7 @@ impl VolumeManager {
                     } else {
                         EntryState::Attached
                     },
+                    volume_context: record.volume_context.clone(),
                     now: 0,
                 },
             )
@@ -128,11 +132,13 @@ impl VolumeManager {
         }
     }
 
-    /// After ControllerPublish: `ATTACHED`, with the publish context, in the entry.
+    /// After this node, as the plugin's leader, sent ControllerPublish: `ATTACHED`, with the
+    /// publish context, in the entry, under the leadership.
     pub(super) async fn cluster_attached(
         &self,
         slot: &mut Slot,
         record: &VolumeRecord,
+        leadership: &Leadership,
     ) -> Result<(), VolumeError> {
         let (Some((cluster, plugin)), Some(claim_id)) = (self.cluster(), &record.cluster_claim)
         else {
@@ -145,6 +151,7 @@ impl VolumeManager {
                 &record.volume_id,
                 claim_id,
                 slot.cluster_known.take(),
+                &Also::led(Some(leadership)),
                 |entry| {
                     entry.state = EntryState::Attached;
                     entry.publish_context = context.clone();
@@ -183,6 +190,7 @@ impl VolumeManager {
                 &record.volume_id,
                 claim_id,
                 slot.cluster_known.take(),
+                &Also::default(),
                 |entry| {
                     entry.state = EntryState::NodeDetached;
                     entry.workloads.clear();
@@ -199,10 +207,11 @@ impl VolumeManager {
 
     /// After the volume went down to CREATED with no claim: the entry is removed (its
     /// ControllerUnpublish is done, or was not needed). `detached` says whether this drive
-    /// sent the ControllerUnpublish itself; when it did not, the record may be behind (its
+    /// did the ControllerUnpublish step; when it did not, the record may be behind (its
     /// progress notes lost in a crash after ControllerPublish) while etcd still holds this
-    /// node's entry, so the idempotent ControllerUnpublish is sent first, with the CSI node
-    /// id the entry recorded: never a removal that could leave the volume attached here.
+    /// node's entry, so the idempotent ControllerUnpublish is done first, with the CSI node
+    /// id the entry recorded: never a removal that could leave the volume attached here. A
+    /// controller step goes through the plugin's leader, and so does the removal after it.
     pub(super) async fn cluster_release(
         &self,
         slot: &mut Slot,
@@ -217,33 +226,59 @@ impl VolumeManager {
         };
         // The plugin's capabilities are cached: asked first, they spare a plugin without a
         // controller step the read of its entry.
-        if !detached && self.caps(deadline).await?.lifecycle().controller_publish {
+        let controller = self.caps(deadline).await?.lifecycle().controller_publish;
+        let leadership = cluster.leadership(&plugin);
+        if controller && (!detached || leadership.is_none()) {
             let own = cluster
                 .own(&plugin, &record.volume_id, &claim_id)
                 .await
                 .map_err(release_pending)?;
             if let Own::Held(entry) | Own::Fenced(entry) = own {
-                self.detach_from(&record.volume_id, &entry.csi_node_id)
-                    .await
-                    .map_err(VolumeError::Plugin)?;
+                match &leadership {
+                    Some(_) => {
+                        let _lane = self.inner.controller_lane.lock().await;
+                        self.detach_from(&record.volume_id, &entry.csi_node_id)
+                            .await
+                            .map_err(VolumeError::Plugin)?;
+                    }
+                    // The leader detaches it and removes the entry.
+                    None => {
+                        self.hand_to_leader(
+                            slot,
+                            record,
+                            &plugin,
+                            &claim_id,
+                            LifecycleRpc::ControllerUnpublish,
+                            deadline,
+                        )
+                        .await?
+                    }
+                }
             }
         }
-        cluster
-            .remove_entry(
-                &plugin,
-                &record.volume_id,
-                cluster.node(),
-                &claim_id,
-                slot.cluster_known.take(),
-            )
-            .await
-            .map_err(release_pending)?;
+        // A plugin with a controller step: only its leader removes an entry (a handed-over
+        // step's is gone already). Without one, the node removes its own.
+        let also = Also::led(leadership.as_ref());
+        if !controller || leadership.is_some() {
+            cluster
+                .remove_entry(
+                    &plugin,
+                    &record.volume_id,
+                    cluster.node(),
+                    &claim_id,
+                    slot.cluster_known.take(),
+                    &also,
+                )
+                .await
+                .map_err(release_pending)?;
+        }
         failpoint::hit("cluster.release.after_txn")?;
         record.cluster_claim = None;
+        slot.cluster_known = None;
         Ok(true)
     }
 
-    fn spawn_release_lost(&self, volume_id: &str) {
+    pub(super) fn spawn_release_lost(&self, volume_id: &str) {
         let manager = self.clone();
         let volume_id = volume_id.to_owned();
         tokio::spawn(async move {
@@ -301,7 +336,7 @@ impl VolumeManager {
 
 /// An etcd that cannot answer while a volume goes down leaves the release pending: the
 /// node side is done and the reconciler writes the rest when etcd is back.
-fn release_pending(err: ClusterError) -> VolumeError {
+pub(super) fn release_pending(err: ClusterError) -> VolumeError {
     if err.is_unavailable() {
         VolumeError::ClusterReleasePending(Box::new(err))
     } else {
@@ -360,10 +395,26 @@ impl ClusterPlugin for ClusterVolumes {
                     return report;
                 }
             };
+            // A plugin with a controller step is freed by its leader alone, each write under
+            // the leadership; without one, any daemon running it may free the entries.
+            let leadership = cluster.leadership(&plugin);
+            if controller_publish && leadership.is_none() {
+                let leader = cluster
+                    .leader_node(&plugin)
+                    .unwrap_or_else(|| "none elected yet".to_owned());
+                for (volume_id, _) in &entries {
+                    report.left.push(format!(
+                        "{volume_id}: freed by the controller leader of plugin {} (node {leader})",
+                        plugin.plugin_type
+                    ));
+                }
+                return report;
+            }
+            let also = Also::led(leadership.as_ref());
             for (volume_id, _) in entries {
                 let outcome: Result<(), String> = async {
                     let Some(entry) = cluster
-                        .mark_fenced(&plugin, &volume_id, node)
+                        .mark_fenced(&plugin, &volume_id, node, &also)
                         .await
                         .map_err(|e| e.to_string())?
                     else {
@@ -374,6 +425,7 @@ impl ClusterPlugin for ClusterVolumes {
                         // Only an OK proves the detach: NOT_FOUND means "volume not assumed
                         // ControllerUnpublished" in the spec's words, so the entry stays
                         // (fenced), is reported and retried.
+                        let _lane = manager.inner.controller_lane.lock().await;
                         manager
                             .detach_from(&volume_id, &entry.csi_node_id)
                             .await
@@ -381,7 +433,7 @@ impl ClusterPlugin for ClusterVolumes {
                     }
                     failpoint::hit("cluster.fence.after_rpc").map_err(|e| e.to_string())?;
                     cluster
-                        .remove_entry(&plugin, &volume_id, node, &entry.claim_id, None)
+                        .remove_entry(&plugin, &volume_id, node, &entry.claim_id, None, &also)
                         .await
                         .map_err(|e| e.to_string())
                 }
@@ -443,12 +495,34 @@ impl ClusterPlugin for ClusterVolumes {
                 // node's own record, before any RPC (the record is written first).
                 tracing::info!(plugin = %plugin.plugin_type, volume_id = ?volume_id, "orphan claim of this node removed");
                 cluster
-                    .remove_entry(&plugin, &volume_id, cluster.node(), &entry.claim_id, None)
+                    .remove_entry(
+                        &plugin,
+                        &volume_id,
+                        cluster.node(),
+                        &entry.claim_id,
+                        None,
+                        &Also::default(),
+                    )
                     .await
                     .map_err(|e| e.to_string())?;
                 drop(guard);
             }
             Ok(())
         })
+    }
+
+    fn wants_leadership(&self) -> BoxFuture<'_, bool> {
+        Box::pin(async move {
+            let manager = &self.0;
+            let deadline = Instant::now() + manager.inner.config.operation_timeout;
+            manager
+                .caps(deadline)
+                .await
+                .is_ok_and(|caps| caps.lifecycle().controller_publish)
+        })
+    }
+
+    fn serve(&self, leadership: Leadership) -> BoxFuture<'_, Result<(), ClusterError>> {
+        Box::pin(self.0.serve_pending(leadership))
     }
 }

@@ -12,6 +12,7 @@
 
 pub mod bind;
 pub mod cluster;
+pub mod cluster_leader;
 pub mod controller;
 pub mod expand;
 pub mod gate;
@@ -399,6 +400,10 @@ struct Inner {
     /// replaces the plugin's components: a reload is ordered after the attempts in flight,
     /// and the attempts after it see the new components (docs/reliability.md, "Reload").
     steps: Arc<tokio::sync::RwLock<()>>,
+    /// Cluster plugins: held by every controller step this node sends as the plugin's leader,
+    /// so that the leader sends one at a time (the concurrency Nomad defaults to) and never
+    /// two for one volume at once.
+    controller_lane: tokio::sync::Mutex<()>,
 
     /// Publishes of volumes not attached yet, in flight (topology.rs, the volume limit).
     attaching: StdMutex<std::collections::BTreeSet<String>>,
@@ -468,6 +473,7 @@ impl VolumeManager {
                 snapshot: std::sync::RwLock::new(BTreeMap::new()),
                 learned: StdMutex::default(),
                 steps: Arc::default(),
+                controller_lane: tokio::sync::Mutex::new(()),
                 attaching: StdMutex::default(),
                 progress: progress::Tracker::default(),
                 stats: stats::StatsState::default(),
@@ -1192,7 +1198,9 @@ impl VolumeManager {
                     }
                     self.note(slot, record.clone())?;
                     failpoint::hit(points.before_rpc)?;
-                    let outcome = self.run_rpc(slot, &mut record, rpc, caps, deadline).await;
+                    let outcome = self
+                        .controller_step_or_rpc(slot, &mut record, rpc, caps, deadline)
+                        .await;
                     failpoint::hit(points.after_rpc)?;
                     if let Err(err) = outcome {
                         tracing::warn!(
@@ -1215,9 +1223,6 @@ impl VolumeManager {
                         record.publish_context.clear();
                         record.node_id = None;
                         ran_controller_unpublish = true;
-                    }
-                    if rpc == LifecycleRpc::ControllerPublish {
-                        self.cluster_attached(slot, &record).await?;
                     }
                     if !record.state.is_node_side() && record.state != VolumeState::VolReady {
                         record.boot_id = None;

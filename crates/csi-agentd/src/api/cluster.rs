@@ -50,6 +50,17 @@ fn status_info(s: cluster::ClusterStatus) -> api::ClusterStatus {
         fenced: s.fenced,
         released_after_fence: s.released_after_fence,
         lease_losses: s.lease_losses,
+        leaders: s
+            .leaders
+            .into_iter()
+            .map(|l| api::ClusterLeader {
+                plugin: l.plugin_type,
+                plugin_name: l.plugin_name,
+                node: l.node,
+                revision: l.revision,
+                this_node: l.this_node,
+            })
+            .collect(),
     }
 }
 
@@ -270,6 +281,13 @@ mod tests {
             fenced: vec!["n3".to_owned()],
             released_after_fence: vec!["v9".to_owned()],
             lease_losses: 1,
+            leaders: vec![cluster::LeaderView {
+                plugin_type: "org.example.nfs".to_owned(),
+                plugin_name: "default".to_owned(),
+                node: "n2".to_owned(),
+                revision: 42,
+                this_node: false,
+            }],
         };
         let status = status_info(engine);
         // 14841639068965178418 is above 2^53: as a JSON number, JavaScript reads another id.
@@ -287,6 +305,16 @@ mod tests {
         );
         assert_eq!(status.fenced, ["n3"]);
         assert_eq!(status.released_after_fence, ["v9"]);
+        assert_eq!(
+            status.leaders,
+            vec![api::ClusterLeader {
+                plugin: "org.example.nfs".to_owned(),
+                plugin_name: "default".to_owned(),
+                node: "n2".to_owned(),
+                revision: 42,
+                this_node: false,
+            }]
+        );
         assert_eq!((status.lease_losses, status.since_unix), (1, 5));
     }
 

@@ -268,3 +268,54 @@ pub async fn no_entries_left(client: &csi_etcd::Client, what: &str) {
     })
     .await;
 }
+
+/// The node leading the test plugin's controller in a `GET /v1/cluster` answer.
+pub fn leader_in(status: &Value) -> Option<String> {
+    status["leaders"]
+        .as_array()?
+        .iter()
+        .find(|l| l["plugin"] == PLUGIN)?
+        .get("node")?
+        .as_str()
+        .map(str::to_owned)
+}
+
+/// Waits until `daemon` sees `node` lead the test plugin's controller.
+pub async fn sees_leader(daemon: &Daemon, node: &str) {
+    session_until(
+        daemon,
+        &format!("{node} to lead the plugin's controller"),
+        Duration::from_secs(20),
+        |s| leader_in(s).as_deref() == Some(node),
+    )
+    .await;
+}
+
+/// Waits until `daemon` itself leads the test plugin's controller (its own key, with its
+/// current lease: a restarted daemon's old key names it too until its old lease runs out).
+pub async fn leads(daemon: &Daemon) {
+    session_until(
+        daemon,
+        "the node to lead the plugin's controller",
+        Duration::from_secs(20),
+        |s| {
+            s["leaders"].as_array().is_some_and(|leaders| {
+                leaders
+                    .iter()
+                    .any(|l| l["plugin"] == PLUGIN && l["this_node"] == true)
+            })
+        },
+    )
+    .await;
+}
+
+/// The nodes whose plugin instance answered `rpc` (a Controller(Un)PublishVolume) for
+/// `target` with OK, in order: in cluster mode, the plugin's controller leader at the time.
+pub fn senders(judge: &BackendJudge, rpc: &str, target: &str) -> Vec<String> {
+    judge
+        .calls()
+        .into_iter()
+        .filter(|c| c.rpc == rpc && c.target_node.as_deref() == Some(target) && c.outcome == "OK")
+        .map(|c| c.node)
+        .collect()
+}

@@ -1,0 +1,430 @@
+//! One controller per cluster plugin: the election of a leader among the daemons whose
+//! plugin has the ControllerPublish step, and the etcd side of the work handed to it
+//! (docs/cluster.md, "One controller per plugin").
+//!
+//! Owns the leader key (`leaders/<plugin>`, put with the leader's lease: it goes when the
+//! lease does), the leadership every leader write is conditioned on (the key's revision, so a
+//! deposed leader writes nothing), the pending hints (`pending/<plugin>/<volume>`: a volume
+//! with an entry waiting for ControllerPublish or ControllerUnpublish), and the leader's
+//! writes of a step's result into a node's entry. It must not call CSI: the volume manager
+//! sends the RPCs ([`super::ClusterPlugin::serve`]) and reads the results.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex as StdMutex};
+use std::time::Duration;
+
+use serde::Serialize;
+
+use super::keys::{
+    EntryState, Leader, NodeEntry, Pending, PluginKey, SCHEMA, SharedCapability, VolumeClaims,
+    encode, key_name,
+};
+use super::store::{Guarded, WriteOp};
+use super::{Change, Cluster, ClusterError, lock, now_unix};
+
+/// How often the leader looks for pending work (etcd 3.4's API has watches; this build
+/// polls one small prefix instead, which bounds a handed-over step's added latency).
+const SERVE_EVERY: Duration = Duration::from_millis(100);
+/// Every how many serve periods a daemon reads (and, when free, takes) the leader key.
+const CAMPAIGN_EVERY: u64 = 10;
+
+/// This node's leadership of one plugin's controller: the leader key and the revision it
+/// was created at. A write conditioned on it fails once the key is gone or re-created.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Leadership {
+    pub plugin: PluginKey,
+    pub key: Vec<u8>,
+    pub revision: i64,
+}
+
+/// Compares and writes that go into a volume key's compare-and-swap: the leadership a leader
+/// write is conditioned on, a pending hint written with a node's request.
+#[derive(Clone, Debug, Default)]
+pub struct Also {
+    pub leadership: Option<Leadership>,
+    pub ops: Vec<WriteOp>,
+}
+
+impl Also {
+    /// A write conditioned on `leadership`, when there is one.
+    pub fn led(leadership: Option<&Leadership>) -> Self {
+        Self {
+            leadership: leadership.cloned(),
+            ops: Vec::new(),
+        }
+    }
+}
+
+/// A plugin's leader as a node last saw it.
+#[derive(Clone, Debug)]
+pub(super) struct Seen {
+    node: String,
+    revision: i64,
+    mine: bool,
+}
+
+/// A plugin's controller leader, for `GET /v1/cluster`.
+#[derive(Clone, Debug, Serialize)]
+pub struct LeaderView {
+    pub plugin_type: String,
+    pub plugin_name: String,
+    pub node: String,
+    /// The leader key's revision: a new value means a new term.
+    pub revision: i64,
+    pub this_node: bool,
+}
+
+/// A node's entry waiting for the leader.
+#[derive(Clone, Debug)]
+pub struct Work {
+    pub node: String,
+    pub entry: NodeEntry,
+    pub capability: SharedCapability,
+}
+
+/// A step's result, as the leader writes it into the entry.
+#[derive(Clone, Debug)]
+pub enum Settle {
+    /// ControllerPublish succeeded: `ATTACHED`, with the publish context.
+    Attached(BTreeMap<String, String>),
+    /// ControllerUnpublish succeeded: the entry goes.
+    Detached,
+    /// The plugin refused the step: the node reports it and asks again with a new request.
+    Refused(String),
+}
+
+impl Cluster {
+    /// This node's leadership of `plugin`, while its session is healthy.
+    pub fn leadership(&self, plugin: &PluginKey) -> Option<Leadership> {
+        if self.require_healthy().is_err() {
+            return None;
+        }
+        let leaders = lock(&self.inner.leaders);
+        let seen = leaders.get(plugin).filter(|seen| seen.mine)?;
+        Some(Leadership {
+            plugin: plugin.clone(),
+            key: self.inner.keys.leader(plugin),
+            revision: seen.revision,
+        })
+    }
+
+    /// The node leading `plugin`'s controller, as last seen.
+    pub fn leader_node(&self, plugin: &PluginKey) -> Option<String> {
+        lock(&self.inner.leaders)
+            .get(plugin)
+            .map(|seen| seen.node.clone())
+    }
+
+    pub(super) fn leader_views(&self) -> Vec<LeaderView> {
+        lock(&self.inner.leaders)
+            .iter()
+            .map(|(plugin, seen)| LeaderView {
+                plugin_type: plugin.plugin_type.clone(),
+                plugin_name: plugin.plugin_name.clone(),
+                node: seen.node.clone(),
+                revision: seen.revision,
+                this_node: seen.mine,
+            })
+            .collect()
+    }
+
+    /// Forgets this node's leadership of `plugin` (of every plugin when `None`).
+    pub(super) fn forget_leadership(&self, plugin: Option<&PluginKey>) {
+        let mut leaders = lock(&self.inner.leaders);
+        for (key, seen) in leaders.iter_mut() {
+            if plugin.is_none_or(|p| p == key) {
+                seen.mine = false;
+            }
+        }
+    }
+
+    /// After a leader write's compare failed: was it the leadership? Then this node is
+    /// deposed (and forgets it); otherwise the volume's key changed and the caller reads again.
+    pub(super) async fn check_leadership(
+        &self,
+        plugin: &PluginKey,
+        leadership: &Leadership,
+    ) -> Result<(), ClusterError> {
+        let read = self
+            .patiently(|| self.inner.leader_store.get(leadership.key.clone()))
+            .await?;
+        let holds = read
+            .kvs
+            .first()
+            .is_some_and(|kv| kv.mod_revision == leadership.revision);
+        if holds {
+            return Ok(());
+        }
+        self.forget_leadership(Some(plugin));
+        Err(ClusterError::Deposed {
+            plugin: plugin.plugin_type.clone(),
+        })
+    }
+
+    /// Reads `plugin`'s leader key and, when it is free and this daemon `stands`, takes it
+    /// with this node's lease (one create-only transaction: two daemons cannot both win).
+    pub(super) async fn campaign(
+        &self,
+        plugin: &PluginKey,
+        stands: bool,
+    ) -> Result<(), ClusterError> {
+        let Some(lease) = lock(&self.inner.session).lease else {
+            self.forget_leadership(Some(plugin));
+            return Ok(());
+        };
+        let key = self.inner.keys.leader(plugin);
+        let read = self.inner.leader_store.get(key.clone()).await?;
+        let seen = match read.kvs.first() {
+            Some(kv) => match Leader::decode(&kv.key, &kv.value) {
+                Ok(leader) => Seen {
+                    mine: leader.instance_id == self.inner.instance_id && leader.lease == lease,
+                    node: leader.node,
+                    revision: kv.mod_revision,
+                },
+                Err(err) => {
+                    // Nobody leads until an operator deletes it; it never reads as free.
+                    tracing::warn!(key = %key_name(&key), error = %err, "unreadable leader key: delete it with etcdctl so that a leader can be elected");
+                    self.forget_leadership(Some(plugin));
+                    return Ok(());
+                }
+            },
+            None if stands => {
+                let value = encode(&Leader {
+                    schema: SCHEMA,
+                    node: self.inner.options.node.clone(),
+                    instance_id: self.inner.instance_id.clone(),
+                    lease,
+                    since: now_unix(),
+                });
+                let written = self
+                    .inner
+                    .leader_store
+                    .write(Guarded {
+                        when: vec![(key.clone(), 0)],
+                        then: vec![WriteOp::Put {
+                            key,
+                            value,
+                            lease: Some(lease),
+                        }],
+                    })
+                    .await?;
+                match written {
+                    Some(revision) => Seen {
+                        node: self.inner.options.node.clone(),
+                        revision,
+                        mine: true,
+                    },
+                    // Another daemon won: read it at the next look.
+                    None => return Ok(()),
+                }
+            }
+            None => {
+                lock(&self.inner.leaders).remove(plugin);
+                return Ok(());
+            }
+        };
+        self.observe(plugin, seen);
+        Ok(())
+    }
+
+    fn observe(&self, plugin: &PluginKey, seen: Seen) {
+        let mut leaders = lock(&self.inner.leaders);
+        let changed = leaders
+            .get(plugin)
+            .is_none_or(|before| before.revision != seen.revision);
+        if changed {
+            tracing::info!(plugin = %plugin.plugin_type, leader = %seen.node, this_node = seen.mine, "controller leader of a cluster plugin");
+            if let (Some(metrics), Some(_)) = (&self.inner.metrics, leaders.get(plugin)) {
+                metrics
+                    .cluster_leader_changes
+                    .get_or_create(&crate::metrics::PluginLabels {
+                        plugin: plugin.plugin_type.clone(),
+                    })
+                    .inc();
+            }
+        }
+        leaders.insert(plugin.clone(), seen);
+    }
+
+    /// The session's second task: every daemon reads each cluster plugin's leader key, a
+    /// daemon whose plugin has the controller step stands for it, and a leader serves its
+    /// plugin's pending work (one task per plugin at a time: one plugin never waits on
+    /// another's RPCs).
+    pub(super) async fn run_leadership(self) {
+        let serving: Arc<StdMutex<BTreeSet<PluginKey>>> = Arc::default();
+        let failing: Arc<StdMutex<BTreeSet<PluginKey>>> = Arc::default();
+        let mut tick: u64 = 0;
+        loop {
+            tokio::time::sleep(SERVE_EVERY).await;
+            tick = tick.wrapping_add(1);
+            if lock(&self.inner.session).lease.is_none() {
+                continue;
+            }
+            for plugin in self.plugins() {
+                let key = plugin.plugin_key();
+                let seen = lock(&self.inner.leaders).contains_key(&key);
+                if !seen || tick.is_multiple_of(CAMPAIGN_EVERY) {
+                    let stands = plugin.wants_leadership().await;
+                    if let Err(err) = self.campaign(&key, stands).await {
+                        tracing::debug!(plugin = %key.plugin_type, error = %err, "leader key not read");
+                    }
+                }
+                let Some(leadership) = self.leadership(&key) else {
+                    continue;
+                };
+                if !lock(&serving).insert(key.clone()) {
+                    continue;
+                }
+                let serving = serving.clone();
+                let failing = failing.clone();
+                tokio::spawn(async move {
+                    match plugin.serve(leadership).await {
+                        Ok(()) => {
+                            lock(&failing).remove(&key);
+                        }
+                        // Warned once per run of failures: it is tried every SERVE_EVERY.
+                        Err(err) if lock(&failing).insert(key.clone()) => {
+                            tracing::warn!(plugin = %key.plugin_type, error = %err, "controller leader: pending work not done; trying again");
+                        }
+                        Err(err) => {
+                            tracing::debug!(plugin = %key.plugin_type, error = %err, "controller leader: pending work not done; trying again");
+                        }
+                    }
+                    lock(&serving).remove(&key);
+                });
+            }
+        }
+    }
+
+    /// The pending hint a node's request writes with its entry.
+    pub fn pending_put(&self, plugin: &PluginKey, volume_id: &str) -> WriteOp {
+        WriteOp::Put {
+            key: self.inner.keys.pending(plugin, volume_id),
+            value: encode(&Pending {
+                schema: SCHEMA,
+                volume_id: volume_id.to_owned(),
+            }),
+            lease: None,
+        }
+    }
+
+    /// The volumes of `plugin` with pending work: (volume id, the hint's revision).
+    pub async fn pending_volumes(
+        &self,
+        plugin: &PluginKey,
+    ) -> Result<Vec<(String, i64)>, ClusterError> {
+        let read = self
+            .inner
+            .leader_store
+            .list(self.inner.keys.pending_of(plugin))
+            .await?;
+        let mut volumes = Vec::new();
+        for kv in read.kvs {
+            match Pending::decode(&kv.key, &kv.value) {
+                // The hint must name the volume its key does: a forged hint is not work.
+                Ok(p) if kv.key == self.inner.keys.pending(plugin, &p.volume_id) => {
+                    volumes.push((p.volume_id, kv.mod_revision));
+                }
+                _ => tracing::warn!(key = %key_name(&kv.key), "unreadable pending hint skipped"),
+            }
+        }
+        Ok(volumes)
+    }
+
+    /// Deletes a volume's pending hint if nobody asked again since it was read, under the
+    /// leadership.
+    pub async fn clear_pending(
+        &self,
+        plugin: &PluginKey,
+        volume_id: &str,
+        revision: i64,
+        leadership: &Leadership,
+    ) -> Result<(), ClusterError> {
+        let key = self.inner.keys.pending(plugin, volume_id);
+        let guarded = Guarded {
+            when: vec![
+                (key.clone(), revision),
+                (leadership.key.clone(), leadership.revision),
+            ],
+            then: vec![WriteOp::Delete { key }],
+        };
+        let written = self
+            .patiently(|| self.inner.leader_store.write(guarded.clone()))
+            .await?;
+        if written.is_none() {
+            self.check_leadership(plugin, leadership).await?;
+        }
+        Ok(())
+    }
+
+    /// The first entry of a volume that waits for the leader: `PUBLISHING` (ControllerPublish)
+    /// or `NODE_DETACHED` (ControllerUnpublish), without a refusal recorded.
+    pub async fn next_work(
+        &self,
+        plugin: &PluginKey,
+        volume_id: &str,
+    ) -> Result<Option<Work>, ClusterError> {
+        let (current, _) = self.read_volume(plugin, volume_id).await?;
+        Ok(current.and_then(|claims: VolumeClaims| {
+            claims
+                .nodes
+                .iter()
+                .find(|(_, entry)| {
+                    entry.error.is_none()
+                        && matches!(
+                            entry.state,
+                            EntryState::Publishing | EntryState::NodeDetached
+                        )
+                })
+                .map(|(node, entry)| Work {
+                    node: node.clone(),
+                    entry: entry.clone(),
+                    capability: claims.capability.clone(),
+                })
+        }))
+    }
+
+    /// Writes a step's result into `work`'s entry, under the leadership; an entry that moved
+    /// on meanwhile (another claim, another state) is left as it is.
+    pub async fn settle(
+        &self,
+        plugin: &PluginKey,
+        volume_id: &str,
+        work: &Work,
+        leadership: &Leadership,
+        result: Settle,
+    ) -> Result<(), ClusterError> {
+        let also = Also::led(Some(leadership));
+        self.change_volume(plugin, volume_id, None, &also, |current| {
+            let Some(claims) = current.as_mut() else {
+                return Change::Keep(());
+            };
+            let Some(entry) = claims.nodes.get_mut(&work.node) else {
+                return Change::Keep(());
+            };
+            if entry.claim_id != work.entry.claim_id
+                || entry.state != work.entry.state
+                || entry.error.is_some()
+            {
+                return Change::Keep(());
+            }
+            match &result {
+                Settle::Attached(context) => {
+                    entry.state = EntryState::Attached;
+                    entry.publish_context = context.clone();
+                    entry.since = now_unix();
+                }
+                Settle::Refused(message) => entry.error = Some(message.clone()),
+                Settle::Detached => {
+                    claims.nodes.remove(&work.node);
+                    if claims.nodes.is_empty() {
+                        *current = None;
+                    }
+                }
+            }
+            Change::Write(())
+        })
+        .await
+        .map(|_| ())
+    }
+}
