@@ -7,6 +7,10 @@
 //!    and one etcd round trip (a guarded write: a Txn comparing the key's mod revision, as a
 //!    claim's compare-and-swap does) with etcd's own client. Target: cluster − single ≤ 2 etcd
 //!    round trips.
+//!    A second cluster daemon (n2) on the same backend, which does not lead the plugin's
+//!    controller, is measured in the same rounds: its ControllerPublish and
+//!    ControllerUnpublish are handed to n1, the leader (docs/cluster.md, "One controller per
+//!    plugin").
 //! 2. etcd writes per operation: the store's revision read before and after each publish and
 //!    each unpublish of the cluster daemon (no other writer meanwhile), and over an idle window
 //!    longer than a keepalive interval (keepalives must not write). Target: ≤ 2 per publish.
@@ -103,8 +107,10 @@ pub struct LatencyReport {
     pub rounds: usize,
     /// A daemon without `--cluster-etcd`.
     pub single: Contender,
-    /// A daemon with `--cluster-etcd`, its plugin `"cluster": true`.
+    /// A daemon with `--cluster-etcd`, its plugin `"cluster": true`, leading its controller.
     pub cluster: Contender,
+    /// A second cluster daemon, not the leader: its controller steps are handed to `cluster`.
+    pub handed: Contender,
     /// ControllerPublish, NodeStage, NodePublish and the reverse on the plugin's socket.
     pub raw: Contender,
     /// One guarded write: a Txn comparing the key's mod revision, then a put.
@@ -311,6 +317,27 @@ async fn wait_joined(etcd: &csi_etcd::Client, cluster: &str, node: &str) -> anyh
     }
 }
 
+/// Waits until `daemon` sees `node` lead the bench plugin's controller (`GET /v1/cluster`).
+async fn wait_leader(daemon: &Daemon, node: &str) -> anyhow::Result<()> {
+    let started = Instant::now();
+    loop {
+        let status = daemon.api.cluster().await?;
+        if status
+            .leaders
+            .iter()
+            .any(|l| l.plugin == PLUGIN_TYPE && l.node == node)
+        {
+            return Ok(());
+        }
+        if started.elapsed() > JOIN_TIMEOUT {
+            bail!(
+                "{node} does not lead the plugin's controller after {JOIN_TIMEOUT:?}: {status:?}"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// One publish+unpublish of `volume`: the first request launches the daemon's plugin (plugins
 /// start lazily), whose socket is then known.
 async fn launch_plugin(daemon: &Daemon, volume: &str) -> anyhow::Result<std::path::PathBuf> {
@@ -439,6 +466,17 @@ async fn latency_and_writes(
             true,
         ),
     )?;
+    let handed_dirs = DaemonDirs::new(scratch, "cluster-n2")?;
+    handed_dirs.add_plugin(
+        env,
+        &plugin_spec(
+            &scratch.join("cluster-plugin-n2"),
+            &scratch.join("cluster-backend"),
+            "n2",
+            &["--volumes", "vol:1Mi"],
+            true,
+        ),
+    )?;
     let (single, _) = Daemon::start(env, &single_dirs).await?;
     let (cluster, _) = Daemon::spawn_with(
         env,
@@ -450,22 +488,36 @@ async fn latency_and_writes(
     wait_joined(etcd, "bench-latency", "n1").await?;
     let socket = launch_plugin(&single, "vol").await?;
     launch_plugin(&cluster, "vol").await?;
+    // n1 leads before n2 starts, so that n2's controller steps are handed to it.
+    wait_leader(&cluster, "n1").await?;
+    let (handed, _) = Daemon::spawn_with(
+        env,
+        &handed_dirs,
+        &cluster_flags(endpoints, "bench-latency", "n2"),
+    )?
+    .ready()
+    .await?;
+    wait_joined(etcd, "bench-latency", "n2").await?;
+    launch_plugin(&handed, "vol").await?;
+    wait_leader(&handed, "n1").await?;
     let raw = Raw::connect(&socket, scratch.join("raw"), PLUGIN_TYPE).await?;
 
     let mut last_mod = 0;
     for _ in 0..args.warmup {
         daemon_cycle(&single).await?;
         daemon_cycle(&cluster).await?;
+        daemon_cycle(&handed).await?;
         raw_cycle(&raw).await?;
         etcd_guarded_write(etcd, &mut last_mod).await?;
     }
-    let (mut s, mut c, mut r) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut s, mut c, mut r, mut h) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let (mut txns, mut gets) = (Vec::new(), Vec::new());
     let (mut per_publish, mut per_unpublish) = (Vec::new(), Vec::new());
     for round in 0..args.rounds {
-        for slot in 0..4 {
-            match (round + slot) % 4 {
+        for slot in 0..5 {
+            match (round + slot) % 5 {
                 0 => s.push(daemon_cycle(&single).await?),
+                3 => h.push(daemon_cycle(&handed).await?),
                 1 => {
                     // Revisions read around each step, outside the timings.
                     let r0 = revision(etcd).await?;
@@ -534,9 +586,11 @@ async fn latency_and_writes(
     tokio::time::sleep(Duration::from_secs(args.idle_secs)).await;
     let idle_writes = revision(etcd).await? - idle_start;
     single.stop().await?;
+    handed.stop().await?;
     cluster.stop().await?;
 
     let (single, cluster, raw) = (Contender::of(&s), Contender::of(&c), Contender::of(&r));
+    let handed = Contender::of(&h);
     let (etcd_txn, etcd_get) = (Summary::of(&txns), Summary::of(&gets));
     let overhead_p50_ms = cluster.cycle.p50_ms - single.cycle.p50_ms;
     let budget_p50_ms = 2.0 * etcd_txn.p50_ms;
@@ -549,6 +603,7 @@ async fn latency_and_writes(
         met: overhead_p50_ms <= budget_p50_ms,
         single,
         cluster,
+        handed,
         raw,
         etcd_txn,
         etcd_get,
@@ -852,7 +907,14 @@ pub fn table(r: &ClusterReport) -> String {
     let mut out =
         String::from("| publish+unpublish | p50 ms | p90 ms | mean ms |\n|---|---|---|---|\n");
     out.push_str(&row("single-node daemon", &l.single.cycle));
-    out.push_str(&row("cluster daemon (1 etcd member)", &l.cluster.cycle));
+    out.push_str(&row(
+        "cluster daemon, the leader (1 etcd member)",
+        &l.cluster.cycle,
+    ));
+    out.push_str(&row(
+        "cluster daemon, steps handed to the leader",
+        &l.handed.cycle,
+    ));
     out.push_str(&row("raw CSI RPCs", &l.raw.cycle));
     out.push_str(&row("one guarded etcd write (Txn)", &l.etcd_txn));
     out.push_str(&row("one etcd read", &l.etcd_get));
@@ -860,6 +922,8 @@ pub fn table(r: &ClusterReport) -> String {
     out.push_str(&row("— cluster publish", &l.cluster.publish));
     out.push_str(&row("— single-node unpublish", &l.single.unpublish));
     out.push_str(&row("— cluster unpublish", &l.cluster.unpublish));
+    out.push_str(&row("— handed-over publish", &l.handed.publish));
+    out.push_str(&row("— handed-over unpublish", &l.handed.unpublish));
     out.push_str(&format!(
         "\n{} rounds, interleaved; cluster − single at p50: {:.2} ms (mean {:.2} ms), cluster/single {:.2}×; target ≤ 2 etcd round trips = {:.2} ms: {}\n",
         l.rounds,

@@ -585,6 +585,12 @@ impl Cluster {
                 continue;
             }
             for plugin in self.plugins() {
+                // Only the leader frees a plugin with a controller step: the others would
+                // list the plugin's volumes for nothing.
+                let key = plugin.plugin_key();
+                if self.leadership(&key).is_none() && plugin.wants_leadership().await {
+                    continue;
+                }
                 let report = plugin.free_fenced(&node).await;
                 if !report.freed.is_empty() {
                     tracing::info!(fenced = %node, freed = ?report.freed, left = ?report.left, "volumes of a fenced node freed");

@@ -21,7 +21,7 @@ use crate::volume::machine::LifecycleCaps;
 use crate::volume::to_hash_map;
 
 /// How often a node waiting for the leader reads its entry.
-const WAIT_EVERY: Duration = Duration::from_millis(25);
+const WAIT_EVERY: Duration = Duration::from_millis(10);
 
 impl VolumeManager {
     /// One lifecycle RPC of a drive. A cluster plugin's controller step goes through the

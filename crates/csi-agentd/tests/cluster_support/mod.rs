@@ -46,7 +46,19 @@ pub fn plugin_config(dir: &Path, backend: &Path, node: &str, volumes: &str) -> V
 /// finds its mounts again, as on a real node.
 pub struct Node {
     daemon: Daemon,
-    holder: std::process::Child,
+    holder: Holder,
+}
+
+/// The process keeping a node's mount namespace, killed when dropped: also when the test
+/// panics before its [`Node`] exists (a leaked holder would keep the namespace, and its
+/// mounts, for good).
+struct Holder(std::process::Child);
+
+impl Drop for Holder {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 impl std::ops::Deref for Node {
@@ -64,9 +76,8 @@ impl std::ops::DerefMut for Node {
 
 impl Drop for Node {
     fn drop(&mut self) {
+        // The daemon first, then (as a field, after this) its namespace's holder.
         self.daemon.kill9();
-        let _ = self.holder.kill();
-        let _ = self.holder.wait();
     }
 }
 
@@ -85,12 +96,18 @@ pub fn node_with_volumes(
 ) -> Node {
     let dir = root.join(node);
     std::fs::create_dir_all(&dir).unwrap();
-    let holder = Command::new("unshare")
-        .args(["-m", "--propagation", "private", "sleep", "infinity"])
-        .spawn()
-        .unwrap();
+    // Without the test's stdout and stderr: cargo waits for every holder of its pipes.
+    let holder = Holder(
+        Command::new("unshare")
+            .args(["-m", "--propagation", "private", "sleep", "infinity"])
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
     // The holder's namespace exists once unshare exec'd sleep.
-    let ns = format!("/proc/{}/ns/mnt", holder.id());
+    let ns = format!("/proc/{}/ns/mnt", holder.0.id());
     let own = std::fs::read_link("/proc/self/ns/mnt").unwrap();
     let deadline = Instant::now() + Duration::from_secs(5);
     while std::fs::read_link(&ns).map(|l| l == own).unwrap_or(true) {
@@ -100,7 +117,7 @@ pub fn node_with_volumes(
         );
         std::thread::sleep(Duration::from_millis(5));
     }
-    let pid = holder.id().to_string();
+    let pid = holder.0.id().to_string();
     let daemon = Daemon::builder(&dir)
         .plugin_config("test.json", plugin_config(&dir, backend, node, volumes))
         .wrapper(&["nsenter", "-t", &pid, "-m", "--"])
