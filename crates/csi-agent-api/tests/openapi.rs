@@ -178,6 +178,15 @@ fn cluster_member() -> ClusterMember {
         version: "0.1.0".to_owned(),
         started_at_unix: 1,
         plugins: vec!["org.example.nfs/default".to_owned()],
+        csi_nodes: vec![cluster_csi_node()],
+    }
+}
+
+fn cluster_csi_node() -> ClusterCsiNode {
+    ClusterCsiNode {
+        plugin: "org.example.nfs/default".to_owned(),
+        node_id: "node-1".to_owned(),
+        topology: [("zone".to_owned(), "a".to_owned())].into(),
     }
 }
 
@@ -657,6 +666,7 @@ fn cases() -> Result<Vec<Case>> {
         response("ClusterStatus", cluster_status(true), cluster_status(false))?,
         response("ClusterMember", cluster_member(), cluster_member())?,
         response("ClusterLeader", cluster_leader(), cluster_leader())?,
+        response("ClusterCsiNode", cluster_csi_node(), cluster_csi_node())?,
         response("ClusterClaim", cluster_claim(), cluster_claim())?,
         response("DamagedKey", damaged_key(), damaged_key())?,
         response(

@@ -88,6 +88,24 @@ async fn a_single_node_volume_moves_between_nodes_only_after_its_unpublish() {
     // last write stands in for a read before its next one.
     assert_eq!(etcd_calls(&n1.api(), "get").await - reads, 1.0);
     assert_eq!(etcd_calls(&n1.api(), "txn").await - writes, 2.0);
+    // n1's presence now carries what its plugin answered to NodeGetInfo (asked by the
+    // publish), as n2 sees it.
+    session_until(
+        &n2,
+        "n1's CSI node id in its presence",
+        Duration::from_secs(20),
+        |s| {
+            s["members"].as_array().is_some_and(|members| {
+                members.iter().any(|m| {
+                    m["node"] == "n1"
+                        && m["csi_nodes"]
+                            .as_array()
+                            .is_some_and(|c| c.len() == 1 && c[0]["node_id"] == "n1")
+                })
+            })
+        },
+    )
+    .await;
     let on_n1 = PathBuf::from(&published.target_path);
     in_node(&n1, &format!("echo hi > {}/data", on_n1.display()));
     assert_eq!(

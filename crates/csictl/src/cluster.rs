@@ -188,12 +188,21 @@ pub fn nodes(s: &ClusterStatus) -> String {
     }
     let mut table = Table::new(&["NODE", "STATE", "VERSION", "INSTANCE", "PLUGINS"]);
     for m in &s.members {
+        // A plugin with its CSI node id once the node asked NodeGetInfo: `type/name=id`.
+        let plugins: Vec<String> = m
+            .plugins
+            .iter()
+            .map(|p| match m.csi_nodes.iter().find(|c| &c.plugin == p) {
+                Some(csi) => format!("{p}={}", csi.node_id),
+                None => p.clone(),
+            })
+            .collect();
         table.row(vec![
             m.node.clone(),
             "alive".to_owned(),
             m.version.clone(),
             m.instance_id.clone(),
-            m.plugins.join(","),
+            plugins.join(","),
         ]);
     }
     for node in &s.fenced {
@@ -282,6 +291,16 @@ mod tests {
             version: "0.1.0".to_owned(),
             started_at_unix: 1,
             plugins: vec!["org.example.nfs/default".to_owned()],
+            // n1's plugin answered NodeGetInfo already; n2's was not asked yet.
+            csi_nodes: if node == "n1" {
+                vec![csi_agent_api::ClusterCsiNode {
+                    plugin: "org.example.nfs/default".to_owned(),
+                    node_id: "node-1".to_owned(),
+                    topology: Default::default(),
+                }]
+            } else {
+                vec![]
+            },
         }
     }
 
@@ -355,7 +374,7 @@ mod tests {
         assert_eq!(
             nodes(&cluster_status()),
             "NODE  STATE   VERSION  INSTANCE  PLUGINS\n\
-             n1    alive   0.1.0    i-n1      org.example.nfs/default\n\
+             n1    alive   0.1.0    i-n1      org.example.nfs/default=node-1\n\
              n2    alive   0.1.0    i-n2      org.example.nfs/default\n\
              n3    FENCED  -        -         -\n"
         );

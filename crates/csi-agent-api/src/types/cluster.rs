@@ -70,6 +70,22 @@ pub struct ClusterMember {
     pub started_at_unix: u64,
     /// The plugins it runs with `"cluster": true`, as `type/name`.
     pub plugins: Vec<String>,
+    /// What each of those plugins answered to NodeGetInfo on that node, once asked (a plugin
+    /// starts on its first use).
+    #[serde(default)]
+    pub csi_nodes: Vec<ClusterCsiNode>,
+}
+
+/// A cluster plugin's NodeGetInfo on one node.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterCsiNode {
+    /// The plugin, as `type/name`.
+    pub plugin: String,
+    /// The node id ControllerPublish is sent with.
+    pub node_id: String,
+    /// The node's topology segments (empty when the plugin reports none).
+    #[serde(default)]
+    pub topology: std::collections::BTreeMap<String, String>,
 }
 
 /// One node's hold on one volume (`GET /v1/cluster/claims`).

@@ -241,6 +241,19 @@ pub struct NodeInfo {
     /// Plugins this node runs with `"cluster": true`, as `type/name`.
     #[serde(default)]
     pub plugins: Vec<String>,
+    /// Each cluster plugin's NodeGetInfo on this node (by `type/name`), once the node has
+    /// asked it (plugins start on first use: never asked only for this).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub csi: BTreeMap<String, CsiNode>,
+}
+
+/// A cluster plugin's NodeGetInfo on one node: the node id ControllerPublish is sent with, and
+/// the node's topology segments.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CsiNode {
+    pub node_id: String,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub topology: BTreeMap<String, String>,
 }
 
 /// The csi-agentd that owns a node name.

@@ -146,7 +146,7 @@ impl Cluster {
         leadership: &Leadership,
     ) -> Result<(), ClusterError> {
         let read = self
-            .patiently(|| self.inner.leader_store.get(leadership.key.clone()))
+            .patiently(|| self.inner.background_store.get(leadership.key.clone()))
             .await?;
         let holds = read
             .kvs
@@ -173,7 +173,7 @@ impl Cluster {
             return Ok(());
         };
         let key = self.inner.keys.leader(plugin);
-        let read = self.inner.leader_store.get(key.clone()).await?;
+        let read = self.inner.background_store.get(key.clone()).await?;
         let seen = match read.kvs.first() {
             Some(kv) => match Leader::decode(&kv.key, &kv.value) {
                 Ok(leader) => Seen {
@@ -198,7 +198,7 @@ impl Cluster {
                 });
                 let written = self
                     .inner
-                    .leader_store
+                    .background_store
                     .write(Guarded {
                         when: vec![(key.clone(), 0)],
                         then: vec![WriteOp::Put {
@@ -315,7 +315,7 @@ impl Cluster {
     ) -> Result<Vec<(String, i64)>, ClusterError> {
         let read = self
             .inner
-            .leader_store
+            .background_store
             .list(self.inner.keys.pending_of(plugin))
             .await?;
         let mut volumes = Vec::new();
@@ -349,7 +349,7 @@ impl Cluster {
             then: vec![WriteOp::Delete { key }],
         };
         let written = self
-            .patiently(|| self.inner.leader_store.write(guarded.clone()))
+            .patiently(|| self.inner.background_store.write(guarded.clone()))
             .await?;
         if written.is_none() {
             self.check_leadership(plugin, leadership).await?;

@@ -232,6 +232,9 @@ pub trait ClusterPlugin: Send + Sync + std::fmt::Debug {
     /// Removes this node's entries that no local record explains (a crash between the claim
     /// and the node's own record).
     fn sweep_orphans(&self) -> BoxFuture<'_, Result<(), String>>;
+    /// The plugin's NodeGetInfo on this node if it was asked already (never asks: plugins
+    /// start on first use).
+    fn csi_node(&self) -> Option<keys::CsiNode>;
     /// Whether this daemon stands for the plugin's controller leader: its plugin has the
     /// ControllerPublish step (docs/cluster.md, "One controller per plugin").
     fn wants_leadership(&self) -> BoxFuture<'_, bool>;
@@ -279,8 +282,9 @@ struct Inner {
     options: ClusterOptions,
     keys: Keys,
     store: Arc<dyn ClusterStore>,
-    /// The same store, measured apart: the election's and the leader's polling.
-    leader_store: Arc<dyn ClusterStore>,
+    /// The same store, measured apart: the election, the leader's polling, the presence's
+    /// refresh (calls no request waits for).
+    background_store: Arc<dyn ClusterStore>,
     instance_id: String,
     /// The etcd cluster id this node joined first (from its own durable state).
     joined_cluster_id: StdMutex<Option<u64>>,
@@ -292,6 +296,8 @@ struct Inner {
     leaders: StdMutex<BTreeMap<PluginKey, leader::Seen>>,
     running: std::sync::atomic::AtomicBool,
     metrics: Option<Arc<crate::metrics::Metrics>>,
+    /// Unix seconds this daemon's cluster handle was made (the presence's `started_at`).
+    started_at: u64,
 }
 
 #[derive(Clone, Debug)]
@@ -306,6 +312,8 @@ struct Session {
     fenced: Vec<String>,
     released_after_fence: Vec<String>,
     lease_losses: u64,
+    /// The node key's value as last written with the current lease.
+    presence: Option<NodeInfo>,
 }
 
 fn now_unix() -> u64 {
@@ -348,14 +356,14 @@ impl Cluster {
                 None => store.clone(),
             }
         };
-        let leader_store = measured("leader_");
+        let background_store = measured("background_");
         let store = measured("");
         Cluster {
             inner: Arc::new(Inner {
                 keys: Keys::new(&options.name),
                 options,
                 store,
-                leader_store,
+                background_store,
                 instance_id: identity.instance_id,
                 joined_cluster_id: StdMutex::new(identity.etcd_cluster_id),
                 remember_cluster_id,
@@ -370,11 +378,13 @@ impl Cluster {
                     fenced: Vec::new(),
                     released_after_fence: Vec::new(),
                     lease_losses: 0,
+                    presence: None,
                 }),
                 plugins: StdMutex::new(Vec::new()),
                 leaders: StdMutex::new(BTreeMap::new()),
                 running: std::sync::atomic::AtomicBool::new(false),
                 metrics,
+                started_at: now_unix(),
             }),
         }
     }
@@ -556,9 +566,59 @@ impl Cluster {
         self.forget_leadership(None);
     }
 
+    /// This node's presence value: its plugins and what each answered to NodeGetInfo so far.
+    fn presence(&self) -> NodeInfo {
+        let plugins = self.plugins();
+        let name = |p: &Arc<dyn ClusterPlugin>| {
+            let key = p.plugin_key();
+            format!("{}/{}", key.plugin_type, key.plugin_name)
+        };
+        NodeInfo {
+            schema: SCHEMA,
+            node: self.inner.options.node.clone(),
+            instance_id: self.inner.instance_id.clone(),
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+            started_at: self.inner.started_at,
+            plugins: plugins.iter().map(name).collect(),
+            csi: plugins
+                .iter()
+                .filter_map(|p| Some((name(p), p.csi_node()?)))
+                .collect(),
+        }
+    }
+
+    /// Writes the node's presence again when it changed since the join (a plugin answered
+    /// NodeGetInfo for the first time): under the lease, unless the node was fenced meanwhile.
+    async fn refresh_presence(&self) {
+        let (lease, written) = {
+            let session = lock(&self.inner.session);
+            (session.lease, session.presence.clone())
+        };
+        let Some(lease) = lease else {
+            return;
+        };
+        let presence = self.presence();
+        if written.as_ref() == Some(&presence) {
+            return;
+        }
+        let node = &self.inner.options.node;
+        let put = self.inner.background_store.write(Guarded {
+            when: vec![(self.inner.keys.fence(node), 0)],
+            then: vec![WriteOp::Put {
+                key: self.inner.keys.node(node),
+                value: encode(&presence),
+                lease: Some(lease),
+            }],
+        });
+        if let Ok(Some(_)) = put.await {
+            self.set_session(|s| s.presence = Some(presence));
+        }
+    }
+
     /// Refreshes the members and fences in the snapshot, and frees fenced nodes' volumes
     /// through this daemon's plugins.
     async fn look_around(&self) {
+        self.refresh_presence().await;
         if let Ok(read) = self.inner.store.list(self.inner.keys.nodes()).await {
             let members = read
                 .kvs
@@ -688,21 +748,8 @@ impl Cluster {
                 return Err(JoinFailure::Retry("the fence changed meanwhile".to_owned()));
             }
         }
-        let info = encode(&NodeInfo {
-            schema: SCHEMA,
-            node: node.clone(),
-            instance_id: self.inner.instance_id.clone(),
-            version: env!("CARGO_PKG_VERSION").to_owned(),
-            started_at: now_unix(),
-            plugins: self
-                .plugins()
-                .iter()
-                .map(|p| {
-                    let key = p.plugin_key();
-                    format!("{}/{}", key.plugin_type, key.plugin_name)
-                })
-                .collect(),
-        });
+        let presence = self.presence();
+        let info = encode(&presence);
         let node_key = keys.node(&node);
         let fence_key = keys.fence(&node);
         let present = store
@@ -727,6 +774,7 @@ impl Cluster {
             s.reason = None;
             s.lease = Some(lease);
             s.valid_until = Some(granted + Duration::from_secs(ttl as u64));
+            s.presence = Some(presence);
         });
         // In its own task: the sweep waits on volumes' locks, and an operation holding one
         // may wait on etcd through this very session (a step handed to the leader), whose

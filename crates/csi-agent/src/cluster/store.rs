@@ -88,8 +88,9 @@ pub trait ClusterStore: Send + Sync + std::fmt::Debug {
 pub struct Measured {
     pub store: std::sync::Arc<dyn ClusterStore>,
     pub metrics: std::sync::Arc<crate::metrics::Metrics>,
-    /// Put before each `op` label: `leader_` for the election's and the leader's polling,
-    /// so that they are told apart from the calls of publishes and unpublishes.
+    /// Put before each `op` label: `background_` for the session's background calls (the
+    /// controller election, the leader's polling, the presence's refresh), so that they are
+    /// told apart from the calls of publishes and unpublishes.
     pub prefix: &'static str,
 }
 

@@ -511,6 +511,24 @@ impl ClusterPlugin for ClusterVolumes {
         })
     }
 
+    fn csi_node(&self) -> Option<crate::cluster::keys::CsiNode> {
+        let manager = &self.0;
+        let info = manager.learned_node_info();
+        let node_id = manager
+            .inner
+            .config
+            .node_id
+            .clone()
+            .or_else(|| info.as_ref().map(|i| i.node_id.clone()))
+            .filter(|id| !id.is_empty())?;
+        Some(crate::cluster::keys::CsiNode {
+            node_id,
+            topology: info
+                .and_then(|i| i.accessible_topology.clone())
+                .unwrap_or_default(),
+        })
+    }
+
     fn wants_leadership(&self) -> BoxFuture<'_, bool> {
         Box::pin(async move {
             let manager = &self.0;

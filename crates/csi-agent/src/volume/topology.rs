@@ -105,6 +105,11 @@ impl VolumeManager {
         lock(&self.inner.learned).node_info.clone()
     }
 
+    /// What NodeGetInfo answered, if it was asked already (never asks).
+    pub fn learned_node_info(&self) -> Option<Arc<NodeInfo>> {
+        lock(&self.inner.learned).node_info.clone()
+    }
+
     /// NodeGetInfo and GetPluginCapabilities, asked once per plugin configuration (retried
     /// while the plugin is unavailable, until `deadline`).
     pub async fn node_info(&self, deadline: Instant) -> Result<Arc<NodeInfo>, VolumeError> {

@@ -45,6 +45,15 @@ fn status_info(s: cluster::ClusterStatus) -> api::ClusterStatus {
                 version: m.version,
                 started_at_unix: m.started_at,
                 plugins: m.plugins,
+                csi_nodes: m
+                    .csi
+                    .into_iter()
+                    .map(|(plugin, csi)| api::ClusterCsiNode {
+                        plugin,
+                        node_id: csi.node_id,
+                        topology: csi.topology,
+                    })
+                    .collect(),
             })
             .collect(),
         fenced: s.fenced,
@@ -277,6 +286,14 @@ mod tests {
                 version: "0.1.0".to_owned(),
                 started_at: 3,
                 plugins: vec!["org.example.nfs/default".to_owned()],
+                csi: [(
+                    "org.example.nfs/default".to_owned(),
+                    cluster::keys::CsiNode {
+                        node_id: "node-2".to_owned(),
+                        topology: [("zone".to_owned(), "a".to_owned())].into(),
+                    },
+                )]
+                .into(),
             }],
             fenced: vec!["n3".to_owned()],
             released_after_fence: vec!["v9".to_owned()],
@@ -301,6 +318,11 @@ mod tests {
                 version: "0.1.0".to_owned(),
                 started_at_unix: 3,
                 plugins: vec!["org.example.nfs/default".to_owned()],
+                csi_nodes: vec![api::ClusterCsiNode {
+                    plugin: "org.example.nfs/default".to_owned(),
+                    node_id: "node-2".to_owned(),
+                    topology: [("zone".to_owned(), "a".to_owned())].into(),
+                }],
             }]
         );
         assert_eq!(status.fenced, ["n3"]);
