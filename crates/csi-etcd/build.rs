@@ -19,7 +19,11 @@ fn main() -> Result<(), Box<dyn Error>> {
 
     let fds = protox::compile([ROOT_PROTO], [&proto_root])?;
     for file in &fds.file {
-        if let Some(name) = &file.name {
+        // Only files on disk: protox supplies google/protobuf/*.proto itself, and a path
+        // that does not exist makes cargo rebuild this crate (and all above it) every time.
+        if let Some(name) = &file.name
+            && proto_root.join(name).exists()
+        {
             println!("cargo:rerun-if-changed={}", proto_root.join(name).display());
         }
     }
