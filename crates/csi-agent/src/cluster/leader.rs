@@ -262,32 +262,35 @@ impl Cluster {
             }
             for plugin in self.plugins() {
                 let key = plugin.plugin_key();
-                let seen = lock(&self.inner.leaders).contains_key(&key);
-                if !seen || tick.is_multiple_of(CAMPAIGN_EVERY) {
-                    let stands = plugin.wants_leadership().await;
-                    if let Err(err) = self.campaign(&key, stands).await {
-                        tracing::debug!(plugin = %key.plugin_type, error = %err, "leader key not read");
-                    }
-                }
-                let Some(leadership) = self.leadership(&key) else {
-                    continue;
-                };
+                // One task per plugin at a time, so that a plugin slow to start or to answer
+                // delays only its own election and work.
                 if !lock(&serving).insert(key.clone()) {
                     continue;
                 }
+                let seen = lock(&self.inner.leaders).contains_key(&key);
+                let campaign = !seen || tick.is_multiple_of(CAMPAIGN_EVERY);
+                let cluster = self.clone();
                 let serving = serving.clone();
                 let failing = failing.clone();
                 tokio::spawn(async move {
-                    match plugin.serve(leadership).await {
-                        Ok(()) => {
-                            lock(&failing).remove(&key);
+                    if campaign {
+                        let stands = plugin.wants_leadership().await;
+                        if let Err(err) = cluster.campaign(&key, stands).await {
+                            tracing::debug!(plugin = %key.plugin_type, error = %err, "leader key not read");
                         }
-                        // Warned once per run of failures: it is tried every SERVE_EVERY.
-                        Err(err) if lock(&failing).insert(key.clone()) => {
-                            tracing::warn!(plugin = %key.plugin_type, error = %err, "controller leader: pending work not done; trying again");
-                        }
-                        Err(err) => {
-                            tracing::debug!(plugin = %key.plugin_type, error = %err, "controller leader: pending work not done; trying again");
+                    }
+                    if let Some(leadership) = cluster.leadership(&key) {
+                        match plugin.serve(leadership).await {
+                            Ok(()) => {
+                                lock(&failing).remove(&key);
+                            }
+                            // Warned once per run of failures: it is tried every SERVE_EVERY.
+                            Err(err) if lock(&failing).insert(key.clone()) => {
+                                tracing::warn!(plugin = %key.plugin_type, error = %err, "controller leader: pending work not done; trying again");
+                            }
+                            Err(err) => {
+                                tracing::debug!(plugin = %key.plugin_type, error = %err, "controller leader: pending work not done; trying again");
+                            }
                         }
                     }
                     lock(&serving).remove(&key);

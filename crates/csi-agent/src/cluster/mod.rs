@@ -235,7 +235,11 @@ pub trait ClusterPlugin: Send + Sync + std::fmt::Debug {
     /// The plugin's NodeGetInfo on this node if it was asked already (never asks: plugins
     /// start on first use).
     fn csi_node(&self) -> Option<keys::CsiNode>;
-    /// Whether this daemon stands for the plugin's controller leader: its plugin has the
+    /// Whether the plugin has the ControllerPublish step, if its capabilities are known
+    /// (never asks: the session's own loop must not wait on a plugin).
+    fn controller_step_known(&self) -> Option<bool>;
+    /// Whether this daemon stands for the plugin's controller leader (asks the plugin's
+    /// capabilities, starting it if need be: a leader serves other nodes' steps): its plugin has the
     /// ControllerPublish step (docs/cluster.md, "One controller per plugin").
     fn wants_leadership(&self) -> BoxFuture<'_, bool>;
     /// As the plugin's leader: does the controller work other nodes asked for (ControllerPublish
@@ -646,9 +650,11 @@ impl Cluster {
             }
             for plugin in self.plugins() {
                 // Only the leader frees a plugin with a controller step: the others would
-                // list the plugin's volumes for nothing.
+                // list the plugin's volumes for nothing. Never waits on a plugin here: the
+                // keepalives come from this loop.
                 let key = plugin.plugin_key();
-                if self.leadership(&key).is_none() && plugin.wants_leadership().await {
+                if self.leadership(&key).is_none() && plugin.controller_step_known() != Some(false)
+                {
                     continue;
                 }
                 let report = plugin.free_fenced(&node).await;

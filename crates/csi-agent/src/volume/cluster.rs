@@ -529,6 +529,12 @@ impl ClusterPlugin for ClusterVolumes {
         })
     }
 
+    fn controller_step_known(&self) -> Option<bool> {
+        self.0
+            .learned_caps()
+            .map(|caps| caps.lifecycle().controller_publish)
+    }
+
     fn wants_leadership(&self) -> BoxFuture<'_, bool> {
         Box::pin(async move {
             let manager = &self.0;

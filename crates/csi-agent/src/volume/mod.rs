@@ -1718,6 +1718,11 @@ impl VolumeManager {
     }
 
     /// What the plugin advertises, asked once (and retried while it is unavailable).
+    /// The capabilities as learned so far (never asks the plugin).
+    fn learned_caps(&self) -> Option<Arc<Advertised>> {
+        lock(&self.inner.learned).caps.clone()
+    }
+
     async fn caps(&self, deadline: Instant) -> Result<Arc<Advertised>, VolumeError> {
         let generation = {
             let learned = lock(&self.inner.learned);
