@@ -253,6 +253,10 @@ impl Cluster {
     pub(super) async fn run_leadership(self) {
         let serving: Arc<StdMutex<BTreeSet<PluginKey>>> = Arc::default();
         let failing: Arc<StdMutex<BTreeSet<PluginKey>>> = Arc::default();
+        // The plugins whose leader key was read once: after that, once a CAMPAIGN_EVERY (a
+        // plugin nobody stands for, one without a controller step, would otherwise be read
+        // every SERVE_EVERY).
+        let mut looked: BTreeSet<PluginKey> = BTreeSet::new();
         let mut tick: u64 = 0;
         loop {
             tokio::time::sleep(SERVE_EVERY).await;
@@ -267,8 +271,7 @@ impl Cluster {
                 if !lock(&serving).insert(key.clone()) {
                     continue;
                 }
-                let seen = lock(&self.inner.leaders).contains_key(&key);
-                let campaign = !seen || tick.is_multiple_of(CAMPAIGN_EVERY);
+                let campaign = looked.insert(key.clone()) || tick.is_multiple_of(CAMPAIGN_EVERY);
                 let cluster = self.clone();
                 let serving = serving.clone();
                 let failing = failing.clone();
