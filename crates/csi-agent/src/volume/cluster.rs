@@ -316,7 +316,7 @@ impl VolumeManager {
 
     /// ControllerUnpublish of a volume from `csi_node_id` (never empty: an empty node id
     /// asks to unpublish from every node).
-    async fn detach_from(
+    pub(super) async fn detach_from(
         &self,
         volume_id: &str,
         csi_node_id: &str,

@@ -208,6 +208,12 @@ impl VolumeManager {
                 work.node
             )));
         }
+        if work.entry.state == EntryState::NodeDetached {
+            self.detach_from(volume_id, &work.entry.csi_node_id)
+                .await
+                .map_err(VolumeError::Plugin)?;
+            return Ok(Settle::Detached);
+        }
         let client = self
             .inner
             .endpoints
@@ -215,17 +221,6 @@ impl VolumeManager {
             .await
             .map_err(VolumeError::Plugin)?;
         let _step = self.inner.steps.read().await;
-        if work.entry.state == EntryState::NodeDetached {
-            client
-                .controller_unpublish_volume(v1::ControllerUnpublishVolumeRequest {
-                    volume_id: volume_id.to_owned(),
-                    node_id: work.entry.csi_node_id.clone(),
-                    ..Default::default()
-                })
-                .await
-                .map_err(VolumeError::Plugin)?;
-            return Ok(Settle::Detached);
-        }
         let response = client
             .controller_publish_volume(v1::ControllerPublishVolumeRequest {
                 volume_id: volume_id.to_owned(),
