@@ -859,6 +859,19 @@ impl Activity {
 /// A request being served; dropping it (done or cancelled) ends it.
 struct InFlight(Arc<Activity>);
 
+/// The connection a request came on, in the request's extensions, so that a refused body's
+/// drain ([`linger`]) counts as that connection's work.
+#[derive(Clone)]
+struct ConnectionActivity(Arc<Activity>);
+
+/// A request in flight on the connection of the request with these `extensions`, for work that
+/// outlives its handler.
+fn still_busy(extensions: &axum::http::Extensions) -> Option<InFlight> {
+    extensions
+        .get::<ConnectionActivity>()
+        .map(|connection| connection.0.request_started())
+}
+
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.update(|phase| match phase {
@@ -944,9 +957,12 @@ impl hyper::service::Service<hyper::Request<Incoming>> for Tracked {
     type Error = Infallible;
     type Future = Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Send>>;
 
-    fn call(&self, request: hyper::Request<Incoming>) -> Self::Future {
+    fn call(&self, mut request: hyper::Request<Incoming>) -> Self::Future {
         use tower::ServiceExt;
         let in_flight = self.activity.request_started();
+        request
+            .extensions_mut()
+            .insert(ConnectionActivity(Arc::clone(&self.activity)));
         if !self.admission.admit_request() {
             let refused = over_capacity(self.admission.max_connections);
             return Box::pin(async move {
@@ -1047,7 +1063,8 @@ async fn guard_request(State(limits): State<Limits>, request: Request, next: Nex
         && len > MAX_BODY_BYTES as u64
     {
         if len <= MAX_BODY_BYTES as u64 + MAX_DRAIN_BYTES {
-            linger(request.into_body().into_data_stream(), body_timeout);
+            let busy = still_busy(request.extensions());
+            linger(request.into_body().into_data_stream(), body_timeout, busy);
         }
         return too_large();
     }
@@ -1076,7 +1093,7 @@ async fn guard_request(State(limits): State<Limits>, request: Request, next: Nex
             next.run(request).await
         }
         Ok(Ok(None)) => {
-            linger(stream, body_timeout);
+            linger(stream, body_timeout, still_busy(&parts.extensions));
             too_large()
         }
         Ok(Err(err)) => refusal(
@@ -1098,9 +1115,12 @@ async fn guard_request(State(limits): State<Limits>, request: Request, next: Nex
 /// close): a client sends its whole body before it reads the answer, so one whose connection
 /// closed while it still sends would read a broken pipe instead of the refusal. Past the bound
 /// (or the time) the connection is closed on it; nothing read is kept either way, and the
-/// connection cap bounds how many linger.
-fn linger(mut stream: axum::body::BodyDataStream, timeout: Duration) {
+/// connection cap bounds how many linger. `busy` keeps the connection's request in flight until
+/// then, so that the wait for the next request's head (`--header-timeout-ms`, shorter) does not
+/// cut the drain.
+fn linger(mut stream: axum::body::BodyDataStream, timeout: Duration, busy: Option<InFlight>) {
     tokio::spawn(async move {
+        let _busy = busy;
         let _ = tokio::time::timeout(timeout, async {
             let mut dropped: u64 = 0;
             while dropped <= MAX_DRAIN_BYTES {
@@ -1128,7 +1148,12 @@ async fn guard_upload(
         // is read and dropped first, so that it reads this answer, not a broken pipe. Past
         // that bound the connection is just closed on it (nothing is kept either way).
         if declared.is_some_and(|len| len <= upload.max_bytes.saturating_add(MAX_DRAIN_BYTES)) {
-            linger(request.into_body().into_data_stream(), limits_body_timeout);
+            let busy = still_busy(request.extensions());
+            linger(
+                request.into_body().into_data_stream(),
+                limits_body_timeout,
+                busy,
+            );
         }
         return refusal(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -1401,6 +1426,47 @@ mod tests {
             .unwrap();
         assert_eq!(n, 0);
         assert!(started.elapsed() >= Duration::from_millis(150));
+        served.abort();
+    }
+
+    /// A body refused by its declared size is drained after the answer; the drain may take
+    /// longer than the header timeout (a slow sender, a loaded machine) and must not be cut by
+    /// it, or the client, still sending, reads a broken pipe instead of the 413.
+    #[tokio::test]
+    async fn a_refused_body_is_drained_past_the_header_timeout() {
+        let (mut client, server) = tokio::io::duplex(64 * 1024);
+        let script = Scripted(VecDeque::from([Ok(server)]));
+        let limits = Limits {
+            header_timeout: Duration::from_millis(200),
+            ..Limits::default()
+        };
+        let (_stop, stopped) = watch::channel(false);
+        let app = guard(
+            Router::new().route("/echo", axum::routing::post(|| async { "never" })),
+            &limits,
+        );
+        let served = tokio::spawn(serve(script, "test", app, limits, stopped));
+        let length = MAX_BODY_BYTES + 256 * 1024;
+        let head = format!(
+            "POST /echo HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+             content-length: {length}\r\n\r\n"
+        );
+        client.write_all(head.as_bytes()).await.unwrap();
+        // The body in ten slices over ~1 s: five times the header timeout.
+        let slice = vec![b' '; length / 10];
+        for _ in 0..10 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            client
+                .write_all(&slice)
+                .await
+                .expect("the connection stays open while the refused body drains");
+        }
+        let mut answer = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(5), client.read_to_end(&mut answer))
+            .await
+            .expect("closed within 5 s");
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
         served.abort();
     }
 
