@@ -74,6 +74,10 @@ pub enum EtcdError {
     /// etcd answered, but the answer says it refused (e.g. `LeaseGrant`'s `error` field).
     #[error("etcd {op} was refused: {message}")]
     Refused { op: &'static str, message: String },
+    /// A watch is over: etcd cancelled it (e.g. its start revision was compacted) or closed its
+    /// stream. Read what is current and watch again.
+    #[error("etcd watch at {endpoint} ended: {reason}")]
+    WatchEnded { endpoint: String, reason: String },
 }
 
 impl EtcdError {

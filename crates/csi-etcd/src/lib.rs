@@ -28,12 +28,14 @@
 //! | `Lease/LeaseRevoke` | `ID` | — |
 //! | `Maintenance/Status` | — | `header` (`cluster_id`, `member_id`, `revision`), `version`, `dbSize`, `leader`, `raftTerm` |
 //! | `Cluster/MemberList` | — | `members` (`ID`, `name`, `clientURLs`) |
+//! | `Watch/Watch` (one watch per stream, kept open) | `create_request` (`key`, `range_end`, `start_revision`) | `created`, `canceled`, `compact_revision`, `cancel_reason`, `events` (`type`, `kv`) |
 //! | `Auth/Authenticate` (only with [`ConnectOptions::user`]) | `name`, `password` | `token` |
 //!
 //! `ResponseHeader` fields read: `cluster_id`, `member_id`, `revision`, `raft_term`; `KeyValue`:
 //! all six (`key`, `create_revision`, `mod_revision`, `version`, `value`, `lease`).
 //!
-//! **Watch is not built**: nothing uses it yet.
+//! A watch ([`Client::watch`]) is opened like a read (failover until one member confirms
+//! it); once open it stays on that member until it ends, and the caller opens another.
 //!
 //! # Endpoints, failover and bounds
 //!
@@ -65,6 +67,7 @@ mod error;
 )]
 mod pb;
 mod txn;
+mod watch;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -82,6 +85,7 @@ use rpc::kv_client::KvClient;
 use rpc::lease_client::LeaseClient;
 use rpc::maintenance_client::MaintenanceClient;
 pub use txn::{Compare, CompareOp, Txn, TxnOp, TxnResponse, TxnResult};
+pub use watch::{Watch, WatchEvent};
 
 /// The encoded `FileDescriptorSet` of the vendored protos this client is generated from: the
 /// test `tests/etcd34_protos.rs` compares every field used with etcd 3.4's own.

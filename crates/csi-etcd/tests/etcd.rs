@@ -191,6 +191,71 @@ async fn a_leased_key_lives_while_kept_alive_and_goes_when_the_lease_does() {
 }
 
 /// The index (in `urls`) of the member every member names as leader.
+/// The next changes of `watch`, within 5 s.
+async fn next(watch: &mut csi_etcd::Watch) -> Vec<csi_etcd::WatchEvent> {
+    tokio::time::timeout(Duration::from_secs(5), watch.changes())
+        .await
+        .expect("a change within 5 s")
+        .unwrap()
+}
+
+/// A watch sees the puts and deletes under its prefix (and nothing beside it), replays from a
+/// past revision, and ends with an error, not a hang, when its member dies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_sees_changes_under_its_prefix_and_ends_when_its_member_dies() {
+    use csi_etcd::WatchEvent;
+    let mut etcd = EtcdCluster::start(1);
+    let c = client(etcd.client_urls(), Duration::from_secs(2)).await;
+    let before = c.put(b"/w/a", b"1", None).await.unwrap();
+
+    let mut watch = c.watch(b"/w/", true, 0).await.unwrap();
+    c.put(b"/x/beside", b"1", None).await.unwrap();
+    let put = c.put(b"/w/b", b"2", None).await.unwrap();
+    match next(&mut watch).await.as_slice() {
+        [WatchEvent::Put(kv)] => {
+            assert_eq!(
+                (kv.key.as_slice(), kv.value.as_slice()),
+                (&b"/w/b"[..], &b"2"[..])
+            );
+            assert_eq!(kv.mod_revision, put);
+        }
+        other => panic!("expected the put of /w/b alone: {other:?}"),
+    }
+    c.delete(b"/w/a").await.unwrap();
+    assert!(
+        matches!(next(&mut watch).await.as_slice(), [WatchEvent::Delete(kv)] if kv.key == b"/w/a"),
+        "the delete of /w/a"
+    );
+
+    // From a past revision: the changes since then, in order (one key's watch).
+    let mut replay = c.watch(b"/w/a", false, before).await.unwrap();
+    let events = next(&mut replay).await;
+    assert!(matches!(events.first(), Some(WatchEvent::Put(kv)) if kv.mod_revision == before));
+    let all = if events.len() == 2 {
+        events
+    } else {
+        [events, next(&mut replay).await].concat()
+    };
+    assert!(
+        matches!(all.as_slice(), [WatchEvent::Put(_), WatchEvent::Delete(_)]),
+        "{all:?}"
+    );
+
+    // Its member gone: the watch ends with an error (the caller reads and watches again).
+    etcd.kill(0);
+    let ended = tokio::time::timeout(Duration::from_secs(10), watch.changes())
+        .await
+        .expect("the watch ends within 10 s of its member's death");
+    let err = ended.unwrap_err();
+    assert!(
+        err.is_unavailable() || matches!(err, csi_etcd::EtcdError::WatchEnded { .. }),
+        "{err}"
+    );
+    // And no new watch opens while nobody answers.
+    let err = c.watch(b"/w/", true, 0).await.unwrap_err();
+    assert!(err.is_unavailable(), "{err}");
+}
+
 async fn leader_index(c: &Client, urls: &[String]) -> usize {
     let mut statuses = Vec::new();
     for url in urls {

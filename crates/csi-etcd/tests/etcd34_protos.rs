@@ -61,6 +61,23 @@ const FIELDS: &[(&str, &[&str])] = &[
     ("Member", &["ID", "name", "clientURLs"]),
     ("AuthenticateRequest", &["name", "password"]),
     ("AuthenticateResponse", &["token"]),
+    ("WatchRequest", &["create_request"]),
+    (
+        "WatchCreateRequest",
+        &["key", "range_end", "start_revision"],
+    ),
+    (
+        "WatchResponse",
+        &[
+            "header",
+            "created",
+            "canceled",
+            "compact_revision",
+            "cancel_reason",
+            "events",
+        ],
+    ),
+    ("mvccpb.Event", &["type", "kv"]),
     (
         "mvccpb.KeyValue",
         &[
@@ -86,6 +103,7 @@ const RPCS: &[(&str, &str)] = &[
     ("Maintenance", "Status"),
     ("Cluster", "MemberList"),
     ("Auth", "Authenticate"),
+    ("Watch", "Watch"),
 ];
 
 /// (message, enum, values) sent.
