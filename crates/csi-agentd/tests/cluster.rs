@@ -190,6 +190,18 @@ async fn a_single_node_volume_moves_between_nodes_only_after_its_unpublish() {
     assert!(etcd_entries(&client).await.is_empty());
     assert_eq!(senders(&judge, "ControllerUnpublishVolume", "n2"), ["n1"]);
     judge.assert_no_double_attach();
+
+    // n2 waited for each of the leader's results on a watch of the volume's key, not by
+    // reading it every 10 ms.
+    assert_eq!(etcd_calls(&n2.api(), "watch").await, 2.0);
+    // n1 leads with a watch on the plugin's pending hints (n2's requests woke it); idle, it
+    // lists them once a second, where polling would every 100 ms.
+    assert!(etcd_calls(&n1.api(), "background_watch").await >= 1.0);
+    let lists = etcd_calls(&n1.api(), "background_list").await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let idle = etcd_calls(&n1.api(), "background_list").await - lists;
+    eprintln!("n1 listed {idle} times in 3 s idle");
+    assert!(idle <= 8.0, "{idle} listings in 3 s idle");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -8,7 +8,7 @@ use std::time::Duration;
 use csi_etcd::{Client, Compare, CompareOp, ConnectOptions, EtcdError, Txn, TxnOp};
 use futures::future::BoxFuture;
 
-use super::store::{ClusterStore, Guarded, Read, StoreError, Versioned, WriteOp};
+use super::store::{Changes, ClusterStore, Guarded, Read, StoreError, Versioned, WriteOp};
 
 /// Most keys one listing returns; a cluster with more volumes per plugin than this is
 /// listed partly (and says so in the log).
@@ -140,5 +140,30 @@ impl ClusterStore for EtcdStore {
 
     fn revoke(&self, lease: i64) -> BoxFuture<'_, Result<(), StoreError>> {
         Box::pin(async move { self.client.lease_revoke(lease).await.map_err(store_error) })
+    }
+
+    fn watch(
+        &self,
+        key: Vec<u8>,
+        prefix: bool,
+        from_revision: i64,
+    ) -> BoxFuture<'_, Result<Box<dyn Changes>, StoreError>> {
+        Box::pin(async move {
+            let watch = self
+                .client
+                .watch(&key, prefix, from_revision)
+                .await
+                .map_err(store_error)?;
+            Ok(Box::new(EtcdChanges(watch)) as Box<dyn Changes>)
+        })
+    }
+}
+
+/// An etcd watch as [`Changes`]: the events themselves are dropped (the waiter reads).
+struct EtcdChanges(csi_etcd::Watch);
+
+impl Changes for EtcdChanges {
+    fn changed(&mut self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(async move { self.0.changes().await.map(drop).map_err(store_error) })
     }
 }

@@ -11,7 +11,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex as StdMutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
@@ -22,11 +22,28 @@ use super::keys::{
 use super::store::{Guarded, WriteOp};
 use super::{Change, Cluster, ClusterError, lock, now_unix};
 
-/// How often the leader looks for pending work (etcd 3.4's API has watches; this build
-/// polls one small prefix instead, which bounds a handed-over step's added latency).
+/// How often the leader looks for pending work while etcd would not watch it for it (and
+/// how often the leadership loop runs).
 const SERVE_EVERY: Duration = Duration::from_millis(100);
-/// Every how many serve periods a daemon reads (and, when free, takes) the leader key.
-const CAMPAIGN_EVERY: u64 = 10;
+/// How often it looks anyway while its watch wakes it on every new hint: a watch whose stream
+/// silently stalled costs this much, never the work.
+const WATCHED_SERVE_EVERY: Duration = Duration::from_secs(1);
+/// How often a daemon reads (and, when free, takes) a plugin's leader key.
+const CAMPAIGN_EVERY: Duration = Duration::from_secs(1);
+
+/// The leadership loop's per-plugin bookkeeping, under one lock so that a task's "nothing
+/// more to serve" and a watcher's "a hint arrived" cannot pass each other.
+#[derive(Debug, Default)]
+struct Lanes {
+    /// A task runs for the plugin (its campaign, its work).
+    serving: BTreeSet<PluginKey>,
+    /// A hint was written since its last look.
+    dirty: BTreeSet<PluginKey>,
+    /// Its pending hints are watched (while this node leads it).
+    watching: BTreeSet<PluginKey>,
+    /// Its last look failed (warned once per run of failures).
+    failing: BTreeSet<PluginKey>,
+}
 
 /// This node's leadership of one plugin's controller: the leader key and the revision it
 /// was created at. A write conditioned on it fails once the key is gone or re-created.
@@ -249,32 +266,62 @@ impl Cluster {
     /// The session's second task: every daemon reads each cluster plugin's leader key, a
     /// daemon whose plugin has the controller step stands for it, and a leader serves its
     /// plugin's pending work (one task per plugin at a time: one plugin never waits on
-    /// another's RPCs).
+    /// another's RPCs). A leader watches its plugin's pending hints and serves as soon as one
+    /// is written; it also looks every SERVE_EVERY while it has no watch, and every
+    /// WATCHED_SERVE_EVERY while it has one.
     pub(super) async fn run_leadership(self) {
-        let serving: Arc<StdMutex<BTreeSet<PluginKey>>> = Arc::default();
-        let failing: Arc<StdMutex<BTreeSet<PluginKey>>> = Arc::default();
-        // The plugins whose leader key was read once: after that, once a CAMPAIGN_EVERY (a
-        // plugin nobody stands for, one without a controller step, would otherwise be read
-        // every SERVE_EVERY).
-        let mut looked: BTreeSet<PluginKey> = BTreeSet::new();
-        let mut tick: u64 = 0;
+        let lanes: Arc<StdMutex<Lanes>> = Arc::default();
+        let wake = Arc::new(tokio::sync::Notify::new());
+        let mut campaigned: BTreeMap<PluginKey, Instant> = BTreeMap::new();
+        let mut served: BTreeMap<PluginKey, Instant> = BTreeMap::new();
         loop {
-            tokio::time::sleep(SERVE_EVERY).await;
-            tick = tick.wrapping_add(1);
+            tokio::select! {
+                () = tokio::time::sleep(SERVE_EVERY) => {}
+                () = wake.notified() => {}
+            }
             if lock(&self.inner.session).lease.is_none() {
                 continue;
             }
+            let now = Instant::now();
             for plugin in self.plugins() {
                 let key = plugin.plugin_key();
-                // One task per plugin at a time, so that a plugin slow to start or to answer
-                // delays only its own election and work.
-                if !lock(&serving).insert(key.clone()) {
-                    continue;
+                // The leader key is read at the first look and then every CAMPAIGN_EVERY (a
+                // plugin nobody stands for, one without a controller step, would otherwise be
+                // read every SERVE_EVERY).
+                let campaign = campaigned
+                    .get(&key)
+                    .is_none_or(|at| now.duration_since(*at) >= CAMPAIGN_EVERY);
+                {
+                    let mut lanes = lock(&lanes);
+                    // One task per plugin at a time, so that a plugin slow to start or to
+                    // answer delays only its own election and work. A hint written meanwhile
+                    // stays marked for that task to serve.
+                    if lanes.serving.contains(&key) {
+                        continue;
+                    }
+                    let poll_every = if lanes.watching.contains(&key) {
+                        WATCHED_SERVE_EVERY
+                    } else {
+                        SERVE_EVERY
+                    };
+                    let poll = served
+                        .get(&key)
+                        .is_none_or(|at| now.duration_since(*at) >= poll_every);
+                    let woken = lanes.dirty.remove(&key);
+                    if !(campaign || woken || poll) {
+                        continue;
+                    }
+                    if woken || poll {
+                        served.insert(key.clone(), now);
+                    }
+                    lanes.serving.insert(key.clone());
                 }
-                let campaign = looked.insert(key.clone()) || tick.is_multiple_of(CAMPAIGN_EVERY);
+                if campaign {
+                    campaigned.insert(key.clone(), now);
+                }
                 let cluster = self.clone();
-                let serving = serving.clone();
-                let failing = failing.clone();
+                let lanes = lanes.clone();
+                let wake = wake.clone();
                 tokio::spawn(async move {
                     if campaign {
                         let stands = plugin.wants_leadership().await;
@@ -282,24 +329,91 @@ impl Cluster {
                             tracing::debug!(plugin = %key.plugin_type, error = %err, "leader key not read");
                         }
                     }
-                    if let Some(leadership) = cluster.leadership(&key) {
+                    loop {
+                        let Some(leadership) = cluster.leadership(&key) else {
+                            lock(&lanes).serving.remove(&key);
+                            return;
+                        };
+                        if lock(&lanes).watching.insert(key.clone()) {
+                            tokio::spawn(cluster.clone().watch_pending(
+                                key.clone(),
+                                lanes.clone(),
+                                wake.clone(),
+                            ));
+                        }
                         match plugin.serve(leadership).await {
                             Ok(()) => {
-                                lock(&failing).remove(&key);
+                                lock(&lanes).failing.remove(&key);
                             }
-                            // Warned once per run of failures: it is tried every SERVE_EVERY.
-                            Err(err) if lock(&failing).insert(key.clone()) => {
+                            // Warned once per run of failures: it is tried again soon.
+                            Err(err) if lock(&lanes).failing.insert(key.clone()) => {
                                 tracing::warn!(plugin = %key.plugin_type, error = %err, "controller leader: pending work not done; trying again");
                             }
                             Err(err) => {
                                 tracing::debug!(plugin = %key.plugin_type, error = %err, "controller leader: pending work not done; trying again");
                             }
                         }
+                        // A hint written while it served: serve again at once (checked and
+                        // released under one lock, so a hint is never left unserved).
+                        let mut lanes = lock(&lanes);
+                        if !lanes.dirty.remove(&key) {
+                            lanes.serving.remove(&key);
+                            return;
+                        }
                     }
-                    lock(&serving).remove(&key);
                 });
             }
         }
+    }
+
+    /// While this node leads `plugin`: a watch of its pending hints, marking the plugin dirty
+    /// and waking the leadership loop on every change. A watch that ends is opened again
+    /// after a pause; without one, the loop polls.
+    async fn watch_pending(
+        self,
+        plugin: PluginKey,
+        lanes: Arc<StdMutex<Lanes>>,
+        wake: Arc<tokio::sync::Notify>,
+    ) {
+        let prefix = self.inner.keys.pending_of(&plugin);
+        let mark = || {
+            lock(&lanes).dirty.insert(plugin.clone());
+            wake.notify_one();
+        };
+        while self.leadership(&plugin).is_some() {
+            let mut changes = match self
+                .inner
+                .background_store
+                .watch(prefix.clone(), true, 0)
+                .await
+            {
+                Ok(changes) => changes,
+                Err(err) => {
+                    tracing::debug!(plugin = %plugin.plugin_type, error = %err, "pending hints not watched; polling");
+                    tokio::time::sleep(WATCHED_SERVE_EVERY).await;
+                    continue;
+                }
+            };
+            // Hints written before the watch was in place: one look now.
+            mark();
+            loop {
+                tokio::select! {
+                    changed = changes.changed() => match changed {
+                        Ok(()) => mark(),
+                        Err(err) => {
+                            tracing::debug!(plugin = %plugin.plugin_type, error = %err, "watch of pending hints ended");
+                            break;
+                        }
+                    },
+                    () = tokio::time::sleep(WATCHED_SERVE_EVERY) => {
+                        if self.leadership(&plugin).is_none() {
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        lock(&lanes).watching.remove(&plugin);
     }
 
     /// The pending hint a node's request writes with its entry.

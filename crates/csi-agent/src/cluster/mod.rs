@@ -941,6 +941,18 @@ impl Cluster {
         })
     }
 
+    /// Changes to a volume's key from `from_revision` on, for a node waiting for the leader's
+    /// result in its entry.
+    pub async fn watch_volume(
+        &self,
+        plugin: &PluginKey,
+        volume_id: &str,
+        from_revision: i64,
+    ) -> Result<Box<dyn store::Changes>, ClusterError> {
+        let key = self.inner.keys.volume(plugin, volume_id);
+        Ok(self.inner.store.watch(key, false, from_revision).await?)
+    }
+
     /// Takes (or extends) this node's hold on a volume for a workload. One read and, when
     /// anything changes, one compare-and-swap. Nothing is written on a refusal.
     pub async fn claim(

@@ -68,6 +68,16 @@ impl StoreError {
     }
 }
 
+/// Changes to a watched key or prefix. A waiter wakes when something changed and reads what
+/// is current; it never learns the change from here, so a missed or merged event costs only
+/// a wake-up.
+pub trait Changes: Send {
+    /// Resolves when the watched keys changed (at least once since the last call). An error
+    /// means the watch is over: read what is current and watch again. Unbounded: the caller
+    /// waits on it beside its own timer.
+    fn changed(&mut self) -> BoxFuture<'_, Result<(), StoreError>>;
+}
+
 /// The operations cluster mode uses. Every call is bounded by the implementation's request
 /// timeout: a blackholed etcd answers `Unavailable`, never hangs a caller.
 pub trait ClusterStore: Send + Sync + std::fmt::Debug {
@@ -80,6 +90,14 @@ pub trait ClusterStore: Send + Sync + std::fmt::Debug {
     /// The lease's remaining TTL (≤ 0: the lease is gone).
     fn keep_alive(&self, lease: i64) -> BoxFuture<'_, Result<i64, StoreError>>;
     fn revoke(&self, lease: i64) -> BoxFuture<'_, Result<(), StoreError>>;
+    /// Watches `key` (every key under it with `prefix`) from `from_revision` on (0: from now);
+    /// answers once the watch is in place, so no change from then on is missed.
+    fn watch(
+        &self,
+        key: Vec<u8>,
+        prefix: bool,
+        from_revision: i64,
+    ) -> BoxFuture<'_, Result<Box<dyn Changes>, StoreError>>;
 }
 
 /// A store whose every call is timed into `csi_agent_etcd_request_duration_seconds`
@@ -143,5 +161,15 @@ impl ClusterStore for Measured {
 
     fn revoke(&self, lease: i64) -> BoxFuture<'_, Result<(), StoreError>> {
         self.timed("lease_revoke", self.store.revoke(lease))
+    }
+
+    fn watch(
+        &self,
+        key: Vec<u8>,
+        prefix: bool,
+        from_revision: i64,
+    ) -> BoxFuture<'_, Result<Box<dyn Changes>, StoreError>> {
+        // The opening only: what a watch then delivers is not a request.
+        self.timed("watch", self.store.watch(key, prefix, from_revision))
     }
 }

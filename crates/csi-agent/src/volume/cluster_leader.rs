@@ -20,8 +20,11 @@ use crate::cluster::{Also, ClusterError, Leadership, Own};
 use crate::volume::machine::LifecycleCaps;
 use crate::volume::to_hash_map;
 
-/// How often a node waiting for the leader reads its entry.
+/// How often a node waiting for the leader reads its entry when etcd would not watch it.
 const WAIT_EVERY: Duration = Duration::from_millis(10);
+/// How often it reads its entry anyway while a watch wakes it on every change of the key (a
+/// watch whose stream silently stalled costs this much, never the result).
+const WATCHED_WAIT: Duration = Duration::from_secs(1);
 
 impl VolumeManager {
     /// One lifecycle RPC of a drive. A cluster plugin's controller step goes through the
@@ -91,7 +94,7 @@ impl VolumeManager {
             leadership: None,
             ops: vec![cluster.pending_put(plugin, &volume_id)],
         };
-        let (mut own, _) = cluster
+        let (mut own, known) = cluster
             .update_own(
                 plugin,
                 &volume_id,
@@ -108,6 +111,15 @@ impl VolumeManager {
             )
             .await
             .map_err(fail)?;
+        // Woken by the next change of the volume's key (the leader's result is one) instead of
+        // reading it every WAIT_EVERY; without a watch, it reads at that pace.
+        let mut changes = match &known {
+            Some(known) => cluster
+                .watch_volume(plugin, &volume_id, known.revision + 1)
+                .await
+                .ok(),
+            None => None,
+        };
         let step = rpc.name();
         loop {
             match (&own, publish) {
@@ -148,7 +160,18 @@ impl VolumeManager {
                     ),
                 }));
             }
-            tokio::time::sleep(WAIT_EVERY).await;
+            match changes.as_mut() {
+                Some(watch) => {
+                    let until = deadline.min(Instant::now() + WATCHED_WAIT);
+                    tokio::select! {
+                        changed = watch.changed() => if changed.is_err() {
+                            changes = None;
+                        },
+                        () = tokio::time::sleep_until(until.into()) => {}
+                    }
+                }
+                None => tokio::time::sleep(WAIT_EVERY).await,
+            }
             own = cluster
                 .own(plugin, &volume_id, claim_id)
                 .await

@@ -232,6 +232,14 @@ mod tests {
         fn revoke(&self, _: i64) -> BoxFuture<'_, Result<(), StoreError>> {
             Box::pin(std::future::pending())
         }
+        fn watch(
+            &self,
+            _: Vec<u8>,
+            _: bool,
+            _: i64,
+        ) -> BoxFuture<'_, Result<Box<dyn cluster::store::Changes>, StoreError>> {
+            Box::pin(std::future::pending())
+        }
     }
 
     /// What `GET /v1/cluster` answers comes from the session's snapshot: with etcd silent and
