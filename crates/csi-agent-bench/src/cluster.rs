@@ -291,6 +291,18 @@ fn cluster_flags(endpoints: &str, cluster: &str, node: &str) -> Vec<String> {
     .to_vec()
 }
 
+/// Waits (at most 5 s) until no key is under `prefix`.
+async fn settled(etcd: &csi_etcd::Client, prefix: &[u8]) -> anyhow::Result<()> {
+    let until = Instant::now() + Duration::from_secs(5);
+    while !etcd.get_prefix(prefix, 1).await?.kvs.is_empty() {
+        if Instant::now() >= until {
+            bail!("the leader left a pending hint for 5 s");
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    Ok(())
+}
+
 /// etcd's store revision now (a read's header).
 async fn revision(etcd: &csi_etcd::Client) -> anyhow::Result<i64> {
     Ok(etcd
@@ -517,7 +529,13 @@ async fn latency_and_writes(
         for slot in 0..5 {
             match (round + slot) % 5 {
                 0 => s.push(daemon_cycle(&single).await?),
-                3 => h.push(daemon_cycle(&handed).await?),
+                3 => {
+                    h.push(daemon_cycle(&handed).await?);
+                    // The leader deletes a served hint after it wrote the result, so after n2
+                    // has its answer: wait for that write here, or it lands in the next
+                    // publish's count of revisions.
+                    settled(etcd, &Keys::new("bench-latency").all_pending()).await?;
+                }
                 1 => {
                     // Revisions read around each step, outside the timings.
                     let r0 = revision(etcd).await?;

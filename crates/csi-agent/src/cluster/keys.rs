@@ -106,13 +106,21 @@ impl Keys {
     }
 
     pub fn pending_of(&self, plugin: &PluginKey) -> Vec<u8> {
-        format!(
-            "{}pending/{}/{}/",
-            self.prefix,
-            encode_id(&plugin.plugin_type),
-            encode_id(&plugin.plugin_name)
-        )
-        .into_bytes()
+        let mut key = self.all_pending();
+        key.extend_from_slice(
+            format!(
+                "{}/{}/",
+                encode_id(&plugin.plugin_type),
+                encode_id(&plugin.plugin_name)
+            )
+            .as_bytes(),
+        );
+        key
+    }
+
+    /// Every plugin's pending hints.
+    pub fn all_pending(&self) -> Vec<u8> {
+        format!("{}pending/", self.prefix).into_bytes()
     }
 }
 
