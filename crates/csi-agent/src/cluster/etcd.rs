@@ -74,6 +74,7 @@ fn read_of(result: csi_etcd::GetResult) -> Read {
                 key: kv.key,
                 value: kv.value,
                 mod_revision: kv.mod_revision,
+                lease: kv.lease,
             })
             .collect(),
         cluster_id: result.cluster_id,

@@ -20,7 +20,7 @@ use super::keys::{
     encode, key_name,
 };
 use super::store::{Guarded, WriteOp};
-use super::{Change, Cluster, ClusterError, lock, now_unix};
+use super::{Change, Cluster, ClusterError, Known, lock, now_unix};
 
 /// How often the leader looks for pending work while etcd would not watch it for it (and
 /// how often the leadership loop runs).
@@ -30,6 +30,8 @@ const SERVE_EVERY: Duration = Duration::from_millis(100);
 const WATCHED_SERVE_EVERY: Duration = Duration::from_secs(1);
 /// How often a daemon reads (and, when free, takes) a plugin's leader key.
 const CAMPAIGN_EVERY: Duration = Duration::from_secs(1);
+/// Most unreadable keys remembered as already warned about.
+const MAX_WARNED_KEYS: usize = 4096;
 
 /// The leadership loop's per-plugin bookkeeping, under one lock so that a task's "nothing
 /// more to serve" and a watcher's "a hint arrived" cannot pass each other.
@@ -80,6 +82,13 @@ pub(super) struct Seen {
     mine: bool,
 }
 
+impl Seen {
+    /// Revision 0 (no key has it) marks a leader key that cannot be trusted: nobody leads.
+    fn trusted(&self) -> bool {
+        self.revision != 0
+    }
+}
+
 /// A plugin's controller leader, for `GET /v1/cluster`.
 #[derive(Clone, Debug, Serialize)]
 pub struct LeaderView {
@@ -97,6 +106,9 @@ pub struct Work {
     pub node: String,
     pub entry: NodeEntry,
     pub capability: SharedCapability,
+    /// The volume's key as read for this work: the result's compare-and-swap starts from it
+    /// instead of reading it again.
+    read: Known,
 }
 
 /// A step's result, as the leader writes it into the entry.
@@ -129,12 +141,14 @@ impl Cluster {
     pub fn leader_node(&self, plugin: &PluginKey) -> Option<String> {
         lock(&self.inner.leaders)
             .get(plugin)
+            .filter(|seen| seen.trusted())
             .map(|seen| seen.node.clone())
     }
 
     pub(super) fn leader_views(&self) -> Vec<LeaderView> {
         lock(&self.inner.leaders)
             .iter()
+            .filter(|(_, seen)| seen.trusted())
             .map(|(plugin, seen)| LeaderView {
                 plugin_type: plugin.plugin_type.clone(),
                 plugin_name: plugin.plugin_name.clone(),
@@ -192,16 +206,24 @@ impl Cluster {
         let key = self.inner.keys.leader(plugin);
         let read = self.inner.background_store.get(key.clone()).await?;
         let seen = match read.kvs.first() {
+            // A leader's key goes with its lease: one without a lease (put by hand, or a
+            // forgery) would never go, and one naming this node counts only on this node's
+            // lease, whatever its value says.
             Some(kv) => match Leader::decode(&kv.key, &kv.value) {
-                Ok(leader) => Seen {
-                    mine: leader.instance_id == self.inner.instance_id && leader.lease == lease,
+                Ok(leader) if kv.lease != 0 && kv.lease == leader.lease => Seen {
+                    mine: leader.instance_id == self.inner.instance_id && kv.lease == lease,
                     node: leader.node,
                     revision: kv.mod_revision,
                 },
-                Err(err) => {
+                unreadable => {
                     // Nobody leads until an operator deletes it; it never reads as free.
-                    tracing::warn!(key = %key_name(&key), error = %err, "unreadable leader key: delete it with etcdctl so that a leader can be elected");
-                    self.forget_leadership(Some(plugin));
+                    let error = match unreadable {
+                        Err(err) => err.to_string(),
+                        Ok(_) => "its value names a lease the key is not attached to".to_owned(),
+                    };
+                    if self.unreadable_leader_key(plugin) {
+                        tracing::warn!(key = %key_name(&key), error = %error, "unreadable leader key: delete it with etcdctl so that a leader can be elected");
+                    }
                     return Ok(());
                 }
             },
@@ -242,6 +264,22 @@ impl Cluster {
         };
         self.observe(plugin, seen);
         Ok(())
+    }
+
+    /// Nobody leads `plugin` while its leader key cannot be trusted (not this node either).
+    /// True the first time (warn once, not every second).
+    fn unreadable_leader_key(&self, plugin: &PluginKey) -> bool {
+        let mut leaders = lock(&self.inner.leaders);
+        let was_unreadable = leaders.get(plugin).is_some_and(|seen| seen.revision == 0);
+        leaders.insert(
+            plugin.clone(),
+            Seen {
+                node: String::new(),
+                revision: 0,
+                mine: false,
+            },
+        );
+        !was_unreadable
     }
 
     fn observe(&self, plugin: &PluginKey, seen: Seen) {
@@ -416,6 +454,15 @@ impl Cluster {
         lock(&lanes).watching.remove(&plugin);
     }
 
+    /// True the first time `key` is reported unreadable (see `Inner::warned`).
+    pub fn first_warning(&self, key: &[u8]) -> bool {
+        let mut warned = lock(&self.inner.warned);
+        if warned.len() >= MAX_WARNED_KEYS {
+            warned.clear();
+        }
+        warned.insert(key.to_vec())
+    }
+
     /// The pending hint a node's request writes with its entry.
     pub fn pending_put(&self, plugin: &PluginKey, volume_id: &str) -> WriteOp {
         WriteOp::Put {
@@ -445,7 +492,10 @@ impl Cluster {
                 Ok(p) if kv.key == self.inner.keys.pending(plugin, &p.volume_id) => {
                     volumes.push((p.volume_id, kv.mod_revision));
                 }
-                _ => tracing::warn!(key = %key_name(&kv.key), "unreadable pending hint skipped"),
+                _ if self.first_warning(&kv.key) => {
+                    tracing::warn!(key = %key_name(&kv.key), "unreadable pending hint skipped; delete it with etcdctl");
+                }
+                _ => {}
             }
         }
         Ok(volumes)
@@ -484,23 +534,24 @@ impl Cluster {
         plugin: &PluginKey,
         volume_id: &str,
     ) -> Result<Option<Work>, ClusterError> {
-        let (current, _) = self.read_volume(plugin, volume_id).await?;
+        let (current, revision) = self.read_volume(plugin, volume_id).await?;
         Ok(current.and_then(|claims: VolumeClaims| {
-            claims
-                .nodes
-                .iter()
-                .find(|(_, entry)| {
-                    entry.error.is_none()
-                        && matches!(
-                            entry.state,
-                            EntryState::Publishing | EntryState::NodeDetached
-                        )
-                })
-                .map(|(node, entry)| Work {
-                    node: node.clone(),
-                    entry: entry.clone(),
-                    capability: claims.capability.clone(),
-                })
+            let (node, entry) = claims.nodes.iter().find(|(_, entry)| {
+                entry.error.is_none()
+                    && matches!(
+                        entry.state,
+                        EntryState::Publishing | EntryState::NodeDetached
+                    )
+            })?;
+            Some(Work {
+                node: node.clone(),
+                entry: entry.clone(),
+                capability: claims.capability.clone(),
+                read: Known {
+                    claims: claims.clone(),
+                    revision,
+                },
+            })
         }))
     }
 
@@ -515,7 +566,8 @@ impl Cluster {
         result: Settle,
     ) -> Result<(), ClusterError> {
         let also = Also::led(Some(leadership));
-        self.change_volume(plugin, volume_id, None, &also, |current| {
+        let known = Some(work.read.clone());
+        self.change_volume(plugin, volume_id, known, &also, |current| {
             let Some(claims) = current.as_mut() else {
                 return Change::Keep(());
             };

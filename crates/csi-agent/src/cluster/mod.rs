@@ -20,7 +20,7 @@ pub mod keys;
 pub mod leader;
 pub mod store;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex as StdMutex, Weak};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -298,6 +298,9 @@ struct Inner {
     plugins: StdMutex<Vec<Weak<dyn ClusterPlugin>>>,
     /// Each cluster plugin's controller leader as this node last saw it.
     leaders: StdMutex<BTreeMap<PluginKey, leader::Seen>>,
+    /// Keys found unreadable and warned about: the leader looks at least once a second, and
+    /// a forged or newer-schema key must not flood the log (bounded: forgotten when full).
+    warned: StdMutex<BTreeSet<Vec<u8>>>,
     running: std::sync::atomic::AtomicBool,
     metrics: Option<Arc<crate::metrics::Metrics>>,
     /// Unix seconds this daemon's cluster handle was made (the presence's `started_at`).
@@ -386,6 +389,7 @@ impl Cluster {
                 }),
                 plugins: StdMutex::new(Vec::new()),
                 leaders: StdMutex::new(BTreeMap::new()),
+                warned: StdMutex::new(BTreeSet::new()),
                 running: std::sync::atomic::AtomicBool::new(false),
                 metrics,
                 started_at: now_unix(),

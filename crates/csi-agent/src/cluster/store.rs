@@ -13,6 +13,8 @@ pub struct Versioned {
     pub key: Vec<u8>,
     pub value: Vec<u8>,
     pub mod_revision: i64,
+    /// The lease the key is attached to (0: none): a leader key without one is forged.
+    pub lease: i64,
 }
 
 /// A read, with the etcd cluster it came from (a restored or replaced etcd has another id).

@@ -181,42 +181,71 @@ impl VolumeManager {
 
     /// As the plugin's leader: every volume with a pending hint, each entry that asks, one
     /// step at a time. A transient failure leaves the entry asking (tried again next time); a
-    /// refusal is written into the entry for its node to report.
+    /// refusal is written into the entry for its node to report. One volume's trouble (an
+    /// unreadable claims key, forged or of a newer schema) is that volume's: the others are
+    /// served; only etcd's unavailability or the end of the leadership stops the round.
     pub(super) async fn serve_pending(&self, leadership: Leadership) -> Result<(), ClusterError> {
         let Some((cluster, plugin)) = self.cluster() else {
             return Ok(());
         };
         for (volume_id, hint_revision) in cluster.pending_volumes(&plugin).await? {
-            let _lane = self.inner.controller_lane.lock().await;
-            // Bounded: each round settles one entry (or stops), and a value holds at most
-            // MAX_NODES_PER_VOLUME entries.
-            for _ in 0..=crate::cluster::keys::MAX_NODES_PER_VOLUME {
-                let Some(work) = cluster.next_work(&plugin, &volume_id).await? else {
-                    cluster
-                        .clear_pending(&plugin, &volume_id, hint_revision, &leadership)
-                        .await?;
-                    break;
-                };
-                let result = self.leader_rpc(&volume_id, &work).await;
-                // Killed here, the step was sent and its result is not in etcd: the next
-                // leader sends it again (the RPCs are idempotent).
-                crate::failpoint::hit("cluster.leader.after_rpc").map_err(|err| {
-                    ClusterError::Unavailable {
-                        reason: err.to_string(),
+            match self
+                .serve_volume(&plugin, &volume_id, hint_revision, &leadership)
+                .await
+            {
+                Ok(()) => {}
+                Err(err) if err.is_unavailable() => return Err(err),
+                Err(err) => {
+                    let key = format!("{}/{volume_id}", plugin.plugin_type);
+                    if cluster.first_warning(key.as_bytes()) {
+                        tracing::warn!(plugin = %plugin.plugin_type, volume_id = ?volume_id, error = %err, "pending controller work of a volume skipped; the other volumes are served");
                     }
-                })?;
-                let settle = match result {
-                    Ok(settle) => settle,
-                    Err(err) if super::is_transient(&err) => {
-                        tracing::info!(plugin = %plugin.plugin_type, volume_id = ?volume_id, node = %work.node, error = %err, "controller step for another node failed for now; trying again");
-                        break;
-                    }
-                    Err(err) => Settle::Refused(err.to_string()),
-                };
-                cluster
-                    .settle(&plugin, &volume_id, &work, &leadership, settle)
-                    .await?;
+                }
             }
+        }
+        Ok(())
+    }
+
+    /// The leader's work on one volume with a pending hint.
+    async fn serve_volume(
+        &self,
+        plugin: &PluginKey,
+        volume_id: &str,
+        hint_revision: i64,
+        leadership: &Leadership,
+    ) -> Result<(), ClusterError> {
+        let Some((cluster, _)) = self.cluster() else {
+            return Ok(());
+        };
+        let _lane = self.inner.controller_lane.lock().await;
+        // Bounded: each round settles one entry (or stops), and a value holds at most
+        // MAX_NODES_PER_VOLUME entries.
+        for _ in 0..=crate::cluster::keys::MAX_NODES_PER_VOLUME {
+            let Some(work) = cluster.next_work(plugin, volume_id).await? else {
+                cluster
+                    .clear_pending(plugin, volume_id, hint_revision, leadership)
+                    .await?;
+                break;
+            };
+            let result = self.leader_rpc(volume_id, &work).await;
+            // Killed here, the step was sent and its result is not in etcd: the next
+            // leader sends it again (the RPCs are idempotent).
+            crate::failpoint::hit("cluster.leader.after_rpc").map_err(|err| {
+                ClusterError::Unavailable {
+                    reason: err.to_string(),
+                }
+            })?;
+            let settle = match result {
+                Ok(settle) => settle,
+                Err(err) if super::is_transient(&err) => {
+                    tracing::info!(plugin = %plugin.plugin_type, volume_id = ?volume_id, node = %work.node, error = %err, "controller step for another node failed for now; trying again");
+                    break;
+                }
+                Err(err) => Settle::Refused(err.to_string()),
+            };
+            cluster
+                .settle(plugin, volume_id, &work, leadership, settle)
+                .await?;
         }
         Ok(())
     }
