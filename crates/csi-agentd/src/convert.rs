@@ -95,7 +95,9 @@ pub fn cluster_code(err: &ClusterError) -> api::ErrorCode {
         | ClusterError::Unreadable { .. }
         | ClusterError::TooManyNodes { .. }
         | ClusterError::Contention { .. }
-        | ClusterError::Alive { .. } => api::ErrorCode::Conflict,
+        | ClusterError::Alive { .. }
+        | ClusterError::DeleteInUse { .. }
+        | ClusterError::BeingDeleted { .. } => api::ErrorCode::Conflict,
         ClusterError::Unavailable { .. }
         | ClusterError::Deposed { .. }
         | ClusterError::Store(_) => api::ErrorCode::Internal,

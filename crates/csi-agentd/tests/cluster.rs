@@ -804,3 +804,93 @@ async fn a_failed_controller_publish_gives_the_claim_back() {
         .unwrap();
     BackendJudge::new(&backend).assert_no_double_attach();
 }
+
+/// The DeleteVolume calls of `volume` the shared backend answered.
+fn deletes(judge: &BackendJudge, volume: &str) -> Vec<(String, String)> {
+    judge
+        .calls()
+        .into_iter()
+        .filter(|c| c.rpc == "DeleteVolume" && c.volume.as_deref() == Some(volume))
+        .map(|c| (c.node, c.outcome))
+        .collect()
+}
+
+/// A node's records know nothing of the other nodes: a DeleteVolume of a volume held on
+/// another node is refused before the RPC, naming the holder, and while a node deletes a
+/// volume (here: one that died during its DeleteVolume, its mark left) no node claims it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_volume_held_on_another_node_is_not_deleted_and_a_deletion_keeps_claims_out() {
+    let (tmp, backend) = scratch();
+    let etcd = EtcdCluster::start(1);
+    let n1 = start_node(tmp.path(), "n1", &etcd.endpoints_flag(), &backend);
+    joined(&n1).await;
+    leads(&n1).await;
+    let n2 = start_node(tmp.path(), "n2", &etcd.endpoints_flag(), &backend);
+    joined(&n2).await;
+    let judge = BackendJudge::new(&backend);
+    let client = etcd_client(etcd.client_urls()).await;
+
+    n1.api()
+        .publish(&publish_request("vol1", "w1"))
+        .await
+        .unwrap();
+    let (status, body) = api_error(n2.api().delete_volume(PLUGIN, "vol1").await);
+    assert_eq!(status, 409, "{body:?}");
+    assert!(
+        body.message.contains("held by node n1 (ATTACHED)"),
+        "{}",
+        body.message
+    );
+    assert!(deletes(&judge, "vol1").is_empty(), "{:?}", judge.calls());
+    n1.api()
+        .unpublish(&unpublish_request("vol1", "w1"))
+        .await
+        .unwrap();
+
+    // n2 died during its DeleteVolume: its mark is left (the key as the daemon writes it).
+    let mark = format!(
+        "/csi-agent/{CLUSTER}/v1/deleting/{}/default/vol1",
+        csi_agent::layout::encode_id(PLUGIN)
+    );
+    client
+        .put(
+            mark.as_bytes(),
+            json!({"schema": 1, "node": "n2", "since": 0})
+                .to_string()
+                .as_bytes(),
+            None,
+        )
+        .await
+        .unwrap();
+    let publishes = senders(&judge, "ControllerPublishVolume", "n1").len();
+    let (status, body) = api_error(n1.api().publish(&publish_request("vol1", "w2")).await);
+    assert_eq!(status, 409, "{body:?}");
+    assert!(
+        body.message.contains("being deleted by node n2"),
+        "{}",
+        body.message
+    );
+    assert!(etcd_entries(&client).await.is_empty(), "a claim was taken");
+    assert_eq!(
+        senders(&judge, "ControllerPublishVolume", "n1").len(),
+        publishes
+    );
+    // Nor deleted elsewhere meanwhile.
+    let (status, body) = api_error(n1.api().delete_volume(PLUGIN, "vol1").await);
+    assert_eq!(status, 409, "{body:?}");
+    assert!(deletes(&judge, "vol1").is_empty());
+
+    // n2 deletes it again: its own mark is taken over, the RPC sent, the mark removed.
+    n2.api().delete_volume(PLUGIN, "vol1").await.unwrap();
+    assert_eq!(
+        deletes(&judge, "vol1"),
+        [("n2".to_owned(), "OK".to_owned())]
+    );
+    assert!(client.get(mark.as_bytes()).await.unwrap().kvs.is_empty());
+    // A volume deleted and free again: another one is published as usual.
+    n1.api()
+        .publish(&publish_request("vol2", "w3"))
+        .await
+        .unwrap();
+    judge.assert_no_double_attach();
+}

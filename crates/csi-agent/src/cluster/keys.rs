@@ -118,6 +118,19 @@ impl Keys {
         key
     }
 
+    /// A DeleteVolume in progress on a volume of `plugin`: no claim is taken while it is
+    /// there (`cluster::deleting`).
+    pub fn deleting(&self, plugin: &PluginKey, volume_id: &str) -> Vec<u8> {
+        format!(
+            "{}deleting/{}/{}/{}",
+            self.prefix,
+            encode_id(&plugin.plugin_type),
+            encode_id(&plugin.plugin_name),
+            encode_id(volume_id)
+        )
+        .into_bytes()
+    }
+
     /// Every plugin's pending hints.
     pub fn all_pending(&self) -> Vec<u8> {
         format!("{}pending/", self.prefix).into_bytes()
@@ -291,6 +304,14 @@ pub struct Pending {
     pub volume_id: String,
 }
 
+/// A DeleteVolume in progress: which node sends it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Deleting {
+    pub schema: u32,
+    pub node: String,
+    pub since: u64,
+}
+
 /// An operator's fence of a node.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Fence {
@@ -390,6 +411,14 @@ impl Pending {
         let pending: Pending = decode_json(key, value)?;
         check_schema(key, pending.schema)?;
         Ok(pending)
+    }
+}
+
+impl Deleting {
+    pub fn decode(key: &[u8], value: &[u8]) -> Result<Self, ValueError> {
+        let deleting: Deleting = decode_json(key, value)?;
+        check_schema(key, deleting.schema)?;
+        Ok(deleting)
     }
 }
 

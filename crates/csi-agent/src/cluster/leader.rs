@@ -62,6 +62,8 @@ pub struct Leadership {
 pub struct Also {
     pub leadership: Option<Leadership>,
     pub ops: Vec<WriteOp>,
+    /// Keys that must be absent (a claim is taken only while no DeleteVolume runs).
+    pub absent: Vec<Vec<u8>>,
 }
 
 impl Also {
@@ -69,7 +71,7 @@ impl Also {
     pub fn led(leadership: Option<&Leadership>) -> Self {
         Self {
             leadership: leadership.cloned(),
-            ops: Vec::new(),
+            ..Self::default()
         }
     }
 }

@@ -14,6 +14,7 @@
 //! change of a volume's key is a compare-and-swap on its revision.
 
 pub mod claims;
+mod deleting;
 pub mod etcd;
 
 pub mod keys;
@@ -126,6 +127,20 @@ pub enum ClusterError {
         step: &'static str,
         leader: String,
         message: String,
+    },
+    /// A DeleteVolume refused: nodes hold the volume.
+    #[error("volume {volume_id} is held by {holders}: unpublish it there before deleting it")]
+    DeleteInUse { volume_id: String, holders: String },
+    /// A claim (or another DeleteVolume) refused: a node is deleting the volume.
+    #[error(
+        "volume {volume_id} is being deleted by node {node}: it cannot be published (or deleted \
+         elsewhere) until that DeleteVolume ends; if it was interrupted, delete the volume again \
+         on {node}, or, if {node} is gone for good, delete the key {key} with etcdctl"
+    )]
+    BeingDeleted {
+        volume_id: String,
+        node: String,
+        key: String,
     },
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -894,6 +909,9 @@ impl Cluster {
                 .when
                 .push((leadership.key.clone(), leadership.revision));
         }
+        guarded
+            .when
+            .extend(also.absent.iter().map(|key| (key.clone(), 0)));
         guarded.then.extend(also.ops.iter().cloned());
         let written = self
             .patiently(|| self.inner.store.write(guarded.clone()))
@@ -1002,18 +1020,19 @@ impl Cluster {
             if !changed {
                 return Ok((claim_id, Known { claims, revision }));
             }
+            // Never while a DeleteVolume of the volume runs (cluster::deleting).
+            let also = Also {
+                absent: vec![self.inner.keys.deleting(plugin, &volume_id)],
+                ..Also::default()
+            };
             if let Some(revision) = self
-                .swap(
-                    plugin,
-                    &volume_id,
-                    revision,
-                    Some(&claims),
-                    &Also::default(),
-                )
+                .swap(plugin, &volume_id, revision, Some(&claims), &also)
                 .await?
             {
                 return Ok((claim_id, Known { claims, revision }));
             }
+            // The volume's key changed, or a deletion began: only the latter is a refusal.
+            self.refuse_while_deleting(plugin, &volume_id).await?;
         }
         Err(ClusterError::Contention {
             key: key_name(&self.inner.keys.volume(plugin, &volume_id)),

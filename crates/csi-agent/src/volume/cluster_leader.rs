@@ -91,8 +91,8 @@ impl VolumeManager {
         // The request: the entry (its last refusal cleared; NODE_DETACHED for an unpublish)
         // and the pending hint, in one transaction.
         let also = Also {
-            leadership: None,
             ops: vec![cluster.pending_put(plugin, &volume_id)],
+            ..Also::default()
         };
         let (mut own, known) = cluster
             .update_own(

@@ -225,14 +225,28 @@ impl VolumeManager {
             }
             .into());
         }
+        // A cluster plugin's volume may be held on another node, which this node's records
+        // do not know: the deletion mark (cluster::deleting) refuses then, and keeps new
+        // claims out until the RPC answered.
+        let mark = match self.cluster() {
+            Some((cluster, plugin)) => {
+                Some((cluster, cluster.begin_delete(&plugin, volume_id).await?))
+            }
+            None => None,
+        };
         let request = v1::DeleteVolumeRequest {
             volume_id: volume_id.to_owned(),
             secrets: to_hash_map(&secrets),
         };
-        self.controller_rpc(&[], request, |client, request| async move {
-            client.delete_volume(request).await
-        })
-        .await?;
+        let deleted = self
+            .controller_rpc(&[], request, |client, request| async move {
+                client.delete_volume(request).await
+            })
+            .await;
+        if let Some((cluster, mark)) = mark {
+            cluster.end_delete(mark).await;
+        }
+        deleted?;
         if guard.record.is_some() {
             self.forget(&mut guard, volume_id).await?;
         }
