@@ -291,6 +291,39 @@ fn cluster_flags(endpoints: &str, cluster: &str, node: &str) -> Vec<String> {
     .to_vec()
 }
 
+/// The keys written after revision `from` up to `to` (a watch replays them), for a count
+/// over the target: what wrote.
+async fn written_between(etcd: &csi_etcd::Client, from: i64, to: i64) -> String {
+    let replay = async {
+        let mut watch = etcd.watch(b"/", true, from + 1).await?;
+        let mut seen = Vec::new();
+        loop {
+            for event in watch.changes().await? {
+                let (kind, kv) = match event {
+                    csi_etcd::WatchEvent::Put(kv) => ("put", kv),
+                    csi_etcd::WatchEvent::Delete(kv) => ("delete", kv),
+                };
+                if kv.mod_revision > to {
+                    return Ok::<_, csi_etcd::EtcdError>(seen.join(", "));
+                }
+                seen.push(format!(
+                    "{kind} {} @{}",
+                    String::from_utf8_lossy(&kv.key),
+                    kv.mod_revision
+                ));
+                if kv.mod_revision == to {
+                    return Ok(seen.join(", "));
+                }
+            }
+        }
+    };
+    match tokio::time::timeout(Duration::from_secs(2), replay).await {
+        Ok(Ok(keys)) => keys,
+        Ok(Err(err)) => format!("not replayed: {err}"),
+        Err(_) => "not replayed in 2 s".to_owned(),
+    }
+}
+
 /// Waits (at most 5 s) until no key is under `prefix`.
 async fn settled(etcd: &csi_etcd::Client, prefix: &[u8]) -> anyhow::Result<()> {
     let until = Instant::now() + Duration::from_secs(5);
@@ -548,6 +581,13 @@ async fn latency_and_writes(
                     let unpublish = started.elapsed();
                     let r2 = revision(etcd).await?;
                     c.push((publish, unpublish));
+                    if r1 - r0 > 2 {
+                        eprintln!(
+                            "a publish spanned {} etcd revisions: {}",
+                            r1 - r0,
+                            written_between(etcd, r0, r1).await
+                        );
+                    }
                     per_publish.push(r1 - r0);
                     per_unpublish.push(r2 - r1);
                 }
