@@ -68,12 +68,7 @@ async fn a_single_node_volume_moves_between_nodes_only_after_its_unpublish() {
     let etcd = EtcdCluster::start(1);
     // n1 first, so that it leads the plugin's controller: its own steps are sent by itself,
     // n2's are handed to it.
-    let n1 = start_node(tmp.path(), "n1", &etcd.endpoints_flag(), &backend);
-    joined(&n1).await;
-    leads(&n1).await;
-    let n2 = start_node(tmp.path(), "n2", &etcd.endpoints_flag(), &backend);
-    joined(&n2).await;
-    sees_leader(&n2, "n1").await;
+    let (n1, n2) = leader_and_follower(tmp.path(), &etcd.endpoints_flag(), &backend).await;
     let judge = BackendJudge::new(&backend);
     let client = etcd_client(etcd.client_urls()).await;
 
@@ -822,11 +817,7 @@ fn deletes(judge: &BackendJudge, volume: &str) -> Vec<(String, String)> {
 async fn a_volume_held_on_another_node_is_not_deleted_and_a_deletion_keeps_claims_out() {
     let (tmp, backend) = scratch();
     let etcd = EtcdCluster::start(1);
-    let n1 = start_node(tmp.path(), "n1", &etcd.endpoints_flag(), &backend);
-    joined(&n1).await;
-    leads(&n1).await;
-    let n2 = start_node(tmp.path(), "n2", &etcd.endpoints_flag(), &backend);
-    joined(&n2).await;
+    let (n1, n2) = leader_and_follower(tmp.path(), &etcd.endpoints_flag(), &backend).await;
     let judge = BackendJudge::new(&backend);
     let client = etcd_client(etcd.client_urls()).await;
 

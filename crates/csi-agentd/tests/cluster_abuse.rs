@@ -389,12 +389,7 @@ async fn forged_pending_hints_send_no_rpc_and_real_work_goes_on() {
     let (tmp, backend) = scratch();
     let etcd = EtcdCluster::start(1);
     let client = etcd_client(etcd.client_urls()).await;
-    let mut n1 = start_node(tmp.path(), "n1", &etcd.endpoints_flag(), &backend);
-    joined(&n1).await;
-    leads(&n1).await;
-    let mut n2 = start_node(tmp.path(), "n2", &etcd.endpoints_flag(), &backend);
-    joined(&n2).await;
-    sees_leader(&n2, "n1").await;
+    let (mut n1, mut n2) = leader_and_follower(tmp.path(), &etcd.endpoints_flag(), &backend).await;
     let judge = BackendJudge::new(&backend);
 
     let (readable, untrusted) = forge_hints(&client, 300).await;
@@ -489,12 +484,7 @@ async fn a_hint_for_a_damaged_claim_does_not_stop_the_leader_serving_others() {
     let (tmp, backend) = scratch();
     let etcd = EtcdCluster::start(1);
     let client = etcd_client(etcd.client_urls()).await;
-    let n1 = start_node(tmp.path(), "n1", &etcd.endpoints_flag(), &backend);
-    joined(&n1).await;
-    leads(&n1).await;
-    let n2 = start_node(tmp.path(), "n2", &etcd.endpoints_flag(), &backend);
-    joined(&n2).await;
-    sees_leader(&n2, "n1").await;
+    let (_n1, n2) = leader_and_follower(tmp.path(), &etcd.endpoints_flag(), &backend).await;
     let judge = BackendJudge::new(&backend);
 
     // A claim key nobody can read (as a newer schema, or a forgery, would be) and a hint for

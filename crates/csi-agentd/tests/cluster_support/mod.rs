@@ -326,6 +326,18 @@ pub async fn leads(daemon: &Daemon) {
     .await;
 }
 
+/// Two nodes on `etcd` and `backend`: n1, started first, leads the plugin's controller, and
+/// n2 sees it lead (its controller steps are handed to n1).
+pub async fn leader_and_follower(root: &Path, etcd: &str, backend: &Path) -> (Node, Node) {
+    let n1 = start_node(root, "n1", etcd, backend);
+    joined(&n1).await;
+    leads(&n1).await;
+    let n2 = start_node(root, "n2", etcd, backend);
+    joined(&n2).await;
+    sees_leader(&n2, "n1").await;
+    (n1, n2)
+}
+
 /// The nodes whose plugin instance answered `rpc` (a Controller(Un)PublishVolume) for
 /// `target` with OK, in order: in cluster mode, the plugin's controller leader at the time.
 pub fn senders(judge: &BackendJudge, rpc: &str, target: &str) -> Vec<String> {
