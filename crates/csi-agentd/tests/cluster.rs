@@ -885,3 +885,56 @@ async fn a_volume_held_on_another_node_is_not_deleted_and_a_deletion_keeps_claim
         .unwrap();
     judge.assert_no_double_attach();
 }
+
+/// A plugin's controller deployed on some nodes only: a node whose instance serves only the
+/// Node service still gets ControllerPublish before its NodeStage (the backend refuses a
+/// NodeStage on a node the volume is not published to), asked of the leader, and
+/// ControllerUnpublish after its NodeUnstage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_without_the_controller_service_asks_the_leader_for_its_controller_steps() {
+    let (tmp, backend) = scratch();
+    let etcd = EtcdCluster::start(1);
+    let n1 = start_node(tmp.path(), "n1", &etcd.endpoints_flag(), &backend);
+    joined(&n1).await;
+    leads(&n1).await;
+    let n2 = node_only(tmp.path(), "n2", &etcd.endpoints_flag(), &backend);
+    joined(&n2).await;
+    let judge = BackendJudge::new(&backend);
+
+    let published = n2
+        .api()
+        .publish(&publish_request("vol1", "w1"))
+        .await
+        .unwrap();
+    in_node(&n2, &format!("echo hi > {}/data", published.target_path));
+    assert_eq!(senders(&judge, "ControllerPublishVolume", "n2"), ["n1"]);
+    assert_eq!(judge.attachments()["vol1"], ["n2"]);
+    n2.api()
+        .unpublish(&unpublish_request("vol1", "w1"))
+        .await
+        .unwrap();
+    assert_eq!(senders(&judge, "ControllerUnpublishVolume", "n2"), ["n1"]);
+    let n2_rpcs = rpcs(&judge, "n2", "vol1");
+    assert_eq!(
+        n2_rpcs,
+        [
+            "ControllerPublishVolume",
+            "NodeStageVolume",
+            "NodePublishVolume",
+            "NodeUnpublishVolume",
+            "NodeUnstageVolume",
+            "ControllerUnpublishVolume"
+        ],
+        "{n2_rpcs:?}"
+    );
+    // n2's own instance never stood for the leadership, and never sent a controller RPC.
+    assert!(
+        judge
+            .calls()
+            .iter()
+            .all(|c| !(c.node == "n2" && c.rpc.starts_with("Controller"))),
+        "{:?}",
+        judge.calls()
+    );
+    judge.assert_no_double_attach();
+}

@@ -97,6 +97,19 @@ impl Keys {
         .into_bytes()
     }
 
+    /// That `plugin` has the ControllerPublish step somewhere in the cluster: put once by the
+    /// first daemon that stands for its leadership, never removed. A node whose own instance
+    /// has no controller reads it to know whether to ask the leader for the step.
+    pub fn controller(&self, plugin: &PluginKey) -> Vec<u8> {
+        format!(
+            "{}controllers/{}/{}",
+            self.prefix,
+            encode_id(&plugin.plugin_type),
+            encode_id(&plugin.plugin_name)
+        )
+        .into_bytes()
+    }
+
     /// A hint that a volume of `plugin` has controller work for the leader (an entry in
     /// `PUBLISHING` or `NODE_DETACHED`): the leader lists these, not every volume.
     pub fn pending(&self, plugin: &PluginKey, volume_id: &str) -> Vec<u8> {
@@ -302,6 +315,14 @@ pub struct Leader {
 pub struct Pending {
     pub schema: u32,
     pub volume_id: String,
+}
+
+/// That a plugin has the ControllerPublish step: the node that found it first, and when.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HasController {
+    pub schema: u32,
+    pub node: String,
+    pub since: u64,
 }
 
 /// A DeleteVolume in progress: which node sends it.

@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use super::keys::{
-    EntryState, Leader, NodeEntry, Pending, PluginKey, SCHEMA, SharedCapability, VolumeClaims,
-    encode, key_name,
+    EntryState, HasController, Leader, NodeEntry, Pending, PluginKey, SCHEMA, SharedCapability,
+    VolumeClaims, encode, key_name,
 };
 use super::store::{Guarded, WriteOp};
 use super::{Change, Cluster, ClusterError, Known, lock, now_unix};
@@ -205,6 +205,9 @@ impl Cluster {
             self.forget_leadership(Some(plugin));
             return Ok(());
         };
+        if stands {
+            self.record_controller(plugin).await?;
+        }
         let key = self.inner.keys.leader(plugin);
         let read = self.inner.background_store.get(key.clone()).await?;
         let seen = match read.kvs.first() {
@@ -266,6 +269,52 @@ impl Cluster {
         };
         self.observe(plugin, seen);
         Ok(())
+    }
+
+    /// Records, once, that `plugin` has the ControllerPublish step (this node's instance has
+    /// it): a create-only write of the `controllers/` key.
+    async fn record_controller(&self, plugin: &PluginKey) -> Result<(), ClusterError> {
+        if lock(&self.inner.with_controller).contains(plugin) {
+            return Ok(());
+        }
+        let key = self.inner.keys.controller(plugin);
+        let value = encode(&HasController {
+            schema: SCHEMA,
+            node: self.inner.options.node.clone(),
+            since: now_unix(),
+        });
+        // Written or already there: either way the cluster knows.
+        self.inner
+            .background_store
+            .write(Guarded {
+                when: vec![(key.clone(), 0)],
+                then: vec![WriteOp::Put {
+                    key,
+                    value,
+                    lease: None,
+                }],
+            })
+            .await?;
+        lock(&self.inner.with_controller).insert(plugin.clone());
+        Ok(())
+    }
+
+    /// Whether `plugin` has the ControllerPublish step somewhere in the cluster, for a node
+    /// whose own instance has no controller: then its steps are asked of the leader. Read
+    /// until it is found (then remembered); a key present but unreadable counts as found (a
+    /// step asked for nothing is refused by the leader's plugin, a step skipped attaches
+    /// nothing).
+    pub async fn has_controller(&self, plugin: &PluginKey) -> Result<bool, ClusterError> {
+        if lock(&self.inner.with_controller).contains(plugin) {
+            return Ok(true);
+        }
+        let key = self.inner.keys.controller(plugin);
+        let read = self.patiently(|| self.inner.store.get(key.clone())).await?;
+        let found = !read.kvs.is_empty();
+        if found {
+            lock(&self.inner.with_controller).insert(plugin.clone());
+        }
+        Ok(found)
     }
 
     /// Nobody leads `plugin` while its leader key cannot be trusted (not this node either).

@@ -313,6 +313,9 @@ struct Inner {
     plugins: StdMutex<Vec<Weak<dyn ClusterPlugin>>>,
     /// Each cluster plugin's controller leader as this node last saw it.
     leaders: StdMutex<BTreeMap<PluginKey, leader::Seen>>,
+    /// The plugins known to have the ControllerPublish step in the cluster (`controllers/`
+    /// key read or written): never asked again.
+    with_controller: StdMutex<BTreeSet<PluginKey>>,
     /// Keys found unreadable and warned about: the leader looks at least once a second, and
     /// a forged or newer-schema key must not flood the log (bounded: forgotten when full).
     warned: StdMutex<BTreeSet<Vec<u8>>>,
@@ -405,6 +408,7 @@ impl Cluster {
                 plugins: StdMutex::new(Vec::new()),
                 leaders: StdMutex::new(BTreeMap::new()),
                 warned: StdMutex::new(BTreeSet::new()),
+                with_controller: StdMutex::new(BTreeSet::new()),
                 running: std::sync::atomic::AtomicBool::new(false),
                 metrics,
                 started_at: now_unix(),

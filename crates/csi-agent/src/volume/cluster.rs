@@ -13,7 +13,7 @@ use std::time::Instant;
 use csi_proto::v1;
 use futures::future::BoxFuture;
 
-use super::machine::LifecycleRpc;
+use super::machine::{LifecycleCaps, LifecycleRpc};
 use super::{Admission, Service, Slot, VolumeError, VolumeManager, VolumeRecord, VolumeState};
 use crate::cluster::claims::ClaimRequest;
 use crate::cluster::keys::{EntryState, PluginKey, SharedCapability};
@@ -46,6 +46,24 @@ impl VolumeManager {
         })
     }
 
+    /// The lifecycle's steps for this node. A cluster plugin whose instance here serves no
+    /// controller (deployed with its controller on other nodes) still has the ControllerPublish
+    /// step when the cluster's plugin has it: the step is then asked of the leader
+    /// (docs/cluster.md, "One controller per plugin").
+    pub(super) async fn lifecycle_caps(
+        &self,
+        deadline: Instant,
+    ) -> Result<LifecycleCaps, VolumeError> {
+        let mut caps = self.caps(deadline).await?.lifecycle();
+        if !caps.controller_publish
+            && !self.inner.endpoints.serves(Service::Controller)
+            && let Some((cluster, plugin)) = self.cluster()
+        {
+            caps.controller_publish = cluster.has_controller(&plugin).await?;
+        }
+        Ok(caps)
+    }
+
     /// Takes this node's hold in etcd for a publish, before the node's own durable claim;
     /// the claim id goes into `record` with that write. True when it claimed.
     pub(super) async fn cluster_claim(
@@ -61,7 +79,7 @@ impl VolumeManager {
         let Some(capability) = record.capability.as_ref() else {
             return Ok(false);
         };
-        let caps = self.caps(deadline).await?.lifecycle();
+        let caps = self.lifecycle_caps(deadline).await?;
         let csi_node_id = self.node_id(deadline).await?;
         // A record that already holds the volume (claims, or a state past CREATED) expects
         // its own entry; one that does not may take over an orphan of its own.
@@ -226,7 +244,7 @@ impl VolumeManager {
         };
         // The plugin's capabilities are cached: asked first, they spare a plugin without a
         // controller step the read of its entry.
-        let controller = self.caps(deadline).await?.lifecycle().controller_publish;
+        let controller = self.lifecycle_caps(deadline).await?.controller_publish;
         let leadership = cluster.leadership(&plugin);
         if controller && (!detached || leadership.is_none()) {
             let own = cluster
@@ -384,8 +402,8 @@ impl ClusterPlugin for ClusterVolumes {
                 return report;
             }
             let deadline = Instant::now() + manager.inner.config.operation_timeout;
-            let controller_publish = match manager.caps(deadline).await {
-                Ok(caps) => caps.lifecycle().controller_publish,
+            let controller_publish = match manager.lifecycle_caps(deadline).await {
+                Ok(caps) => caps.controller_publish,
                 Err(err) => {
                     for (volume_id, _) in &entries {
                         report

@@ -1139,7 +1139,7 @@ impl VolumeManager {
                 // No step needed whatever the plugin can do: don't ask it.
                 ALL_CAPS
             } else {
-                self.caps(deadline).await?.lifecycle()
+                self.lifecycle_caps(deadline).await?
             };
             if up
                 && record.node_state_lost

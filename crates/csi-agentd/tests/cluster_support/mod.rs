@@ -94,6 +94,20 @@ pub fn node_with_volumes(
     extra: &[&str],
     volumes: &str,
 ) -> Node {
+    let config = plugin_config(&root.join(node), backend, node, volumes);
+    node_with_config(root, node, etcd, extra, config)
+}
+
+/// A node whose plugin serves only the Node service here: its controller runs on other
+/// nodes (as a plugin's controller is often deployed on a few nodes only).
+pub fn node_only(root: &Path, node: &str, etcd: &str, backend: &Path) -> Node {
+    let mut config = plugin_config(&root.join(node), backend, node, VOLUMES);
+    config["containers"][0]["services"] = json!(["NODE_SERVICE"]);
+    node_with_config(root, node, etcd, &[], config)
+}
+
+/// A node whose daemon runs the plugin `config`.
+fn node_with_config(root: &Path, node: &str, etcd: &str, extra: &[&str], config: Value) -> Node {
     let dir = root.join(node);
     std::fs::create_dir_all(&dir).unwrap();
     // Without the test's stdout and stderr: cargo waits for every holder of its pipes.
@@ -119,7 +133,7 @@ pub fn node_with_volumes(
     }
     let pid = holder.0.id().to_string();
     let daemon = Daemon::builder(&dir)
-        .plugin_config("test.json", plugin_config(&dir, backend, node, volumes))
+        .plugin_config("test.json", config)
         .wrapper(&["nsenter", "-t", &pid, "-m", "--"])
         .flags(&[
             "--cluster-etcd",
