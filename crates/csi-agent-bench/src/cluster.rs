@@ -415,6 +415,7 @@ pub async fn run(env: &Env, args: &ClusterArgs) -> anyhow::Result<ClusterReport>
         request_timeout: Duration::from_secs(5),
         connect_timeout: Duration::from_secs(2),
         user: None,
+        tls: None,
     })
     .await?;
     let etcd_version = etcd

@@ -1,6 +1,7 @@
 //! Real etcd for the tests: [`EtcdCluster`] runs 1 or 3 members of the installed etcd
 //! (`/usr/bin/etcd`, or `$CSI_AGENT_ETCD_BIN`) on free loopback ports with their data under a
-//! tempdir, and [`EtcdProxy`] is a loopback TCP proxy a test puts between a client and a member
+//! tempdir ([`EtcdCluster::start_tls`]: one member serving clients over TLS only, with a CA,
+//! server and client certificates made by the `openssl` CLI in that tempdir), and [`EtcdProxy`] is a loopback TCP proxy a test puts between a client and a member
 //! to pass, blackhole or reset its connections.
 //!
 //! Owns: the member processes it started (by their `Child`), their data dirs and logs, and the
@@ -51,6 +52,10 @@ struct Member {
     name: String,
     client_port: u16,
     peer_port: u16,
+    /// Serves clients over TLS ([`EtcdCluster::start_tls`]); `/health` is then on
+    /// `metrics_port`, plain HTTP.
+    tls: Option<EtcdTls>,
+    metrics_port: u16,
     data_dir: PathBuf,
     log: PathBuf,
     child: Option<Child>,
@@ -58,7 +63,17 @@ struct Member {
 
 impl Member {
     fn client_url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.client_port)
+    }
+
+    /// The port answering `/health` over plain HTTP.
+    fn health_port(&self) -> u16 {
+        if self.tls.is_some() {
+            self.metrics_port
+        } else {
+            self.client_port
+        }
     }
 
     fn peer_url(&self) -> String {
@@ -87,6 +102,22 @@ impl EtcdCluster {
     /// Starts `members` (1 or 3) members and waits until each reports healthy (20 s at most,
     /// else panics with the log tails).
     pub fn start(members: usize) -> EtcdCluster {
+        Self::start_with(members, false)
+    }
+
+    /// One member serving clients over TLS only (`https://127.0.0.1:PORT`), asking every
+    /// client for a certificate signed by its CA (`--client-cert-auth`); the files are in
+    /// [`EtcdCluster::tls`]. Peers stay plain HTTP (loopback, one member).
+    pub fn start_tls() -> EtcdCluster {
+        Self::start_with(1, true)
+    }
+
+    /// The TLS files of a [`EtcdCluster::start_tls`] cluster.
+    pub fn tls(&self) -> Option<&EtcdTls> {
+        self.members.first().and_then(|m| m.tls.as_ref())
+    }
+
+    fn start_with(members: usize, tls: bool) -> EtcdCluster {
         assert!(
             members == 1 || members == 3,
             "EtcdCluster::start: 1 or 3 members, not {members}"
@@ -116,11 +147,21 @@ impl EtcdCluster {
                 name: format!("m{i}"),
                 client_port: free_port(),
                 peer_port: free_port(),
+                tls: None,
+                metrics_port: 0,
                 data_dir: dir.path().join(format!("m{i}.etcd")),
                 log: dir.path().join(format!("m{i}.log")),
                 child: None,
             })
             .collect();
+        let mut members = members;
+        if tls {
+            let files = EtcdTls::generate(&dir.path().join("tls"));
+            for m in &mut members {
+                m.tls = Some(files.clone());
+                m.metrics_port = free_port();
+            }
+        }
         let initial_cluster = members
             .iter()
             .map(|m| format!("{}={}", m.name, m.peer_url()))
@@ -147,7 +188,20 @@ impl EtcdCluster {
             .append(true)
             .open(&m.log)
             .unwrap();
-        let child = Command::new(etcd_binary())
+        let mut command = Command::new(etcd_binary());
+        if let Some(tls) = &m.tls {
+            command
+                .arg("--cert-file")
+                .arg(&tls.server_cert)
+                .arg("--key-file")
+                .arg(&tls.server_key)
+                .arg("--trusted-ca-file")
+                .arg(&tls.ca)
+                .arg("--client-cert-auth")
+                .arg("--listen-metrics-urls")
+                .arg(format!("http://127.0.0.1:{}", m.metrics_port));
+        }
+        let child = command
             .arg("--name")
             .arg(&m.name)
             .arg("--data-dir")
@@ -176,7 +230,8 @@ impl EtcdCluster {
         self.members[i].child = Some(child);
     }
 
-    /// Each member's client URL, `http://127.0.0.1:PORT`, in member order.
+    /// Each member's client URL, `http://127.0.0.1:PORT` (`https://` with TLS), in member
+    /// order.
     pub fn client_urls(&self) -> Vec<String> {
         self.members.iter().map(Member::client_url).collect()
     }
@@ -249,7 +304,7 @@ impl EtcdCluster {
     /// etcd's own `/health` on the client port (HTTP/1.1 beside gRPC): `"health":"true"` only
     /// when the member has a leader and can serve a quorum read.
     fn member_healthy(&self, i: usize) -> bool {
-        let addr = format!("127.0.0.1:{}", self.members[i].client_port);
+        let addr = format!("127.0.0.1:{}", self.members[i].health_port());
         let Ok(mut stream) =
             TcpStream::connect_timeout(&addr.parse().unwrap(), Duration::from_millis(500))
         else {
@@ -280,6 +335,143 @@ impl Drop for EtcdCluster {
             }
         }
     }
+}
+
+/// The TLS files of a [`EtcdCluster::start_tls`] member, all PEM, made by the `openssl` CLI
+/// (P-256 keys, valid 2 days): a CA, etcd's server certificate (SAN `IP:127.0.0.1`,
+/// `DNS:localhost`) and a client certificate (CN `csi-agent`), both signed by the CA.
+#[derive(Debug, Clone)]
+pub struct EtcdTls {
+    /// The CA's certificate (what a client trusts).
+    pub ca: PathBuf,
+    pub server_cert: PathBuf,
+    pub server_key: PathBuf,
+    /// The client certificate etcd accepts (`--client-cert-auth`).
+    pub client_cert: PathBuf,
+    pub client_key: PathBuf,
+}
+
+impl EtcdTls {
+    /// Makes the CA, server and client certificates in `dir` (created).
+    pub fn generate(dir: &Path) -> EtcdTls {
+        std::fs::create_dir_all(dir).unwrap();
+        let (ca, ca_key) = generate_ca(dir, "ca");
+        let server_cert = dir.join("server.crt");
+        let server_key = dir.join("server.key");
+        // etcd 3.4's gRPC gateway dials etcd with the server certificate: clientAuth too.
+        sign_leaf(
+            dir,
+            &ca,
+            &ca_key,
+            "localhost",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\n",
+            &server_cert,
+            &server_key,
+        );
+        let client_cert = dir.join("client.crt");
+        let client_key = dir.join("client.key");
+        sign_leaf(
+            dir,
+            &ca,
+            &ca_key,
+            "csi-agent",
+            "extendedKeyUsage=clientAuth\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\n",
+            &client_cert,
+            &client_key,
+        );
+        EtcdTls {
+            ca,
+            server_cert,
+            server_key,
+            client_cert,
+            client_key,
+        }
+    }
+}
+
+/// Runs the `openssl` CLI; panics with its stderr when it fails.
+fn openssl(args: &[&std::ffi::OsStr]) {
+    let out = Command::new("openssl")
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run openssl (install it): {e}"));
+    assert!(
+        out.status.success(),
+        "openssl {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A self-signed CA `NAME.crt` / `NAME.key` in `dir`: (certificate, key).
+pub fn generate_ca(dir: &Path, name: &str) -> (PathBuf, PathBuf) {
+    std::fs::create_dir_all(dir).unwrap();
+    let cert = dir.join(format!("{name}.crt"));
+    let key = dir.join(format!("{name}.key"));
+    openssl(&[
+        "req".as_ref(),
+        "-x509".as_ref(),
+        "-newkey".as_ref(),
+        "ec".as_ref(),
+        "-pkeyopt".as_ref(),
+        "ec_paramgen_curve:prime256v1".as_ref(),
+        "-nodes".as_ref(),
+        "-days".as_ref(),
+        "2".as_ref(),
+        "-subj".as_ref(),
+        format!("/CN=csi-agent test {name}").as_ref(),
+        "-addext".as_ref(),
+        "basicConstraints=critical,CA:TRUE".as_ref(),
+        "-addext".as_ref(),
+        "keyUsage=critical,keyCertSign,cRLSign".as_ref(),
+        "-keyout".as_ref(),
+        key.as_os_str(),
+        "-out".as_ref(),
+        cert.as_os_str(),
+    ]);
+    (cert, key)
+}
+
+/// A certificate for `cn` signed by the CA, with the extensions `ext` (an extfile's lines).
+fn sign_leaf(dir: &Path, ca: &Path, ca_key: &Path, cn: &str, ext: &str, cert: &Path, key: &Path) {
+    let csr = cert.with_extension("csr");
+    let extfile = cert.with_extension("ext");
+    std::fs::write(&extfile, ext).unwrap();
+    openssl(&[
+        "req".as_ref(),
+        "-new".as_ref(),
+        "-newkey".as_ref(),
+        "ec".as_ref(),
+        "-pkeyopt".as_ref(),
+        "ec_paramgen_curve:prime256v1".as_ref(),
+        "-nodes".as_ref(),
+        "-subj".as_ref(),
+        format!("/CN={cn}").as_ref(),
+        "-keyout".as_ref(),
+        key.as_os_str(),
+        "-out".as_ref(),
+        csr.as_os_str(),
+    ]);
+    let serial = dir.join("serial");
+    openssl(&[
+        "x509".as_ref(),
+        "-req".as_ref(),
+        "-in".as_ref(),
+        csr.as_os_str(),
+        "-CA".as_ref(),
+        ca.as_os_str(),
+        "-CAkey".as_ref(),
+        ca_key.as_os_str(),
+        "-CAserial".as_ref(),
+        serial.as_os_str(),
+        "-CAcreateserial".as_ref(),
+        "-days".as_ref(),
+        "2".as_ref(),
+        "-extfile".as_ref(),
+        extfile.as_os_str(),
+        "-out".as_ref(),
+        cert.as_os_str(),
+    ]);
 }
 
 /// What an [`EtcdProxy`] does with its connections.

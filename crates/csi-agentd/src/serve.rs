@@ -249,6 +249,9 @@ struct FileSettings {
     cluster_etcd_timeout_ms: Option<u64>,
     cluster_etcd_user: Option<String>,
     cluster_etcd_password_file: Option<PathBuf>,
+    cluster_etcd_ca: Option<PathBuf>,
+    cluster_etcd_cert: Option<PathBuf>,
+    cluster_etcd_key: Option<PathBuf>,
 }
 
 /// The effective settings.
@@ -338,6 +341,9 @@ pub fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
             cluster_etcd_timeout_ms: file.cluster_etcd_timeout_ms,
             cluster_etcd_user: file.cluster_etcd_user,
             cluster_etcd_password_file: file.cluster_etcd_password_file,
+            cluster_etcd_ca: file.cluster_etcd_ca,
+            cluster_etcd_cert: file.cluster_etcd_cert,
+            cluster_etcd_key: file.cluster_etcd_key,
         },
         &host_name,
     )?;

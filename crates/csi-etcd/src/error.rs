@@ -23,12 +23,12 @@ pub enum EtcdError {
     /// No endpoint at all.
     #[error("no etcd endpoint given: give at least one client URL, e.g. http://127.0.0.1:2379")]
     NoEndpoints,
-    /// An endpoint is not a usable URL.
-    #[error("etcd endpoint {endpoint:?} is not a valid client URL: give http://HOST:PORT")]
+    /// An endpoint is not a usable URL, or its scheme does not match the TLS settings.
+    #[error("etcd endpoint {endpoint:?} is not usable: {reason}")]
     InvalidEndpoint {
         endpoint: String,
-        #[source]
-        source: Box<dyn std::error::Error + Send + Sync>,
+        /// What is wrong and what to give instead (shown in the message, not as a source).
+        reason: Box<dyn std::error::Error + Send + Sync>,
     },
     /// No member could answer: connection refused or broken, no leader, etcd's own timeout.
     #[error("etcd {op} failed: etcd is unavailable at {endpoints} (is it running, with quorum?)")]
@@ -36,6 +36,19 @@ pub enum EtcdError {
         op: &'static str,
         /// The endpoint(s) tried, comma-joined.
         endpoints: String,
+        #[source]
+        source: tonic::Status,
+    },
+    /// TLS to the member failed: the server certificate is not trusted, or etcd refused the
+    /// client certificate (or its absence). Counted as unavailable (a caller retries; the
+    /// operator fixes the files), never applied.
+    #[error(
+        "etcd {op} at {endpoint} failed over TLS: {reason}; check --cluster-etcd-ca, --cluster-etcd-cert and --cluster-etcd-key against etcd's --cert-file, --trusted-ca-file and --client-cert-auth"
+    )]
+    Tls {
+        op: &'static str,
+        endpoint: String,
+        reason: String,
         #[source]
         source: tonic::Status,
     },
@@ -86,7 +99,7 @@ impl EtcdError {
     pub fn is_unavailable(&self) -> bool {
         matches!(
             self,
-            EtcdError::Unavailable { .. } | EtcdError::Timeout { .. }
+            EtcdError::Unavailable { .. } | EtcdError::Timeout { .. } | EtcdError::Tls { .. }
         )
     }
 
@@ -132,6 +145,7 @@ impl EtcdError {
     /// The connection itself failed (as opposed to etcd answering with an error).
     pub(crate) fn is_transport(&self) -> bool {
         match self {
+            EtcdError::Tls { .. } => true,
             EtcdError::Unavailable { source, .. } => {
                 transport_cause(source).is_some()
                     || !UNAVAILABLE_MESSAGES
@@ -145,6 +159,10 @@ impl EtcdError {
     /// The request certainly was not applied, so a write may be sent to another member: the
     /// connection could not be made, or the member refused before proposing (no leader).
     pub(crate) fn certainly_not_applied(&self) -> bool {
+        // A refused handshake, or a connection etcd closed for its certificate: nothing read.
+        if matches!(self, EtcdError::Tls { .. }) {
+            return true;
+        }
         let EtcdError::Unavailable { source, .. } = self else {
             return false;
         };

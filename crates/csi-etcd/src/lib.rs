@@ -5,7 +5,7 @@
 //! Owns: the wire calls below, the choice of member (failover between endpoints), the bound on
 //! every call, and the mapping of gRPC and etcd errors to [`EtcdError`]. Must not: know what the
 //! keys mean (claims, sessions and fencing live in the engine), retry on its own beyond trying the
-//! next endpoint, or log a key's value or a password (values name volumes).
+//! next endpoint, or log a key's value, a password or TLS key material (values name volumes).
 //!
 //! # RPCs and fields used (checked against etcd 3.4.23)
 //!
@@ -33,6 +33,28 @@
 //!
 //! `ResponseHeader` fields read: `cluster_id`, `member_id`, `revision`, `raft_term`; `KeyValue`:
 //! all six (`key`, `create_revision`, `mod_revision`, `version`, `value`, `lease`).
+//!
+//! # TLS
+//!
+//! `https://` endpoints need [`ConnectOptions::tls`] ([`TlsOptions`]: the CA PEM, trusted alone,
+//! and optionally a client certificate and key for etcd's `--client-cert-auth`); `http://` ones
+//! refuse it, so every endpoint of a client is one or the other. tonic's rustls (`tls-ring`)
+//! carries the calls; the server certificate must name the URL's host (an IP address in its
+//! IP SANs). The PEM is checked at [`Client::connect`]: unusable files are
+//! [`EtcdError::InvalidEndpoint`], naming the daemon's flag to fix.
+//!
+//! | TLS failure | returned as |
+//! |---|---|
+//! | `https://` without `tls`, `tls` with `http://`, CA or identity PEM unusable | [`EtcdError::InvalidEndpoint`] at connect |
+//! | server certificate not signed by the CA, not naming the host, expired | [`EtcdError::Tls`] (the rustls error under tonic's) |
+//! | no client certificate where etcd asks for one, or one etcd does not trust | [`EtcdError::Tls`] (found by a probe: below) |
+//!
+//! With TLS 1.3, etcd judges the client certificate after the client's handshake is done: tonic
+//! then reports only "connection closed". On such a transport failure of an `https://`
+//! endpoint the client makes one more handshake with the same settings and reads etcd's alert
+//! (the `tls` module), within the call's bound. [`EtcdError::Tls`] counts as unavailable
+//! ([`EtcdError::is_unavailable`]): the call was not applied, and a caller retries as for a
+//! member that is down, while the message says which file to fix.
 //!
 //! A watch ([`Client::watch`]) is opened like a read (failover until one member confirms
 //! it); once open it stays on that member until it ends, and the caller opens another.
@@ -66,6 +88,7 @@ mod error;
     clippy::expect_used
 )]
 mod pb;
+mod tls;
 mod txn;
 mod watch;
 
@@ -75,7 +98,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 use tonic::metadata::MetadataValue;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
 pub use error::EtcdError;
 use pb::etcdserverpb as rpc;
@@ -104,6 +127,38 @@ pub struct ConnectOptions {
     pub connect_timeout: Duration,
     /// User and password when etcd has auth enabled.
     pub user: Option<(String, String)>,
+    /// TLS for `https://` endpoints (required for them, refused with `http://` ones).
+    pub tls: Option<TlsOptions>,
+}
+
+/// TLS to etcd (`https://` endpoints): which CA to trust and, when etcd runs with
+/// `--client-cert-auth`, the client's certificate.
+#[derive(Clone)]
+pub struct TlsOptions {
+    /// PEM of the CA (one or more certificates) that signed etcd's server certificates: the only
+    /// CA trusted (no system roots).
+    pub ca_pem: Vec<u8>,
+    /// The client's certificate chain and private key, both PEM, when etcd asks for one.
+    pub identity: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl TlsOptions {
+    /// Checks the PEM as [`Client::connect`] will (a CA certificate at least; a certificate and
+    /// a private key that fit together), so that a daemon refuses unusable files at start.
+    /// The error names the daemon's flag to fix.
+    pub fn check(&self) -> Result<(), String> {
+        tls::probe_config(self).map(|_| ())
+    }
+}
+
+impl std::fmt::Debug for TlsOptions {
+    // Hand-written: key material must never reach a log.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TlsOptions")
+            .field("ca", &!self.ca_pem.is_empty())
+            .field("identity", &self.identity.is_some())
+            .finish()
+    }
 }
 
 impl std::fmt::Debug for ConnectOptions {
@@ -114,6 +169,7 @@ impl std::fmt::Debug for ConnectOptions {
             .field("request_timeout", &self.request_timeout)
             .field("connect_timeout", &self.connect_timeout)
             .field("user", &self.user.as_ref().map(|(u, _)| (u, "<redacted>")))
+            .field("tls", &self.tls)
             .finish()
     }
 }
@@ -230,6 +286,9 @@ struct Inner {
     /// The endpoint that answered last: calls start there.
     preferred: AtomicUsize,
     opts: ConnectOptions,
+    /// The TLS diagnostic probe ([`ConnectOptions::tls`]) and each endpoint's host and port.
+    probe: Option<tls::Probe>,
+    hosts: Vec<(String, u16)>,
     /// The auth token, when [`ConnectOptions::user`] is set and a call has authenticated.
     token: tokio::sync::Mutex<Option<MetadataValue<tonic::metadata::Ascii>>>,
 }
@@ -251,6 +310,29 @@ impl Client {
         for endpoint in &opts.endpoints {
             parsed.push(endpoint_config(endpoint, &opts)?);
         }
+        let probe = match &opts.tls {
+            None => None,
+            Some(tls) => {
+                Some(
+                    tls::probe_config(tls).map_err(|reason| EtcdError::InvalidEndpoint {
+                        endpoint: opts.endpoints.join(","),
+                        reason: reason.into(),
+                    })?,
+                )
+            }
+        };
+        let hosts = parsed
+            .iter()
+            .map(|e| {
+                let uri = e.uri();
+                let host = uri.host().unwrap_or_default();
+                let host = host
+                    .trim_start_matches('[')
+                    .trim_end_matches(']')
+                    .to_owned();
+                (host, uri.port_u16().unwrap_or(443))
+            })
+            .collect();
         let channels = parsed
             .iter()
             .map(|e| Mutex::new(e.connect_lazy()))
@@ -261,6 +343,8 @@ impl Client {
                 parsed,
                 channels,
                 preferred: AtomicUsize::new(0),
+                probe,
+                hosts,
                 opts,
                 token: tokio::sync::Mutex::new(None),
             }),
@@ -525,6 +609,46 @@ impl Client {
         *self.inner.token.lock().await = None;
     }
 
+    /// Maps a failed call's status; on an `https://` endpoint, a transport failure with a TLS
+    /// cause (found under the status, or by a probe: see the `tls` module) becomes
+    /// [`EtcdError::Tls`] saying what to fix.
+    async fn status_error(
+        &self,
+        op: &'static str,
+        i: usize,
+        status: tonic::Status,
+        probe_time: Duration,
+    ) -> EtcdError {
+        let endpoint = &self.inner.endpoints[i];
+        let err = EtcdError::from_status(op, endpoint, status);
+        let Some(probe) = &self.inner.probe else {
+            return err;
+        };
+        if !err.is_transport() {
+            return err;
+        }
+        let EtcdError::Unavailable { source, .. } = &err else {
+            return err;
+        };
+        let reason = match tls::rustls_cause(probe, source) {
+            Some(reason) => Some(reason),
+            None => {
+                let (host, port) = &self.inner.hosts[i];
+                let bound = probe_time.min(self.inner.opts.connect_timeout);
+                tls::probe(probe, host, *port, bound).await
+            }
+        };
+        match (reason, err) {
+            (Some(reason), EtcdError::Unavailable { source, .. }) => EtcdError::Tls {
+                op,
+                endpoint: endpoint.clone(),
+                reason,
+                source,
+            },
+            (_, err) => err,
+        }
+    }
+
     /// Runs `f` against the endpoints, starting at the preferred one, within `request_timeout`.
     async fn call<T, F, Fut>(&self, op: &'static str, kind: Kind, mut f: F) -> Result<T, EtcdError>
     where
@@ -554,10 +678,15 @@ impl Client {
             let channel = self.channel(i);
             let attempt = async {
                 let token = self.token(channel.clone(), endpoint).await?;
-                f(channel, token)
-                    .await
-                    .map(tonic::Response::into_inner)
-                    .map_err(|status| EtcdError::from_status(op, endpoint, status))
+                match f(channel, token).await {
+                    Ok(response) => Ok(response.into_inner()),
+                    // The TLS probe gets half of the attempt's time left at most: a write that
+                    // certainly was not applied must still end as such, not as a timeout.
+                    Err(status) => {
+                        let left = (now + share).saturating_duration_since(Instant::now());
+                        Err(self.status_error(op, i, status, left / 2).await)
+                    }
+                }
             };
             let outcome = match tokio::time::timeout(share, attempt).await {
                 Ok(Ok(value)) => {
@@ -657,17 +786,68 @@ impl Client {
 
 /// Parses one endpoint and applies the connection options.
 fn endpoint_config(endpoint: &str, opts: &ConnectOptions) -> Result<Endpoint, EtcdError> {
-    if !(endpoint.starts_with("http://") || endpoint.starts_with("https://")) {
+    let https = endpoint.starts_with("https://");
+    if !(endpoint.starts_with("http://") || https) {
         return Err(EtcdError::InvalidEndpoint {
             endpoint: endpoint.to_owned(),
-            source: "the scheme must be http:// or https://".into(),
+            reason: "the scheme must be http:// or https:// (give http://HOST:PORT or https://HOST:PORT)".into(),
         });
     }
+    let invalid = |why: &str| EtcdError::InvalidEndpoint {
+        endpoint: endpoint.to_owned(),
+        reason: why.into(),
+    };
     let parsed =
         Endpoint::from_shared(endpoint.to_owned()).map_err(|e| EtcdError::InvalidEndpoint {
             endpoint: endpoint.to_owned(),
-            source: Box::new(e),
+            reason: format!("not a valid client URL ({e}): give http://HOST:PORT").into(),
         })?;
+    let parsed = match (&opts.tls, https) {
+        (None, false) => parsed,
+        (None, true) => {
+            return Err(invalid(
+                "an https:// endpoint needs TLS settings: give the CA of etcd's server certificates (--cluster-etcd-ca FILE), and a client certificate if etcd asks for one (--cluster-etcd-cert FILE --cluster-etcd-key FILE)",
+            ));
+        }
+        (Some(_), false) => {
+            return Err(invalid(
+                "TLS settings (--cluster-etcd-ca, --cluster-etcd-cert, --cluster-etcd-key) are given but the endpoint is plain http://: give https://HOST:PORT, or drop the TLS settings",
+            ));
+        }
+        (Some(tls), true) => {
+            if tls.ca_pem.is_empty() {
+                return Err(invalid(
+                    "the CA (--cluster-etcd-ca) is empty: give the PEM of the CA that signed etcd's server certificates",
+                ));
+            }
+            // The name checked against the server certificate: the URL's host (an IP address
+            // is checked against the certificate's IP SANs), without IPv6 brackets.
+            let host = parsed
+                .uri()
+                .host()
+                .map(|h| h.trim_start_matches('[').trim_end_matches(']').to_owned())
+                .ok_or_else(|| invalid("the URL has no host"))?;
+            let mut config = ClientTlsConfig::new()
+                .ca_certificate(Certificate::from_pem(&tls.ca_pem))
+                .domain_name(host)
+                .timeout(opts.connect_timeout);
+            if let Some((cert, key)) = &tls.identity {
+                config = config.identity(Identity::from_pem(cert, key));
+            }
+            parsed
+                .tls_config(config)
+                .map_err(|e| EtcdError::InvalidEndpoint {
+                    endpoint: endpoint.to_owned(),
+                    reason: format!(
+                        "the TLS settings (--cluster-etcd-ca, --cluster-etcd-cert, --cluster-etcd-key) are not usable: {e}{}",
+                        std::error::Error::source(&e)
+                            .map(|s| format!(": {s}"))
+                            .unwrap_or_default()
+                    )
+                    .into(),
+                })?
+        }
+    };
     Ok(parsed
         .connect_timeout(opts.connect_timeout)
         .tcp_nodelay(true)
@@ -732,6 +912,7 @@ mod tests {
             request_timeout: Duration::from_secs(1),
             connect_timeout: Duration::from_secs(1),
             user: Some(("root".into(), "hunter2".into())),
+            tls: None,
         };
         for bad in ["127.0.0.1:2379", "http://exa mple:1", "unix:///x"] {
             let err = Client::connect(opts(bad)).await.unwrap_err();

@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use csi_agent_testkit::etcd::{EtcdCluster, EtcdProxy, ProxyMode};
-use csi_etcd::{Client, Compare, CompareOp, ConnectOptions, Txn, TxnOp, TxnResponse};
+use csi_etcd::{Client, Compare, CompareOp, ConnectOptions, TlsOptions, Txn, TxnOp, TxnResponse};
 
 async fn client(endpoints: Vec<String>, request_timeout: Duration) -> Client {
     Client::connect(ConnectOptions {
@@ -14,6 +14,7 @@ async fn client(endpoints: Vec<String>, request_timeout: Duration) -> Client {
         request_timeout,
         connect_timeout: Duration::from_millis(500),
         user: None,
+        tls: None,
     })
     .await
     .unwrap()
@@ -535,6 +536,7 @@ async fn with_auth_enabled_the_right_password_works_and_a_wrong_one_is_an_auth_e
                 request_timeout: Duration::from_secs(2),
                 connect_timeout: Duration::from_millis(500),
                 user: user.map(|(u, p)| (u.to_owned(), p.to_owned())),
+                tls: None,
             })
             .await
             .unwrap()
@@ -620,4 +622,177 @@ fn a_missing_etcd_binary_says_what_to_install() {
         stderr.contains("/nonexistent/etcd") && stderr.contains("apt-get install etcd-server"),
         "names the binary and the package: {stderr}"
     );
+}
+
+/// The error and every source under it, one line each: what an operator's log shows.
+fn chain(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut cause = err.source();
+    while let Some(e) = cause {
+        text.push_str(&format!("\n  caused by: {e}"));
+        cause = e.source();
+    }
+    text
+}
+
+fn tls_options(
+    ca: &std::path::Path,
+    identity: Option<(&std::path::Path, &std::path::Path)>,
+) -> TlsOptions {
+    TlsOptions {
+        ca_pem: std::fs::read(ca).unwrap(),
+        identity: identity.map(|(c, k)| (std::fs::read(c).unwrap(), std::fs::read(k).unwrap())),
+    }
+}
+
+async fn tls_client(
+    endpoints: Vec<String>,
+    tls: Option<TlsOptions>,
+) -> Result<Client, csi_etcd::EtcdError> {
+    Client::connect(ConnectOptions {
+        endpoints,
+        request_timeout: Duration::from_secs(2),
+        connect_timeout: Duration::from_millis(500),
+        user: None,
+        tls,
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_tls_with_a_client_certificate_kv_and_txn_work() {
+    let etcd = EtcdCluster::start_tls();
+    let files = etcd.tls().unwrap().clone();
+    let urls = etcd.client_urls();
+    assert!(urls[0].starts_with("https://127.0.0.1:"), "{urls:?}");
+    let client = tls_client(
+        urls.clone(),
+        Some(tls_options(
+            &files.ca,
+            Some((&files.client_cert, &files.client_key)),
+        )),
+    )
+    .await
+    .unwrap();
+    client.put(b"/tls/a", b"1", None).await.unwrap();
+    let read = client.get(b"/tls/a").await.unwrap();
+    assert_eq!(read.kvs.len(), 1);
+    assert_eq!(read.kvs[0].value, b"1");
+    let created = client.txn(create_only(b"/tls/b", b"2")).await.unwrap();
+    assert!(created.succeeded);
+    let again = client.txn(create_only(b"/tls/b", b"3")).await.unwrap();
+    assert!(!again.succeeded);
+    let status = client.status(&urls[0]).await.unwrap();
+    assert!(status.version.starts_with("3."), "{status:?}");
+    let lease = client.lease_grant(5).await.unwrap();
+    assert!(client.lease_keep_alive(lease.id).await.unwrap() > 0);
+    // A localhost name is checked against the certificate's DNS SAN.
+    let port = urls[0].rsplit(':').next().unwrap();
+    let by_name = tls_client(
+        vec![format!("https://localhost:{port}")],
+        Some(tls_options(
+            &files.ca,
+            Some((&files.client_cert, &files.client_key)),
+        )),
+    )
+    .await
+    .unwrap();
+    assert_eq!(by_name.get(b"/tls/a").await.unwrap().kvs.len(), 1);
+    // Debug shows whether a CA and identity are set, never the PEM.
+    let debug = format!(
+        "{:?}",
+        tls_options(&files.ca, Some((&files.client_cert, &files.client_key)))
+    );
+    assert!(!debug.contains("BEGIN"), "{debug}");
+    assert!(debug.contains("identity: true"), "{debug}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_tls_a_missing_client_certificate_or_a_wrong_ca_is_refused_in_time_naming_tls() {
+    let etcd = EtcdCluster::start_tls();
+    let files = etcd.tls().unwrap().clone();
+    let urls = etcd.client_urls();
+    let (other_ca, _) = csi_agent_testkit::etcd::generate_ca(&etcd.dir().join("other"), "other-ca");
+    for (what, tls, words) in [
+        (
+            "no client certificate",
+            tls_options(&files.ca, None),
+            &["certificate", "--cluster-etcd-cert"][..],
+        ),
+        (
+            "a wrong CA",
+            tls_options(&other_ca, Some((&files.client_cert, &files.client_key))),
+            &["certificate", "UnknownIssuer", "--cluster-etcd-ca"][..],
+        ),
+    ] {
+        let client = tls_client(urls.clone(), Some(tls)).await.unwrap();
+        for round in 0..2 {
+            let started = Instant::now();
+            let err = client.get(b"/tls/a").await.unwrap_err();
+            let took = started.elapsed();
+            let text = chain(&err);
+            eprintln!("{what} (round {round}): {err:?}\n{text}");
+            assert!(
+                took < Duration::from_secs(3),
+                "{what}: took {took:?}: {text}"
+            );
+            for word in words {
+                assert!(text.contains(word), "{what}: {word:?} not in: {text}");
+            }
+            let err = client.put(b"/tls/a", b"x", None).await.unwrap_err();
+            assert!(
+                chain(&err).contains("certificate"),
+                "{what}: {}",
+                chain(&err)
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn connect_refuses_https_without_tls_options_and_tls_options_with_http() {
+    let dir = std::env::temp_dir().join(format!("csi-etcd-tls-{}", std::process::id()));
+    let files = csi_agent_testkit::etcd::EtcdTls::generate(&dir);
+    let err = tls_client(vec!["https://127.0.0.1:1".into()], None)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, csi_etcd::EtcdError::InvalidEndpoint { .. }),
+        "{err:?}"
+    );
+    let text = err.to_string();
+    assert!(
+        text.contains("https://127.0.0.1:1") && text.contains("--cluster-etcd-ca"),
+        "{text}"
+    );
+
+    let err = tls_client(
+        vec!["http://127.0.0.1:1".into()],
+        Some(tls_options(&files.ca, None)),
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(err, csi_etcd::EtcdError::InvalidEndpoint { .. }),
+        "{err:?}"
+    );
+    let text = err.to_string();
+    assert!(
+        text.contains("http://127.0.0.1:1") && text.contains("https://"),
+        "{text}"
+    );
+
+    // Not PEM at all: refused at connect, naming the TLS settings.
+    let err = tls_client(
+        vec!["https://127.0.0.1:1".into()],
+        Some(TlsOptions {
+            ca_pem: b"not a certificate".to_vec(),
+            identity: None,
+        }),
+    )
+    .await;
+    let _ = std::fs::remove_dir_all(&dir);
+    if let Err(err) = err {
+        assert!(err.to_string().contains("--cluster-etcd-ca"), "{err}");
+    }
 }

@@ -1,10 +1,11 @@
 //! [`ClusterStore`] over `csi-etcd`'s client: the one place cluster mode meets etcd's own
 //! types.
 //!
-//! Must not: decide anything, or log values (they name volumes) or the password.
+//! Must not: decide anything, or log values (they name volumes), the password or TLS keys.
 
 use std::time::Duration;
 
+pub use csi_etcd::TlsOptions;
 use csi_etcd::{Client, Compare, CompareOp, ConnectOptions, EtcdError, Txn, TxnOp};
 use futures::future::BoxFuture;
 
@@ -21,18 +22,20 @@ pub struct EtcdStore {
 }
 
 impl EtcdStore {
-    /// A client over `endpoints`; nothing is dialled until the first request, so a daemon
-    /// starts while etcd is down.
+    /// A client over `endpoints` (`https://` ones with `tls`); nothing is dialled until the
+    /// first request, so a daemon starts while etcd is down.
     pub async fn connect(
         endpoints: Vec<String>,
         request_timeout: Duration,
         user: Option<(String, String)>,
+        tls: Option<TlsOptions>,
     ) -> Result<Self, StoreError> {
         let client = Client::connect(ConnectOptions {
             endpoints,
             request_timeout,
             connect_timeout: request_timeout.min(Duration::from_secs(2)),
             user,
+            tls,
         })
         .await
         .map_err(store_error)?;

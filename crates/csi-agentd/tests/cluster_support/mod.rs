@@ -243,6 +243,7 @@ pub async fn etcd_client(urls: Vec<String>) -> csi_etcd::Client {
         request_timeout: Duration::from_secs(2),
         connect_timeout: Duration::from_secs(1),
         user: None,
+        tls: None,
     })
     .await
     .unwrap()
