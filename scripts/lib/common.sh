@@ -126,6 +126,7 @@ SCHEMATHESIS_DEPS=(python3:python3 python3-venv)
 # etcd-server: csi-etcd's tests run real etcd members (csi-agent-testkit's etcd, /usr/bin/etcd,
 # on their own ports, never 2379/2380); on a machine with systemd, installing it also starts
 # Debian's own etcd service on 2379, which the tests leave alone. etcd-client: etcdctl, which
-# the auth test uses to add a user and enable auth.
+# the auth test uses to add a user and enable auth. openssl: the TLS tests' certificates
+# (csi-agent-testkit's etcd, EtcdTls).
 TEST_DEPS=(unshare:util-linux mount:mount umount:mount curl:curl pgrep:procps pkill:procps runc:runc crun:crun docker-registry:docker-registry skopeo:skopeo busybox:busybox-static
-    /usr/sbin/dockerd:docker.io /usr/bin/docker:docker.io /usr/bin/podman:podman etcd:etcd-server etcdctl:etcd-client)
+    /usr/sbin/dockerd:docker.io /usr/bin/docker:docker.io /usr/bin/podman:podman etcd:etcd-server etcdctl:etcd-client openssl:openssl)
